@@ -1,0 +1,92 @@
+"""Test helpers: run a function in a real multi-process world, and check for leftover processes.
+
+Used by distopt's own tests; not part of the public API.
+"""
+from __future__ import annotations
+
+import os
+from typing import Any, Callable, Iterable, List
+
+from .launcher import launch
+
+__all__ = ["run_world", "live_children", "assert_no_children"]
+
+
+def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
+              backend: str = "gloo", **kwargs: Any) -> List[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` spawned ranks with a process group.
+
+    Even ``world_size == 1`` spawns one process with a real process group, so
+    tests cover a world of one through the same code path.
+
+    Args:
+        fn: a module-level (picklable) function.
+        world_size: number of ranks, at least 1.
+        *args: positional arguments for ``fn``.
+        timeout: seconds before every worker is killed and the call fails.
+        backend: process-group backend, gloo by default (runs on any machine).
+        **kwargs: keyword arguments for ``fn`` (``timeout`` and ``backend`` are taken by ``run_world``).
+
+    Returns:
+        ``fn``'s return values, by rank.
+
+    Raises:
+        distopt.launcher.WorkerFailedError: a rank raised (its traceback is in the message),
+            exited non-zero or was killed.
+        distopt.launcher.LaunchTimeoutError: the ranks did not finish within ``timeout``.
+    """
+    return launch(fn, world_size, args=args, kwargs=kwargs, backend=backend,
+                  master_addr="127.0.0.1", master_port=0, timeout=timeout)
+
+
+def _is_resource_tracker(cmdline: List[str]) -> bool:
+    # multiprocessing starts one per spawning process and stops it at exit; it is not a worker.
+    return any("multiprocessing.resource_tracker" in part or "multiprocessing.forkserver" in part
+               for part in cmdline)
+
+
+def live_children(ignore: Iterable[int] = ()) -> List[Any]:
+    """Child processes of this process still alive (zombies included), minus multiprocessing's helper.
+
+    Args:
+        ignore: pids to leave out (children that existed before the code under test ran).
+
+    Returns:
+        ``psutil.Process`` objects.
+    """
+    import psutil  # a test dependency only
+
+    skip = set(ignore)
+    found = []
+    for child in psutil.Process(os.getpid()).children(recursive=True):
+        if child.pid in skip:
+            continue
+        try:
+            if not _is_resource_tracker(child.cmdline()):
+                found.append(child)
+        except (psutil.NoSuchProcess, psutil.ZombieProcess):
+            if child.is_running():  # a zombie: it exited but was never reaped
+                found.append(child)
+        except psutil.AccessDenied:
+            found.append(child)
+    return found
+
+
+def assert_no_children(ignore: Iterable[int] = ()) -> None:
+    """Fail if any child process (a worker, a zombie, a grandchild) is left.
+
+    Args:
+        ignore: pids to leave out (children that existed before the code under test ran).
+
+    Raises:
+        AssertionError: naming the leftover processes.
+    """
+    left = live_children(ignore)
+    if left:
+        described = []
+        for proc in left:
+            try:
+                described.append(f"pid {proc.pid} ({proc.status()}): {' '.join(proc.cmdline())[:200]}")
+            except Exception:  # it may vanish while we look
+                described.append(f"pid {proc.pid}")
+        raise AssertionError("processes left behind:\n" + "\n".join(described))
