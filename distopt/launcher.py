@@ -314,6 +314,10 @@ def _worker_main(spec: _WorkerSpec, job: bytes, conn: Connection) -> None:
             fn = fn.__wrapped__
         if _uses_cuda(spec.backend):
             torch.cuda.set_device(spec.local_rank)
+        # Like torchrun, share the cores between the local workers: N workers each running as
+        # many intra-op threads as there are cores oversubscribe the CPU and slow every op.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(max(1, cores // spec.local_world_size))
         # The parent owns the rendezvous store, so port 0 never races for a port.
         store = dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, False, _STORE_TIMEOUT)
         dist.init_process_group(spec.backend, store=store, rank=spec.rank, world_size=spec.world_size)

@@ -155,8 +155,12 @@ class DistributedOptimizer(Optimizer):
                 f"root_rank must be a rank of the process group (0..{self.world_size - 1}), got {root_rank!r}"
             )
         self.root_rank = root_rank
-        # NCCL averages natively; gloo sums, and the division is one in-place op per pack.
-        self._native_avg = self.world_size > 1 and dist.get_backend(self.process_group) == "nccl"
+        # NCCL averages natively. Otherwise the mean's 1/world is applied while each gradient is
+        # copied into its pack (no extra pass), and always before a 16-bit cast, which could overflow.
+        native_avg = self.world_size > 1 and dist.get_backend(self.process_group) == "nccl"
+        mean = reduce_op == "mean"
+        self._scale: Optional[float] = 1.0 / self.world_size if mean and (self.compression or not native_avg) else None
+        self._op = dist.ReduceOp.AVG if mean and self._scale is None else dist.ReduceOp.SUM
         self.stats = StepStats()
         self._steps = 0
         self._names_by_id = _names_by_id(named_parameters, optimizer)
@@ -455,7 +459,10 @@ class DistributedOptimizer(Optimizer):
         """Make ``.grad`` of parameter ``index`` the buffer view ``view``; False if it has none."""
         param = self._params[index]
         grad = param.grad
-        if grad is view:
+        scale = self._scale
+        if grad is view:  # accumulated in place
+            if scale is not None:
+                view.mul_(scale)
             return True
         if grad is None:
             return False
@@ -466,7 +473,10 @@ class DistributedOptimizer(Optimizer):
                     "use dense gradients (e.g. nn.Embedding(..., sparse=False)) or pass sparse_as_dense=True"
                 )
             grad = grad.to_dense()
-        view.copy_(grad)
+        if scale is None:
+            view.copy_(grad)
+        else:
+            torch.mul(grad, scale, out=view)
         param.grad = view
         return True
 
@@ -475,16 +485,11 @@ class DistributedOptimizer(Optimizer):
         for j in pack.absent:
             pack.flags[j] = 0
         buffer = pack.buffer
-        op = dist.ReduceOp.SUM
         if pack.wire is not None:
-            if self.reduce_op == "mean":
-                buffer.div_(self.world_size)  # before the cast, so 16 bits cannot overflow
             pack.wire.copy_(buffer)
             buffer = pack.wire
-        elif self.reduce_op == "mean" and self._native_avg:
-            op = dist.ReduceOp.AVG
         with torch.profiler.record_function("distopt.all_reduce"):
-            work = dist.all_reduce(buffer, op=op, group=self.process_group, async_op=True)
+            work = dist.all_reduce(buffer, op=self._op, group=self.process_group, async_op=True)
         self._inflight.append((work, pack))
         self.stats.packs += 1
         self.stats.bytes += buffer.numel() * buffer.element_size()
@@ -516,8 +521,6 @@ class DistributedOptimizer(Optimizer):
         for _, pack in self._inflight:
             if pack.wire is not None:
                 pack.buffer.copy_(pack.wire)
-            elif self.reduce_op == "mean" and not self._native_avg:
-                pack.buffer.div_(self.world_size)
             if pack.absent:
                 present = pack.flags.tolist()
                 for j in pack.absent:
