@@ -27,6 +27,9 @@ DEFAULT_PACK_THRESHOLD = 10 * 2**20
 _REDUCE_OPS = ("mean", "sum")
 _COMPRESSIONS = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 _OWNER_ATTR = "_distopt_owner"
+# Mean member size (elements) under which a pack is gathered with one cat: below it the
+# per-tensor dispatch cost dominates; above it one fused copy-and-scale pass per tensor wins.
+_BATCH_GATHER_BELOW = 1 << 16
 
 
 @dataclass
@@ -53,8 +56,11 @@ class _Pack:
 
     spec: PackSpec
     buffer: Tensor  # gradient data, then one presence flag per member
+    data: Tensor  # the gradient part of ``buffer``
     views: List[Tensor]  # per member, shaped like its parameter; these become ``.grad``
     flags: Tensor
+    params: List[Tensor]  # the members' parameters
+    batched: bool  # small members: gather with one cat instead of one copy each
     wire: Optional[Tensor]  # 16-bit copy sent instead of ``buffer`` when compressing
     absent: List[int]  # members that had no local gradient this round
 
@@ -316,12 +322,7 @@ class DistributedOptimizer(Optimizer):
         Unlike Horovod, no optimizer step is taken to create the state first, so
         parameters and moments are exactly the root's.
         """
-        if self.world_size == 1:
-            return
-        payload = [self.optimizer.state_dict() if self.rank == self.root_rank else None]
-        collectives.broadcast_object_list(payload, src=self.root_rank, group=self.process_group)
-        if self.rank != self.root_rank:
-            self.optimizer.load_state_dict(payload[0])
+        collectives.broadcast_optimizer_state(self.optimizer, src=self.root_rank, group=self.process_group)
 
     def close(self) -> None:
         """Remove the gradient hooks and release the parameters for another wrapper."""
@@ -384,7 +385,9 @@ class DistributedOptimizer(Optimizer):
             wire = None
             if wire_dtype is not None and dtype in (torch.float32, torch.float64):
                 wire = torch.empty(buffer.numel(), dtype=wire_dtype, device=device)
-            packs.append(_Pack(spec, buffer, views, buffer[spec.numel :], wire, []))
+            params = [self._params[i] for i in spec.members]
+            batched = spec.numel < _BATCH_GATHER_BELOW * len(spec.members)
+            packs.append(_Pack(spec, buffer, buffer[: spec.numel], views, buffer[spec.numel :], params, batched, wire, []))
             for j, i in enumerate(spec.members):
                 slots[i] = (k, j)
         # On a re-plan, averaged gradients move from the old buffers to the new ones.
@@ -412,7 +415,7 @@ class DistributedOptimizer(Optimizer):
         for pack in self._packs:
             pack.absent.clear()
 
-    def _on_grad_ready(self, index: int, param: Tensor) -> None:
+    def _on_grad_ready(self, index: int) -> None:
         with self._lock:
             if not self._pass_open:
                 self._open_pass()
@@ -426,9 +429,7 @@ class DistributedOptimizer(Optimizer):
             self._fired[index] = 1
             if not self._planned:
                 self._arrivals.append(index)
-            k, j = self._slots[index]
-            self._adopt_grad(index, self._packs[k].views[j])
-            for ready in self._launch_order.ready(k):
+            for ready in self._launch_order.ready(self._slots[index][0]):
                 self._launch(self._packs[ready])
 
     def _open_pass(self) -> None:
@@ -480,7 +481,26 @@ class DistributedOptimizer(Optimizer):
         param.grad = view
         return True
 
+    def _gather(self, pack: _Pack) -> None:
+        """Move the members' gradients into the pack's buffer, scaled; zeros where a member has none."""
+        grads = [p.grad for p in pack.params]
+        if pack.batched and all(
+            g is not None and g is not v and not g.is_sparse for g, v in zip(grads, pack.views)
+        ):
+            # Many small gradients: one cat and one scale beat a copy per tensor.
+            torch.cat([g.reshape(-1) for g in grads], out=pack.data)
+            if self._scale is not None:
+                pack.data.mul_(self._scale)
+            for p, view in zip(pack.params, pack.views):
+                p.grad = view
+            return
+        for j, index in enumerate(pack.spec.members):
+            if not self._adopt_grad(index, pack.views[j]):
+                pack.views[j].zero_()
+                pack.absent.append(j)
+
     def _launch(self, pack: _Pack) -> None:
+        self._gather(pack)
         pack.flags.fill_(1)
         for j in pack.absent:
             pack.flags[j] = 0
@@ -498,12 +518,7 @@ class DistributedOptimizer(Optimizer):
         """Launch every pack not launched yet, sending zeros for members without a gradient."""
         launched_before = self._launch_order.launched
         for k in self._launch_order.flush():
-            pack = self._packs[k]
-            for j, index in enumerate(pack.spec.members):
-                if not self._fired[index] and not self._adopt_grad(index, pack.views[j]):
-                    pack.views[j].zero_()
-                    pack.absent.append(j)
-            self._launch(pack)
+            self._launch(self._packs[k])
         self.stats.packs_at_flush = self._launch_order.launched - launched_before
 
     def _wait(self) -> None:
@@ -576,7 +591,7 @@ def _make_hook(ref: "weakref.ReferenceType[DistributedOptimizer]", index: int) -
     def hook(param: Tensor) -> None:
         opt = ref()
         if opt is not None:
-            opt._on_grad_ready(index, param)
+            opt._on_grad_ready(index)
 
     return hook
 

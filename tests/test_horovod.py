@@ -1,0 +1,835 @@
+"""``distopt.horovod``: Horovod's PyTorch API, checked the way Horovod's own tests and examples use it.
+
+Multi-process checks are module-level ``_check_*`` functions that assert on
+every rank; each test runs a group of them in one 2-rank gloo world (starting a
+world costs seconds). Horovod scripts run under ``torchrun`` in a subprocess.
+"""
+from __future__ import annotations
+
+import ast
+import copy
+import hashlib
+import inspect
+import math
+import os
+import re
+import signal
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Sequence
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import Tensor, nn
+
+import distopt.horovod as hvd
+from distopt._testing import run_world
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = ROOT / "tests" / "_scripts"
+EXAMPLE = ROOT / "examples" / "horovod_migration.py"
+HOROVOD_SCRIPTS = [EXAMPLE, SCRIPTS / "hvd_synthetic_benchmark.py", SCRIPTS / "hvd_accumulate.py"]
+WORLD_TIMEOUT = 120
+TORCHRUN_TIMEOUT = 150
+
+
+# ====================================================================== helpers run on every rank
+
+
+def _run_checks(checks: Sequence[Callable[[], None]]) -> None:
+    hvd.init()
+    for check in checks:
+        check()
+    hvd.shutdown()
+
+
+def _same_on_all_ranks(value: Any) -> bool:
+    return all(v == value for v in hvd.allgather_object(value))
+
+
+def _digest(obj: Any) -> str:
+    """A digest of a (nested) state: tensor values exactly, everything else by repr.
+
+    Values are compared as float64 (exact for every smaller float type) because
+    ``load_state_dict`` casts some scalar state (ASGD's ``eta``) to the parameters' dtype.
+    """
+    h = hashlib.sha256()
+
+    def walk(x: Any) -> None:
+        if isinstance(x, Tensor):
+            h.update(str(tuple(x.shape)).encode())
+            h.update(x.detach().cpu().double().contiguous().reshape(-1).numpy().tobytes())
+        elif isinstance(x, dict):
+            for k in sorted(x, key=str):
+                h.update(repr(k).encode())
+                walk(x[k])
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+        else:
+            h.update(repr(x).encode())
+
+    walk(obj)
+    return h.hexdigest()
+
+
+def _params_digest(model: nn.Module) -> str:
+    return _digest([p for p in model.parameters()])
+
+
+def _mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+
+
+def _batch(rank: int, step: int = 0, n: int = 6) -> tuple:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return (torch.randn(n, 4, generator=g, dtype=torch.float64),
+            torch.randn(n, 2, generator=g, dtype=torch.float64))
+
+
+def _loss(model: nn.Module, batch: tuple) -> Tensor:
+    x, y = batch
+    return F.mse_loss(model(x), y)
+
+
+def _grads(model: nn.Module, batches: Sequence[tuple], scale: float = 1.0) -> List[Tensor]:
+    """Local gradients of ``scale * sum of losses`` on a copy of ``model``."""
+    clone = copy.deepcopy(model)
+    for batch in batches:
+        (_loss(clone, batch) * scale).backward()
+    return [p.grad.clone() for p in clone.parameters()]
+
+
+def _close(a: Sequence[Tensor], b: Sequence[Tensor], tol: float = 1e-12) -> bool:
+    return all(torch.allclose(x, y, atol=tol, rtol=tol) for x, y in zip(a, b))
+
+
+# ====================================================================== collectives
+
+
+def _check_topology() -> None:
+    assert hvd.is_initialized()
+    assert (hvd.size(), hvd.local_size(), hvd.cross_size(), hvd.cross_rank()) == (2, 2, 1, 0)
+    assert hvd.local_rank() == hvd.rank()
+    assert hvd.allgather_object(hvd.rank()) == [0, 1]
+    assert hvd.gloo_enabled() and not hvd.mpi_enabled()
+
+
+def _check_allreduce_ops() -> None:
+    r = hvd.rank()
+    t = torch.arange(6, dtype=torch.float32).view(2, 3) + 10 * r
+    assert torch.equal(hvd.allreduce(t), torch.arange(6.0).view(2, 3) + 5)
+    assert torch.equal(hvd.allreduce(t, op=hvd.Sum), 2 * torch.arange(6.0).view(2, 3) + 10)
+    assert torch.equal(hvd.allreduce(t, op=hvd.Min), torch.arange(6.0).view(2, 3))
+    assert torch.equal(hvd.allreduce(t, op=hvd.Max), torch.arange(6.0).view(2, 3) + 10)
+    assert torch.equal(hvd.allreduce(torch.tensor([2.0 + r]), op=hvd.Product), torch.tensor([6.0]))
+    assert torch.equal(t, torch.arange(6, dtype=torch.float32).view(2, 3) + 10 * r)  # input untouched
+    # Integers average as Horovod's do (truncated), and keep their dtype.
+    ints = hvd.allreduce(torch.tensor([3 + r, 10], dtype=torch.int64))
+    assert ints.dtype == torch.int64 and ints.tolist() == [3, 10]
+    # prescale before the sum, postscale after; Average divides by size on top.
+    scaled = hvd.allreduce(torch.ones(2), op=hvd.Sum, prescale_factor=3.0, postscale_factor=0.5)
+    assert scaled.tolist() == [3.0, 3.0]
+    with pytest.warns(DeprecationWarning, match="replaced with `op`"):
+        assert hvd.allreduce(torch.ones(1), average=False).item() == 2.0
+    with pytest.raises(ValueError, match="supersedes average"):
+        hvd.allreduce(torch.ones(1), average=True, op=hvd.Sum)
+
+
+def _check_allreduce_in_place_and_async() -> None:
+    r = hvd.rank()
+    t = torch.full((3,), float(r))
+    assert hvd.allreduce_(t, op=hvd.Sum) is t and t.tolist() == [1.0, 1.0, 1.0]
+    # A non-contiguous tensor is reduced through a copy and written back.
+    grid = torch.arange(12.0).view(3, 4) * (r + 1)
+    column = grid[:, 1]
+    hvd.allreduce_(column, op=hvd.Sum)
+    assert column.tolist() == [3.0, 15.0, 27.0] and grid[:, 0].tolist() == [0.0, 4.0 * (r + 1), 8.0 * (r + 1)]
+    src = torch.full((4,), 2.0 * r)
+    handle = hvd.allreduce_async(src)
+    out = hvd.synchronize(handle)
+    assert hvd.poll(handle) and out.tolist() == [1.0] * 4 and src.tolist() == [2.0 * r] * 4
+    assert hvd.synchronize(handle) is out  # a handle can be synchronized again
+    in_place = torch.full((2,), float(r))
+    assert hvd.synchronize(hvd.allreduce_async_(in_place, op=hvd.Max)) is in_place and in_place.tolist() == [1.0, 1.0]
+    tensors = [torch.full((2,), float(r)), torch.full((3,), 2.0 * r)]
+    assert [x.tolist() for x in hvd.grouped_allreduce(tensors, op=hvd.Sum)] == [[1.0] * 2, [2.0] * 3]
+    assert hvd.grouped_allreduce_(tensors) is not None and tensors[1].tolist() == [1.0] * 3
+    with pytest.raises(TypeError, match="optimizer.synchronize"):
+        hvd.synchronize(7)
+
+
+def _check_fp16_compression_does_not_overflow() -> None:
+    # 2 x 40000 overflows float16 (max 65504); dividing before the cast keeps the mean exact.
+    big = torch.full((5,), 40000.0 + hvd.rank())
+    mean = hvd.allreduce(big, compression=hvd.Compression.fp16)
+    assert mean.dtype == torch.float32 and torch.isfinite(mean).all()
+    assert torch.allclose(mean, torch.full((5,), 40000.5), rtol=1e-3)
+    small = torch.linspace(-1, 1, 101, dtype=torch.float64) * (hvd.rank() + 1)
+    for compression, tol in ((hvd.Compression.fp16, 5e-3), (hvd.Compression.bf16, 3e-2)):
+        out = hvd.allreduce(small, compression=compression, op=hvd.Sum)
+        assert out.dtype == torch.float64 and torch.allclose(out, 3 * torch.linspace(-1, 1, 101).double(), atol=tol)
+
+
+def _check_allgather_and_broadcast() -> None:
+    r = hvd.rank()
+    gathered = hvd.allgather(torch.full((r + 1, 2), float(r)))
+    assert gathered.tolist() == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
+    assert hvd.synchronize(hvd.allgather_async(torch.tensor([r]))).tolist() == [0, 1]
+    with pytest.raises(ValueError, match="Mismatched allgather tensor shapes"):
+        hvd.allgather(torch.zeros(1, 2 + r))
+    original = torch.full((3,), float(r))
+    copied = hvd.broadcast(original, root_rank=1)
+    assert copied.tolist() == [1.0] * 3 and original.tolist() == [float(r)] * 3
+    assert hvd.broadcast_(original, 1) is original and original.tolist() == [1.0] * 3
+    leaf = torch.full((2,), float(r), requires_grad=True)  # like a parameter
+    hvd.broadcast_(leaf, 0)
+    assert leaf.tolist() == [0.0, 0.0]
+    assert hvd.synchronize(hvd.broadcast_async(torch.tensor([r]), 1)).tolist() == [1]
+    with pytest.raises(ValueError, match=r"root_rank must be a rank of the job \(0..1\), got 2"):
+        hvd.broadcast(torch.zeros(1), 2)
+    assert hvd.broadcast_object({"from": r}, root_rank=1) == {"from": 1}
+    assert hvd.allgather_object(("rank", r)) == [("rank", 0), ("rank", 1)]
+    hvd.barrier()
+    assert hvd.join() in (0, 1)
+
+
+def _check_collective_gradients() -> None:
+    r = hvd.rank()
+    x = torch.ones(3, requires_grad=True)
+    hvd.allreduce(x * (r + 1), op=hvd.Sum).sum().backward()
+    assert x.grad.tolist() == [2.0 * (r + 1)] * 3  # d/dx of the summed losses of both ranks
+    x = torch.ones(r + 1, 2, requires_grad=True)
+    (hvd.allgather(x) * torch.arange(3.0).view(3, 1)).sum().backward()
+    assert x.grad.tolist() == ([[0.0, 0.0]] if r == 0 else [[2.0, 2.0], [4.0, 4.0]])
+    x = torch.ones(2, requires_grad=True)
+    hvd.broadcast(x, root_rank=0).sum().backward()
+    assert x.grad.tolist() == ([2.0, 2.0] if r == 0 else [0.0, 0.0])
+
+
+def _check_broadcast_parameters_forms() -> None:
+    r = hvd.rank()
+    for form in ("state_dict", "named_parameters", "parameters"):
+        model = nn.Sequential(nn.Linear(3, 3), nn.BatchNorm1d(3))
+        with torch.no_grad():
+            for t in model.state_dict().values():
+                t.fill_(r + 1)
+        params = {"state_dict": model.state_dict, "named_parameters": model.named_parameters,
+                  "parameters": model.parameters}[form]()  # generators included
+        hvd.broadcast_parameters(params, root_rank=1)
+        assert all(bool((p == 2).all()) for p in model.parameters()), form
+        buffers_from_root = form == "state_dict"
+        assert bool((model[1].running_mean == (2 if buffers_from_root else r + 1)).all()), form
+    with pytest.raises(ValueError, match="invalid params of type: int"):
+        hvd.broadcast_parameters(3, root_rank=0)
+
+
+@pytest.mark.timeout(WORLD_TIMEOUT + 30)
+def test_collectives_follow_horovod_semantics(no_leftover_processes):
+    run_world(_run_checks, 2, [
+        _check_topology,
+        _check_allreduce_ops,
+        _check_allreduce_in_place_and_async,
+        _check_fp16_compression_does_not_overflow,
+        _check_allgather_and_broadcast,
+        _check_collective_gradients,
+        _check_broadcast_parameters_forms,
+    ], timeout=WORLD_TIMEOUT)
+
+
+# ====================================================================== broadcast_optimizer_state
+
+
+def _optimizer_classes() -> List[type]:
+    # SparseAdam needs sparse gradients; every other torch.optim optimizer is covered.
+    return [cls for name, cls in sorted(vars(torch.optim).items())
+            if inspect.isclass(cls) and issubclass(cls, torch.optim.Optimizer)
+            and cls not in (torch.optim.Optimizer, torch.optim.SparseAdam)]
+
+
+def _local_steps(model: nn.Module, opt: torch.optim.Optimizer, steps: int, data_rank: int = -1) -> None:
+    """Plain optimizer steps on rank ``data_rank``'s data (default: this rank's own)."""
+    for step in range(steps):
+        batch = _batch(hvd.rank() if data_rank < 0 else data_rank, step)
+
+        def closure() -> Tensor:
+            opt.zero_grad()
+            loss = _loss(model, batch)
+            loss.backward()
+            return loss
+
+        opt.step(closure)
+
+
+def _check_broadcast_state_of_every_optimizer() -> None:
+    r = hvd.rank()
+    for cls in _optimizer_classes():
+        model = _mlp()
+        # Muon updates matrices only; the biases stay where they are.
+        params = [p for p in model.parameters() if cls is not torch.optim.Muon or p.dim() == 2]
+        opt = cls(params, lr=0.01 * (r + 1))
+        _local_steps(model, opt, steps=r + 2)  # a different number of steps, so different state
+        hvd.broadcast_parameters(model.state_dict(), root_rank=1)
+        own_state, params = _digest(opt.state_dict()), _params_digest(model)
+
+        hvd.broadcast_optimizer_state(opt, root_rank=1)
+
+        assert _params_digest(model) == params, f"{cls.__name__}: parameters moved"
+        if r == 1:
+            assert _digest(opt.state_dict()) == own_state, f"{cls.__name__}: the root's state changed"
+        assert _same_on_all_ranks(_digest(opt.state_dict())), f"{cls.__name__}: states differ"
+        assert opt.param_groups[0]["lr"] == 0.02, cls.__name__
+        # With the same state and the same data, the next steps stay identical on every rank.
+        _local_steps(model, opt, steps=2, data_rank=0)
+        assert _same_on_all_ranks(_params_digest(model)), f"{cls.__name__}: ranks diverged after the broadcast"
+
+
+def _check_broadcast_state_does_not_step() -> None:
+    # Horovod creates missing state with a zero-gradient step, which moves Adam's parameters
+    # (weight decay) and moments; here a fresh optimizer stays fresh and nothing moves.
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+    if hvd.rank() == 1:
+        _local_steps(model, opt, steps=1)  # only the non-root has state
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    params = _params_digest(model)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    assert _params_digest(model) == params
+    assert opt.state_dict()["state"] == {}
+
+
+def _check_resume_on_root_then_broadcast() -> None:
+    # Horovod's checkpoint pattern: only rank 0 loads, then parameters and state are broadcast.
+    trained = _mlp(seed=3)
+    trained_opt = torch.optim.Adam(trained.parameters(), lr=0.01)
+    _local_steps(trained, trained_opt, steps=3)
+    checkpoint = hvd.broadcast_object({"model": trained.state_dict(), "optimizer": trained_opt.state_dict()}, 0)
+
+    model = _mlp(seed=hvd.rank())
+    opt = hvd.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                                   named_parameters=model.named_parameters())
+    if hvd.rank() == 0:
+        model.load_state_dict(checkpoint["model"])
+        opt.load_state_dict(checkpoint["optimizer"])
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    hvd.broadcast_optimizer_state(opt, root_rank=0)
+    assert _digest(opt.state_dict()) == _digest(checkpoint["optimizer"])
+    for step in range(2):
+        opt.zero_grad()
+        _loss(model, _batch(hvd.rank(), step)).backward()
+        opt.step()
+    assert _same_on_all_ranks(_params_digest(model))
+    opt.close()
+
+
+@pytest.mark.timeout(WORLD_TIMEOUT + 30)
+def test_broadcast_optimizer_state(no_leftover_processes):
+    run_world(_run_checks, 2, [
+        _check_broadcast_state_of_every_optimizer,
+        _check_broadcast_state_does_not_step,
+        _check_resume_on_root_then_broadcast,
+    ], timeout=WORLD_TIMEOUT)
+
+
+# ====================================================================== DistributedOptimizer
+
+
+def _wrap(model: nn.Module, lr: float = 0.1, **kwargs: Any) -> hvd.DistributedOptimizer:
+    return hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=lr),
+                                    named_parameters=model.named_parameters(), **kwargs)
+
+
+def _check_average_sum_and_predivide() -> None:
+    n = hvd.size()
+    everyone = [_batch(r) for r in range(n)]
+    for op, factor, scale in ((hvd.Average, 1.0, 1.0 / n), (hvd.Sum, 1.0, 1.0), (hvd.Average, 4.0, 1.0 / n)):
+        model = _mlp()
+        expected = [sum(g) * scale for g in zip(*[_grads(model, [b]) for b in everyone])]
+        opt = _wrap(model, op=op, gradient_predivide_factor=factor)
+        _loss(model, everyone[hvd.rank()]).backward()
+        assert _close([p.grad for p in model.parameters()], expected), (op, factor)
+        opt.step()
+        assert _same_on_all_ranks(_params_digest(model))
+        opt.close()
+
+
+def _check_ranks_with_different_gradients() -> None:
+    # Each rank uses a different head; a third head is used by no rank. Nothing hangs.
+    class TwoHeads(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.body = nn.Linear(4, 4).double()
+            self.heads = nn.ModuleList([nn.Linear(4, 1).double() for _ in range(3)])
+
+        def forward(self, x: Tensor, head: int) -> Tensor:
+            return self.heads[head](torch.tanh(self.body(x)))
+
+    model = TwoHeads()
+    opt = _wrap(model)
+    unused = [p.clone() for p in model.heads[2].parameters()]
+    for step in range(3):
+        opt.zero_grad()
+        model(_batch(hvd.rank(), step)[0], head=hvd.rank()).pow(2).mean().backward()
+        opt.step()
+        assert all(p.grad is None for p in model.heads[2].parameters())
+    assert _close(list(model.heads[2].parameters()), unused, tol=0)
+    assert _same_on_all_ranks(_params_digest(model))
+    opt.close()
+
+
+def _check_clipping_after_synchronize() -> None:
+    model = _mlp()
+    opt = _wrap(model, lr=0.5)
+    _loss(model, _batch(hvd.rank())).backward()
+    opt.synchronize()
+    prior = torch.cat([p.grad.flatten() for p in model.parameters()])
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)
+    clipped = [p.grad.clone() for p in model.parameters()]
+    assert torch.cat([g.flatten() for g in clipped]).norm() < prior.norm()
+    before = [p.detach().clone() for p in model.parameters()]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with opt.skip_synchronize():
+            opt.step()
+    # The step applied the averaged gradients as clipped.
+    assert _close([p.detach() for p in model.parameters()], [b - 0.5 * g for b, g in zip(before, clipped)])
+    assert _same_on_all_ranks(_params_digest(model))
+    opt.close()
+
+
+def _check_step_after_synchronize_warns() -> None:
+    model = _mlp()
+    opt = _wrap(model)
+    for synchronize_first in (True, False):
+        opt.zero_grad()
+        _loss(model, _batch(hvd.rank())).backward()
+        if synchronize_first:
+            opt.synchronize()
+            for p in model.parameters():
+                p.grad.fill_(hvd.rank() + 1.0)  # differs between ranks: a second reduction would show
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            opt.step()
+        messages = [str(w.message) for w in caught]
+        assert (len(messages) == 1 and "skip_synchronize()" in messages[0]) == synchronize_first, messages
+        if synchronize_first:
+            assert caught[0].filename == __file__  # points at the caller's step()
+            assert all(bool((p.grad == hvd.rank() + 1.0).all()) for p in model.parameters())  # not reduced again
+            hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    assert _same_on_all_ranks(_params_digest(model))
+    opt.close()
+
+
+def _check_backward_passes_per_step() -> None:
+    n, r = hvd.size(), hvd.rank()
+    model = _mlp()
+    opt = _wrap(model, backward_passes_per_step=3)
+    assert opt.backward_passes_per_step == 3
+    for passes in (3, 2):  # 2 < 3: step() reduces what was accumulated
+        opt.zero_grad()
+        expected = [sum(g) / n for g in zip(*[_grads(model, [_batch(q, s) for s in range(passes)], 1 / passes)
+                                             for q in range(n)])]
+        for s in range(passes):
+            (_loss(model, _batch(r, s)) / passes).backward()
+        if passes == 2:
+            opt.synchronize()  # the AMP pattern: force the reduction, then unscale/clip
+        assert _close([p.grad for p in model.parameters()], expected), passes
+        with opt.skip_synchronize():
+            opt.step()
+    opt.set_backward_passes_per_step(2)
+    assert opt.backward_passes_per_step == 2
+    opt.zero_grad()
+    for s in range(2):
+        _loss(model, _batch(r, s)).backward()
+    with pytest.raises(RuntimeError, match="backward_passes_per_step"):
+        _loss(model, _batch(r, 2)).backward()  # a third pass: Horovod's misuse, a RuntimeError here
+    opt.zero_grad(set_to_none=False)
+    assert all(float(p.grad.abs().sum()) == 0 for p in model.parameters())
+    _loss(model, _batch(r)).backward()
+    _loss(model, _batch(r, 1)).backward()
+    opt.step()
+    with pytest.raises(ValueError, match="backward_passes_per_step must be an int >= 1"):
+        opt.set_backward_passes_per_step(0)
+    assert _same_on_all_ranks(_params_digest(model))
+    opt.close()
+
+
+def _check_zero_grad_right_after_backward() -> None:
+    # Horovod raises here ("prohibited as it can cause a race condition"); distopt waits instead.
+    model = _mlp()
+    opt = _wrap(model)
+    _loss(model, _batch(hvd.rank())).backward()
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    _loss(model, _batch(hvd.rank(), 1)).backward()
+    opt.step()
+    assert _same_on_all_ranks(_params_digest(model))
+    opt.close()
+
+
+def _check_mixed_precision_with_grad_scaler() -> None:
+    # Horovod's AMP pattern, on CPU: bfloat16 autocast and torch.amp.GradScaler.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 1))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   named_parameters=model.named_parameters())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    g = torch.Generator().manual_seed(hvd.rank())
+    x = torch.randn(32, 4, generator=g)
+    y = x.sum(dim=1, keepdim=True)
+    losses = []
+    for step in range(30):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = F.mse_loss(model(x).float(), y)
+        # On step 5 one rank overflows: the averaged gradients are inf on every rank, so every
+        # rank's scaler skips the same step and the ranks stay in lockstep.
+        scaled = scaler.scale(loss) * (math.inf if step == 5 and hvd.rank() == 1 else 1.0)
+        scaled.backward()
+        opt.synchronize()
+        scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+        with opt.skip_synchronize():
+            scaler.step(opt)
+        scaler.update()
+        losses.append(loss.item())
+    assert scaler.get_scale() < 2.0**10  # the overflow was seen
+    assert _same_on_all_ranks(_params_digest(model))
+    assert losses[-1] < 0.5 * losses[0], losses
+    opt.close()
+
+
+def _check_sparse_as_dense() -> None:
+    torch.manual_seed(0)
+    embedding = nn.Embedding(10, 3, sparse=True)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(embedding.parameters(), lr=0.1), sparse_as_dense=True)
+    embedding(torch.tensor([hvd.rank(), 5])).sum().backward()
+    expected = torch.zeros(10, 3)
+    expected[[0, 1]] = 0.5  # each row used on one rank of two
+    expected[5] = 1.0  # used on both
+    assert torch.equal(embedding.weight.grad, expected)
+    opt.step()
+    assert _same_on_all_ranks(_params_digest(embedding))
+    opt.close()
+
+
+# ====================================================================== wire compression (in the same world)
+
+
+def _regression(compression: Any, steps: int = 80) -> tuple:
+    """Least squares on this rank's shard, data-parallel; returns (first loss, last loss, weights)."""
+    g = torch.Generator().manual_seed(hvd.rank())
+    true_w = torch.linspace(-2, 2, 16).view(16, 1)
+    x = torch.randn(64, 16, generator=g)
+    y = x @ true_w + 0.01 * torch.randn(64, 1, generator=g)
+    torch.manual_seed(0)
+    model = nn.Linear(16, 1, bias=False)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), compression=compression)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = F.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    opt.close()
+    return losses[0], losses[-1], model.weight.detach().clone().view(-1), true_w.view(-1)
+
+
+def _check_compressed_training_converges() -> None:
+    _, _, reference, true_w = _regression(hvd.Compression.none)
+    for compression in (hvd.Compression.fp16, hvd.Compression.bf16):
+        first, last, weights, _ = _regression(compression)
+        assert last < 1e-3 * first, (compression.__name__, first, last)
+        assert torch.allclose(weights, reference, atol=2e-2), compression.__name__
+        assert torch.allclose(weights, true_w, atol=3e-2), compression.__name__
+
+
+def _check_fp16_gradients_do_not_overflow() -> None:
+    # Gradients of 40000 on each rank sum to 80000 > float16's 65504.
+    model = nn.Linear(8, 1, bias=False)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.0), compression=hvd.Compression.fp16)
+    (model(torch.full((1, 8), 40000.0 + 16 * hvd.rank())).sum()).backward()
+    assert torch.isfinite(model.weight.grad).all()
+    assert torch.allclose(model.weight.grad, torch.full((1, 8), 40008.0), rtol=1e-3)
+    assert opt.compression == "fp16"
+    opt.close()
+
+
+
+@pytest.mark.timeout(WORLD_TIMEOUT + 30)
+def test_distributed_optimizer_semantics_and_wire_compression(no_leftover_processes):
+    run_world(_run_checks, 2, [
+        _check_average_sum_and_predivide,
+        _check_ranks_with_different_gradients,
+        _check_clipping_after_synchronize,
+        _check_step_after_synchronize_warns,
+        _check_backward_passes_per_step,
+        _check_zero_grad_right_after_backward,
+        _check_mixed_precision_with_grad_scaler,
+        _check_sparse_as_dense,
+        _check_compressed_training_converges,
+        _check_fp16_gradients_do_not_overflow,
+    ], timeout=WORLD_TIMEOUT)
+
+
+# ====================================================================== one process, no spawning
+
+
+@pytest.fixture
+def job_of_one(monkeypatch):
+    """``hvd.init()`` in this process, started without torchrun: a job of one process."""
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    hvd.init()
+    yield
+    hvd.shutdown()
+
+
+def test_not_initialized_is_horovods_value_error():
+    hvd.shutdown()
+    assert not hvd.is_initialized()
+    for call in (hvd.size, hvd.rank, hvd.local_rank, hvd.local_size, hvd.cross_rank,
+                 lambda: hvd.allreduce(torch.ones(1)),
+                 lambda: hvd.DistributedOptimizer(torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1))):
+        with pytest.raises(ValueError, match=re.escape("Horovod has not been initialized; use hvd.init().")):
+            call()
+
+
+def test_plain_python_runs_a_job_of_one(job_of_one):
+    assert (hvd.size(), hvd.rank(), hvd.local_size(), hvd.local_rank(), hvd.cross_size()) == (1, 0, 1, 0, 1)
+    t = torch.arange(3.0)
+    assert torch.equal(hvd.allreduce(t), t) and torch.equal(hvd.allgather(t), t) and hvd.allgather(t) is not t
+    assert torch.equal(hvd.broadcast(t, 0), t)
+    assert hvd.broadcast_object("x") == "x" and hvd.allgather_object(1) == [1] and hvd.join() == 0
+    # The optimizer is bitwise the inner optimizer.
+    models = [_mlp(), _mlp()]
+    plain = torch.optim.Adam(models[0].parameters(), lr=0.01)
+    wrapped = hvd.DistributedOptimizer(torch.optim.Adam(models[1].parameters(), lr=0.01),
+                                       named_parameters=models[1].named_parameters())
+    for step in range(3):
+        for model, opt in zip(models, (plain, wrapped)):
+            opt.zero_grad()
+            _loss(model, _batch(0, step)).backward()
+            opt.step()
+    assert _params_digest(models[0]) == _params_digest(models[1])
+    schedule = torch.optim.lr_scheduler.StepLR(wrapped, step_size=1, gamma=0.5)
+    wrapped.step()
+    schedule.step()
+    assert wrapped.param_groups[0]["lr"] == 0.005 and wrapped.optimizer.param_groups[0]["lr"] == 0.005
+    hvd.broadcast_optimizer_state(wrapped, root_rank=0)
+    hvd.broadcast_parameters(models[1].state_dict(), root_rank=0)
+    wrapped.close()
+
+
+def test_named_parameters_errors_use_horovods_wording(job_of_one):
+    model = _mlp()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    named = list(model.named_parameters())
+    cases = [
+        ([named[0], named[1], ("0.weight", named[2][1]), named[3]],
+         "Parameter names in named_parameters must be unique. Found duplicates: 0.weight"),
+        (named[1:], r"named_parameters was specified, but one or more model parameters were not named: "
+                    r"param_groups\[0\]\['params'\]\[0\] \(shape \[8, 4\]\)"),
+        ([p for _, p in named], r"named_parameters should be a sequence of tuples \(name, parameter\)"),
+    ]
+    for named_parameters, message in cases:
+        with pytest.raises(ValueError, match=message):
+            hvd.DistributedOptimizer(sgd, named_parameters=named_parameters)
+    # One tensor under two names (tied weights) is fine, as with Horovod.
+    opt = hvd.DistributedOptimizer(sgd, named_parameters=named + [("tied", named[0][1])])
+    opt.close()
+
+
+def test_misuse_and_unsupported_features_say_what_to_do(job_of_one):
+    sgd = torch.optim.SGD(_mlp().parameters(), lr=0.1)
+    cases = [
+        (lambda: hvd.DistributedOptimizer(sgd, op=hvd.Adasum), NotImplementedError, "op=hvd.Average"),
+        (lambda: hvd.allreduce(torch.ones(1), op=hvd.Adasum), NotImplementedError, "Adasum is not supported"),
+        (lambda: hvd.DistributedOptimizer(sgd, op=hvd.Sum, gradient_predivide_factor=2.0), ValueError,
+         "gradient_predivide_factor not supported with op != Average"),
+        (lambda: hvd.DistributedOptimizer(sgd, op=hvd.Max), ValueError, "hvd.Average or hvd.Sum"),
+        (lambda: hvd.DistributedOptimizer(sgd, compression="zip"), TypeError, "hvd.Compression.fp16"),
+        (lambda: hvd.DistributedOptimizer(sgd, compression=type("Mine", (hvd.Compressor,), {})), TypeError,
+         "Mine is not supported"),
+        (lambda: hvd.DistributedOptimizer(sgd, groups="x"), ValueError, "groups should be a non-negative integer"),
+        (lambda: hvd.DistributedOptimizer(sgd, backward_passes_per_step=0), ValueError, "backward_passes_per_step"),
+        (lambda: hvd.DistributedOptimizer(nn.Linear(1, 1)), TypeError, "torch.optim.Optimizer"),
+        (lambda: hvd.allreduce(torch.ones(1), op="median"), ValueError, "op must be one of"),
+        (lambda: hvd.allreduce(torch.ones(1), process_set=object()), NotImplementedError, "new_group"),
+        (lambda: hvd.ProcessSet([0]), NotImplementedError, "process sets are not supported"),
+        (lambda: hvd.add_process_set([0]), NotImplementedError, "process sets are not supported"),
+        (lambda: hvd.init(comm=[0]), NotImplementedError, "torchrun"),
+        (lambda: hvd.broadcast_optimizer_state(nn.Linear(1, 1), 0), TypeError, "torch.optim.Optimizer"),
+        (lambda: hvd.alltoall, AttributeError, "all_to_all_single"),
+        (lambda: hvd.SyncBatchNorm, AttributeError, "convert_sync_batchnorm"),
+    ]
+    for call, error, message in cases:
+        with pytest.raises(error, match=message):
+            call()
+    assert not hasattr(hvd, "elastic")
+    with pytest.warns(DeprecationWarning, match="num_groups"):
+        hvd.DistributedOptimizer(sgd, num_groups=2, groups=[[]]).close()
+
+
+def test_horovods_names_and_defaults():
+    expected = {
+        "DistributedOptimizer": "(optimizer, named_parameters=None, compression=<NoneCompressor>, "
+                                "backward_passes_per_step=1, op=<Average>, gradient_predivide_factor=1.0, "
+                                "num_groups=0, groups=None, sparse_as_dense=False, process_set=<global>)",
+        "allreduce": "(tensor, average=None, name=None, compression=<NoneCompressor>, op=None, "
+                     "prescale_factor=1.0, postscale_factor=1.0, process_set=<global>)",
+        "allreduce_": "(tensor, average=None, name=None, op=None, prescale_factor=1.0, postscale_factor=1.0, "
+                      "process_set=<global>)",
+        "allreduce_async_": "(tensor, average=None, name=None, op=None, prescale_factor=1.0, "
+                            "postscale_factor=1.0, process_set=<global>)",
+        "allgather": "(tensor, name=None, process_set=<global>)",
+        "broadcast": "(tensor, root_rank, name=None, process_set=<global>)",
+        "broadcast_": "(tensor, root_rank, name=None, process_set=<global>)",
+        "broadcast_parameters": "(params, root_rank)",
+        "broadcast_optimizer_state": "(optimizer, root_rank)",
+        "broadcast_object": "(obj, root_rank=0, name=None, process_set=<global>)",
+        "allgather_object": "(obj, name=None, process_set=<global>)",
+        "init": "(comm=None, process_sets=None)",
+        "join": "(device=-1)",
+        "synchronize": "(handle)",
+        "poll": "(handle)",
+    }
+
+    def show(value: Any) -> str:
+        if value is hvd.global_process_set:
+            return "<global>"
+        if value is hvd.Average:
+            return "<Average>"
+        if inspect.isclass(value):
+            return f"<{value.__name__}>"
+        return repr(value)
+
+    for name, signature in expected.items():
+        params = inspect.signature(getattr(hvd, name)).parameters.values()
+        shown = ", ".join(p.name if p.default is p.empty else f"{p.name}={show(p.default)}" for p in params)
+        assert f"({shown})" == signature, name
+    assert (int(hvd.Average), int(hvd.Sum), int(hvd.Adasum)) == (0, 1, 2)
+    for name in ("init", "shutdown", "is_initialized", "size", "rank", "local_size", "local_rank", "cross_rank",
+                 "cross_size", "skip_synchronize", "set_backward_passes_per_step", "Min", "Max", "allreduce_async",
+                 "allgather_async", "broadcast_async", "broadcast_async_", "barrier"):
+        assert hasattr(hvd, name) or hasattr(hvd.DistributedOptimizer, name), name
+    assert set(hvd.__all__) <= set(dir(hvd))
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.floats(-6e4, 6e4, allow_nan=False, width=32), min_size=1, max_size=64),
+       st.sampled_from([torch.float32, torch.float64]))
+def test_fp16_compression_round_trip(values, dtype):
+    # Horovod's test_compression_fp16: floats travel as float16 and come back in their own dtype.
+    tensor = torch.tensor(values, dtype=dtype)
+    compressed, ctx = hvd.Compression.fp16.compress(tensor)
+    assert compressed.dtype == torch.float16
+    restored = hvd.Compression.fp16.decompress(compressed, ctx)
+    assert restored.dtype == dtype
+    assert torch.allclose(restored, tensor, rtol=2**-10, atol=2**-14)
+
+
+def test_compression_leaves_integers_alone():
+    for compression in (hvd.Compression.fp16, hvd.Compression.bf16, hvd.Compression.none):
+        for dtype in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64):
+            tensor = torch.ones(5, 5, 5, dtype=dtype)
+            compressed, ctx = compression.compress(tensor)
+            assert compressed.dtype == dtype
+            restored = compression.decompress(compressed, ctx)
+            assert restored.dtype == dtype and torch.equal(restored, tensor)
+        ones = torch.ones(5, 5, 5)
+        assert torch.equal(compression.decompress(*compression.compress(ones)), ones)
+
+
+# ====================================================================== Horovod scripts under torchrun
+
+
+def test_scripts_are_horovod_code_but_for_the_import():
+    """Replacing the one ``import distopt.horovod as hvd`` line gives back a Horovod script."""
+    for script in HOROVOD_SCRIPTS:
+        uses = [node for node in ast.walk(ast.parse(script.read_text())) if _mentions_distopt(node)]
+        assert len(uses) == 1, f"{script.name}: {[ast.unparse(u) for u in uses]}"
+        assert ast.unparse(uses[0]) == "import distopt.horovod as hvd", script.name
+
+
+def _mentions_distopt(node: ast.AST) -> bool:
+    if isinstance(node, ast.Import):
+        return any(alias.name.split(".")[0] == "distopt" for alias in node.names)
+    if isinstance(node, ast.ImportFrom):
+        return (node.module or "").split(".")[0] == "distopt"
+    return isinstance(node, ast.Name) and node.id == "distopt"
+
+
+def _torchrun(script: Path, args: Sequence[str], cwd: Path) -> str:
+    """Run ``script`` under torchrun with 2 processes; return its output. Kills the whole tree on timeout."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), *args]
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=TORCHRUN_TIMEOUT)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"{script.name} did not finish in {TORCHRUN_TIMEOUT} s:\n{out}")
+    assert proc.returncode == 0, f"{script.name} exited with {proc.returncode}:\n{out}"
+    return out
+
+
+@pytest.mark.timeout(TORCHRUN_TIMEOUT + 30)
+def test_migration_example_with_mixed_precision_and_fp16_allreduce(tmp_path, no_leftover_processes):
+    out = _torchrun(EXAMPLE, ["--epochs", "2", "--use-mixed-precision", "--fp16-allreduce",
+                              "--gradient-predivide-factor", "2"], tmp_path)
+    accuracies = [float(a) for a in re.findall(r"Test set: Average loss: [\d.]+, Accuracy: ([\d.]+)%", out)]
+    assert len(accuracies) == 2, out
+    assert accuracies[-1] > 60.0, out  # 10 classes: chance is 10%
+    assert "parameters identical on all 2 rank(s)" in out, out
+
+
+@pytest.mark.timeout(TORCHRUN_TIMEOUT + 30)
+def test_synthetic_benchmark_prints_images_per_second(tmp_path, no_leftover_processes):
+    out = _torchrun(SCRIPTS / "hvd_synthetic_benchmark.py",
+                    ["--batch-size", "8", "--num-warmup-batches", "2", "--num-batches-per-iter", "2",
+                     "--num-iters", "3", "--fp16-allreduce"], tmp_path)
+    assert "Number of CPUs: 2" in out, out
+    assert len(re.findall(r"^Iter #\d: [\d.]+ img/sec per CPU$", out, re.MULTILINE)) == 3, out
+    total = re.search(r"^Total img/sec on 2 CPU\(s\): ([\d.]+) \+-[\d.]+$", out, re.MULTILINE)
+    assert total is not None and float(total.group(1)) > 0, out
+
+
+def _write_epoch_one_checkpoint(path: Path) -> Dict[str, Any]:
+    """A checkpoint as hvd_accumulate.py saves it after epoch 1: its model and SGD momentum."""
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+    opt = torch.optim.SGD(model.parameters(), lr=0.025, momentum=0.9, weight_decay=0.00005)
+    F.cross_entropy(model(torch.rand(8, 64)), torch.arange(8)).backward()
+    opt.step()
+    state = {"model": model.state_dict(), "optimizer": opt.state_dict()}
+    torch.save(state, path)
+    return state
+
+
+@pytest.mark.timeout(TORCHRUN_TIMEOUT + 30)
+def test_gradient_accumulation_resuming_from_a_checkpoint(tmp_path, no_leftover_processes):
+    _write_epoch_one_checkpoint(tmp_path / "checkpoint-1.pth.tar")
+    out = _torchrun(SCRIPTS / "hvd_accumulate.py",
+                    ["--batches-per-allreduce", "3", "--epochs", "2",
+                     "--checkpoint-format", str(tmp_path / "checkpoint-{epoch}.pth.tar")], tmp_path)
+    # Rank 0 loaded the checkpoint; parameters and momentum were broadcast to rank 1.
+    assert "resuming from epoch 1" in out and "epoch 1 " not in out, out
+    # 719 samples per rank in batches of 3 x 16: 15 steps, the last one with fewer sub-batches than 3.
+    assert re.search(r"^epoch 2 steps 15 train loss", out, re.MULTILINE), out
+    accuracy = float(re.search(r"^epoch 2 val loss [\d.]+ val accuracy ([\d.]+)$", out, re.MULTILINE).group(1))
+    assert accuracy > 0.3, out  # one epoch from a near-random start; chance is 0.1
+    assert "parameters identical: True" in out, out
+    assert (tmp_path / "checkpoint-2.pth.tar").exists()
