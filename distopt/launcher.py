@@ -193,9 +193,10 @@ def _uses_cuda(backend: str) -> bool:
 
 
 def _default_backend(local_world_size: int) -> str:
-    """NCCL when every local rank can have a GPU of its own, gloo otherwise."""
+    """NCCL for CUDA tensors when every local rank can have a GPU of its own (gloo still
+    serves CPU tensors, e.g. metrics), gloo alone otherwise."""
     if dist.is_nccl_available() and torch.cuda.is_available() and local_world_size <= torch.cuda.device_count():
-        return "nccl"
+        return "cpu:gloo,cuda:nccl"
     return "gloo"
 
 

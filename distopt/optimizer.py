@@ -174,7 +174,7 @@ class DistributedOptimizer(Optimizer):
         self._names: List[str] = []
         self._handles: List[Any] = []
         self._packs: List[_Pack] = []
-        self._slots: List[Tuple[int, int]] = []
+        self._pack_of: List[int] = []  # parameter index -> pack index
         self._launch_order = LaunchOrder([])
         self._planned = False
         self._lock = threading.Lock()
@@ -374,7 +374,7 @@ class DistributedOptimizer(Optimizer):
         metas = _metas(self._params)
         wire_dtype = _COMPRESSIONS[self.compression]
         packs = []
-        slots: List[Tuple[int, int]] = [(0, 0)] * len(self._params)
+        pack_of = [0] * len(self._params)
         for k, spec in enumerate(plan_packs(order, metas, self.pack_threshold)):
             device, dtype = spec.key
             buffer = torch.empty(spec.numel + len(spec.members), dtype=dtype, device=device)
@@ -388,16 +388,16 @@ class DistributedOptimizer(Optimizer):
             params = [self._params[i] for i in spec.members]
             batched = spec.numel < _BATCH_GATHER_BELOW * len(spec.members)
             packs.append(_Pack(spec, buffer, buffer[: spec.numel], views, buffer[spec.numel :], params, batched, wire, []))
-            for j, i in enumerate(spec.members):
-                slots[i] = (k, j)
-        # On a re-plan, averaged gradients move from the old buffers to the new ones.
-        for i, p in enumerate(self._params):
-            if p.grad is not None and self._packs and i < len(self._slots):
-                k, j = slots[i]
-                packs[k].views[j].copy_(p.grad)
-                p.grad = packs[k].views[j]
+            for i in spec.members:
+                pack_of[i] = k
+        if self._packs:  # a re-plan: gradients move from the old buffers to the new ones
+            for pack in packs:
+                for p, view in zip(pack.params, pack.views):
+                    if p.grad is not None:
+                        view.copy_(p.grad)
+                        p.grad = view
         self._packs = packs
-        self._slots = slots
+        self._pack_of = pack_of
         self._launch_order = LaunchOrder([len(pk.spec.members) for pk in packs])
 
     # ------------------------------------------------------------------ the hot path
@@ -429,7 +429,7 @@ class DistributedOptimizer(Optimizer):
             self._fired[index] = 1
             if not self._planned:
                 self._arrivals.append(index)
-            for ready in self._launch_order.ready(self._slots[index][0]):
+            for ready in self._launch_order.ready(self._pack_of[index]):
                 self._launch(self._packs[ready])
 
     def _open_pass(self) -> None:
