@@ -1,0 +1,106 @@
+"""The main job, examples/train_digits.py, run for one short epoch as users run it."""
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import List
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "examples" / "train_digits.py"
+EPOCH_LINE = re.compile(r"^epoch\s+(\d+)/(\d+)\s+loss (\d+\.\d+)\s+test acc (\d+\.\d+)%", re.MULTILINE)
+# One epoch of ~23 steps lifts a 10-class model well above chance (10%): about 75% with
+# AdamW and 40% with SGD (it starts slower); the bounds leave room for noise.
+MIN_ONE_EPOCH_ACCURACY = {"adamw": 50.0, "sgd": 25.0}
+TIMEOUT = 240
+
+
+def _run(args: List[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        args, cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT,
+    )
+
+
+def _check_one_epoch(proc: subprocess.CompletedProcess, ranks: int, optimizer: str = "adamw") -> None:
+    assert proc.returncode == 0, f"exit code {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    lines = EPOCH_LINE.findall(proc.stdout)
+    assert len(lines) == 1, f"expected one epoch line in:\n{proc.stdout}"
+    epoch, epochs, loss, accuracy = lines[0]
+    assert (epoch, epochs) == ("1", "1")
+    assert float(loss) > 0
+    assert float(accuracy) >= MIN_ONE_EPOCH_ACCURACY[optimizer], proc.stdout
+    assert f"{ranks} rank(s)" in proc.stdout
+    assert "bitwise identical" in proc.stdout
+
+
+def test_two_processes_one_epoch_with_plot(tmp_path: Path) -> None:
+    plot = tmp_path / "digits.png"
+    proc = _run([sys.executable, str(SCRIPT), "--epochs", "1", "--plot", str(plot)], tmp_path)
+    _check_one_epoch(proc, ranks=2)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compressed_small_packs(tmp_path: Path) -> None:
+    proc = _run(
+        [sys.executable, str(SCRIPT), "--epochs", "1", "--compression", "bf16", "--pack-threshold", "16K",
+         "--bcast-period", "5"],
+        tmp_path,
+    )
+    _check_one_epoch(proc, ranks=2)
+    assert "compression bf16" in proc.stdout
+
+
+def test_single_process_without_process_group(tmp_path: Path) -> None:
+    proc = _run([sys.executable, str(SCRIPT), "--epochs", "1", "--nprocs", "1"], tmp_path)
+    _check_one_epoch(proc, ranks=1)
+    assert "no process group" in proc.stdout
+
+
+def test_under_torchrun(tmp_path: Path) -> None:
+    proc = _run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(SCRIPT), "--epochs", "1", "--optimizer", "sgd"],
+        tmp_path,
+    )
+    _check_one_epoch(proc, ranks=2, optimizer="sgd")
+
+
+def _load_example() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("train_digits", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--epochs", "0"], "--epochs must be at least 1"),
+        (["--batch-size", "0"], "--batch-size must be at least 1"),
+        (["--nprocs", "0"], "--nprocs must be at least 1"),
+        (["--pack-threshold", "ten"], "is not a byte count"),
+        (["--compression", "int8"], "invalid choice"),
+    ],
+)
+def test_bad_flags_are_rejected(argv: List[str], message: str, capsys: pytest.CaptureFixture) -> None:
+    example = _load_example()
+    with pytest.raises(SystemExit) as exc:
+        example.parse_args(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_flag_defaults() -> None:
+    example = _load_example()
+    args = example.parse_args([])
+    assert (args.optimizer, args.compression, args.bcast_period) == ("adamw", "none", 0)
+    assert args.lr == pytest.approx(3e-3)
+    assert example.parse_args(["--pack-threshold", "256K"]).pack_threshold == 256 * 1024
+    assert example.parse_args(["--optimizer", "sgd"]).lr == pytest.approx(0.05)
