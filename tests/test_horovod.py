@@ -9,9 +9,11 @@ from __future__ import annotations
 import ast
 import copy
 import hashlib
+import importlib
 import inspect
 import math
 import os
+import pkgutil
 import re
 import signal
 import subprocess
@@ -722,6 +724,19 @@ def test_horovods_names_and_defaults():
                  "allgather_async", "broadcast_async", "broadcast_async_", "barrier"):
         assert hasattr(hvd, name) or hasattr(hvd.DistributedOptimizer, name), name
     assert set(hvd.__all__) <= set(dir(hvd))
+
+
+def test_the_package_exports_its_modules_public_names_and_nothing_else():
+    """``hvd.__all__`` is the union of the modules' ``__all__``, each name defined once, nothing leaked."""
+    modules = [importlib.import_module(f"{hvd.__name__}.{info.name}") for info in pkgutil.iter_modules(hvd.__path__)]
+    names = [name for module in modules for name in module.__all__]
+    assert len(names) == len(set(names)), "a public name is defined by two modules"
+    assert sorted(hvd.__all__) == sorted(names)
+    for module in modules:
+        for name in module.__all__:
+            assert getattr(hvd, name) is getattr(module, name), name
+    submodules = {module.__name__.rpartition(".")[2] for module in modules}
+    assert {name for name in dir(hvd) if not name.startswith("_")} == set(hvd.__all__) | submodules
 
 
 @settings(max_examples=40, deadline=None)

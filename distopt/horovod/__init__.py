@@ -1,0 +1,133 @@
+"""``import distopt.horovod as hvd``: Horovod's PyTorch API on torch.distributed, started by ``torchrun``.
+
+A script written for ``horovod.torch`` runs unchanged except for its import
+line, started with ``torchrun --nproc-per-node N script.py`` instead of
+``horovodrun -np N python script.py``. The names, defaults and semantics follow
+Horovod's PyTorch API; :class:`DistributedOptimizer` is distopt's
+:class:`distopt.DistributedOptimizer` (packed all-reduces overlapping backward)
+under Horovod's signature.
+
+Where Horovod has sharp edges they are fixed rather than copied:
+
+* :func:`broadcast_optimizer_state` copies the root's state without taking an
+  optimizer step, so no rank's parameters or moments move;
+* ``zero_grad(set_to_none=...)`` is accepted, and ``zero_grad()`` right after
+  ``backward()`` is safe (distopt waits for in-flight reductions);
+* misuse raises ``ValueError``/``RuntimeError`` (never ``AssertionError``);
+* fp16 compression divides by the number of ranks *before* the 16-bit cast, so
+  averaging large gradients does not overflow.
+
+Collectives are matched by call order (torch.distributed), not by ``name``:
+every rank must issue them in the same order. ``name`` arguments are accepted
+and ignored.
+
+Not provided: Adasum and process sets (they raise ``NotImplementedError`` saying
+what to use instead), ``alltoall``, ``reducescatter``, ``SyncBatchNorm``,
+``elastic`` and the timeline (accessing them raises ``AttributeError`` with the
+torch equivalent).
+"""
+# One module per concept; this file only gathers their public names.
+from .allgather_ops import allgather, allgather_async
+from .allreduce_ops import (
+    allreduce,
+    allreduce_,
+    allreduce_async,
+    allreduce_async_,
+    grouped_allreduce,
+    grouped_allreduce_,
+    grouped_allreduce_async,
+    grouped_allreduce_async_,
+)
+from .basics import (
+    cross_rank,
+    cross_size,
+    cuda_built,
+    gloo_built,
+    gloo_enabled,
+    init,
+    is_initialized,
+    local_rank,
+    local_size,
+    mpi_built,
+    mpi_enabled,
+    mpi_threads_supported,
+    nccl_built,
+    rank,
+    rocm_built,
+    shutdown,
+    size,
+)
+from .broadcast_ops import broadcast, broadcast_, broadcast_async, broadcast_async_
+from .compression import BF16Compressor, Compression, Compressor, FP16Compressor, NoneCompressor
+from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
+from .optimizer import DistributedOptimizer
+from .reduce_op import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+from .sync import Handle, barrier, join, poll, synchronize
+from .unsupported import ProcessSet, add_process_set, global_process_set, remove_process_set
+from .unsupported import _missing_attribute as __getattr__  # Horovod names distopt lacks: say what to use
+
+__all__ = [
+    # life cycle and topology
+    "init",
+    "shutdown",
+    "is_initialized",
+    "size",
+    "rank",
+    "local_size",
+    "local_rank",
+    "cross_size",
+    "cross_rank",
+    "mpi_built",
+    "mpi_enabled",
+    "mpi_threads_supported",
+    "gloo_built",
+    "gloo_enabled",
+    "nccl_built",
+    "cuda_built",
+    "rocm_built",
+    # reduction ops and compression
+    "ReduceOp",
+    "Average",
+    "Sum",
+    "Adasum",
+    "Min",
+    "Max",
+    "Product",
+    "Compressor",
+    "NoneCompressor",
+    "FP16Compressor",
+    "BF16Compressor",
+    "Compression",
+    # process sets (only the global one)
+    "ProcessSet",
+    "global_process_set",
+    "add_process_set",
+    "remove_process_set",
+    # tensor collectives
+    "Handle",
+    "allreduce",
+    "allreduce_",
+    "allreduce_async",
+    "allreduce_async_",
+    "grouped_allreduce",
+    "grouped_allreduce_",
+    "grouped_allreduce_async",
+    "grouped_allreduce_async_",
+    "allgather",
+    "allgather_async",
+    "broadcast",
+    "broadcast_",
+    "broadcast_async",
+    "broadcast_async_",
+    "synchronize",
+    "poll",
+    "join",
+    "barrier",
+    # objects, models and optimizers
+    "broadcast_object",
+    "allgather_object",
+    "broadcast_parameters",
+    "broadcast_optimizer_state",
+    "DistributedOptimizer",
+]
+

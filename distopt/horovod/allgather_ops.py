@@ -1,0 +1,102 @@
+"""``hvd.allgather`` and ``hvd.allgather_async``: every rank's rows, concatenated in rank order (differentiable)."""
+from __future__ import annotations
+
+from typing import Any, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .. import collectives
+from .allreduce_ops import _SUM, _start_allreduce, _wire_device
+from .basics import _world, rank
+from .compression import NoneCompressor
+from .sync import Handle
+from .unsupported import _check_process_set, global_process_set
+
+__all__ = [
+    "allgather",
+    "allgather_async",
+]
+
+
+def _first_dims(tensor: Tensor, group: dist.ProcessGroup) -> List[int]:
+    """Every rank's first dimension, after checking that the other dimensions and dtypes agree."""
+    mine = (tuple(tensor.shape), str(tensor.dtype))
+    everyone = collectives.all_gather_object(mine, group=group)
+    for r, (shape, dtype) in enumerate(everyone):
+        if dtype != mine[1]:
+            raise ValueError(f"Mismatched allgather tensor types: rank {r} sent {dtype}, this rank {mine[1]}")
+        if not shape or len(shape) != len(mine[0]) or shape[1:] != mine[0][1:]:
+            raise ValueError(
+                f"Mismatched allgather tensor shapes: rank {r} sent shape {list(shape)}, this rank "
+                f"{list(mine[0])}; tensors must have at least one dimension and may differ in the first only"
+            )
+    return [shape[0] for shape, _ in everyone]
+
+
+def _start_allgather(tensor: Tensor) -> Tuple[Handle, List[int]]:
+    """Start gathering every rank's rows; also return every rank's row count."""
+    group = _world()
+    if group is None or collectives.get_world_size(group) == 1:
+        if tensor.dim() == 0:
+            raise ValueError("allgather needs a tensor with at least one dimension, got a scalar; use tensor.view(1)")
+        return Handle([], lambda: tensor.detach().clone()), [tensor.shape[0]]
+    dims = _first_dims(tensor, group)
+    # all_gather needs one shape: pad every rank's rows to the longest, cut after.
+    padded = torch.zeros((max(dims),) + tuple(tensor.shape[1:]), dtype=tensor.dtype,
+                         device=_wire_device(group, tensor))
+    padded[: tensor.shape[0]] = tensor.detach()
+    pieces = [torch.empty_like(padded) for _ in dims]
+    work = dist.all_gather(pieces, padded, group=group, async_op=True)
+    finish = lambda: torch.cat([p[:n] for p, n in zip(pieces, dims)]).to(tensor.device)  # noqa: E731
+    return Handle([work], finish), dims
+
+
+def allgather_async(tensor: Tensor, name: Optional[str] = None, process_set: Any = global_process_set) -> Handle:
+    """Start :func:`allgather`; :func:`synchronize` returns the concatenation.
+
+    Args: as :func:`allgather`.
+
+    Returns:
+        A handle for :func:`synchronize` and :func:`poll`.
+    """
+    _check_process_set(process_set)
+    return _start_allgather(tensor)[0]
+
+
+class _AllgatherFunction(torch.autograd.Function):
+    """Differentiable allgather: each rank's gradient is its rows of the summed gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: Tensor) -> Tensor:
+        handle, dims = _start_allgather(tensor)
+        ctx.offset = sum(dims[: rank()])
+        ctx.rows = tensor.shape[0]
+        return handle.wait()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        summed = _start_allreduce(grad, torch.empty_like(grad), _SUM, NoneCompressor).wait()
+        return summed.narrow(0, ctx.offset, ctx.rows)
+
+
+def allgather(tensor: Tensor, name: Optional[str] = None, process_set: Any = global_process_set) -> Tensor:
+    """Concatenate every rank's ``tensor`` along the first dimension, in rank order.
+
+    The first dimension may differ between ranks; the others and the dtype may
+    not. Differentiable: each rank's gradient is its rows of the summed gradient.
+
+    Args:
+        tensor: the tensor to gather (at least one dimension); not modified.
+        name: ignored (torch.distributed matches collectives by call order).
+        process_set: only ``hvd.global_process_set``.
+
+    Returns:
+        The concatenation, with the sum of every rank's first dimension as its first dimension.
+
+    Raises:
+        ValueError: if dimensions other than the first, or dtypes, differ between ranks.
+    """
+    _check_process_set(process_set)
+    return _AllgatherFunction.apply(tensor)

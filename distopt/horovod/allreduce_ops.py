@@ -1,0 +1,294 @@
+"""``hvd.allreduce`` and its in-place, asynchronous and grouped variants (differentiable for Average and Sum).
+
+Also the wire handling the other tensor collectives share: where a tensor must
+be for the backend, and when it can be reduced in place.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Tuple, Type
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .. import collectives
+from .basics import _world
+from .compression import Compression, Compressor, NoneCompressor, _compressor_class, _CompressorLike
+from .reduce_op import Average, ReduceOp, Sum, _resolve_op, _TORCH_OPS
+from .sync import Handle, _grouped
+from .unsupported import _check_process_set, global_process_set
+
+__all__ = [
+    "allreduce",
+    "allreduce_",
+    "allreduce_async",
+    "allreduce_async_",
+    "grouped_allreduce",
+    "grouped_allreduce_",
+    "grouped_allreduce_async",
+    "grouped_allreduce_async_",
+]
+
+
+# ====================================================================== on the wire (allgather and broadcast too)
+
+
+def _wire_device(group: dist.ProcessGroup, tensor: Tensor) -> torch.device:
+    # Horovod reduces CPU tensors (metrics) even when it runs on NCCL; NCCL needs them on the GPU.
+    if dist.get_backend(group) == "nccl" and tensor.device.type != "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return tensor.device
+
+
+def _on_wire(tensor: Tensor, group: Optional[dist.ProcessGroup], fresh: bool) -> Tensor:
+    """A contiguous tensor the backend can send: ``tensor`` itself if possible (unless ``fresh``)."""
+    device = tensor.device if group is None else _wire_device(group, tensor)
+    if tensor.device == device and tensor.is_contiguous() and not fresh:
+        return tensor
+    return tensor.to(device, memory_format=torch.contiguous_format, copy=True)
+
+
+# ====================================================================== allreduce
+
+
+@dataclass(frozen=True)
+class _Reduction:
+    op: ReduceOp
+    prescale: float
+    postscale: float
+
+
+def _start_allreduce(tensor: Tensor, out: Tensor, how: _Reduction, compression: Type[Compressor]) -> Handle:
+    """Reduce ``tensor`` into ``out`` (which may be ``tensor`` itself) asynchronously."""
+    group = _world()
+    world = collectives.get_world_size(group)
+    pre, post = how.prescale, how.postscale
+    if how.op is Average and tensor.is_floating_point():
+        pre /= world  # before the wire, so a 16-bit sum of large values cannot overflow
+    with torch.no_grad():
+        source = tensor.detach()
+        compressed, ctx = compression.compress(source * pre if pre != 1.0 else source)
+        # The reduction may write into the caller's tensor only when it asked for in place.
+        wire = _on_wire(compressed, group, fresh=compressed is source and out is not tensor)
+    work = None
+    if group is not None and world > 1:
+        work = dist.all_reduce(wire, op=_TORCH_OPS[how.op], group=group, async_op=True)
+
+    def finish() -> Tensor:
+        with torch.no_grad():
+            result = compression.decompress(wire, ctx)
+            if how.op is Average and not result.is_floating_point():
+                result = result.div(world, rounding_mode="trunc")
+            if post != 1.0:
+                result = result * post
+            if result.data_ptr() != out.data_ptr() or result.shape != out.shape:
+                out.copy_(result)
+            return out
+
+    return Handle([work], finish)
+
+
+_SUM = _Reduction(ReduceOp.SUM, 1.0, 1.0)
+
+
+def _reduction(op: Optional[Any], average: Optional[bool], prescale_factor: float, postscale_factor: float,
+               process_set: Any) -> _Reduction:
+    _check_process_set(process_set)
+    return _Reduction(_resolve_op(op, average), float(prescale_factor), float(postscale_factor))
+
+
+class _AllreduceFunction(torch.autograd.Function):
+    """Differentiable allreduce: the gradient is the same reduction of the incoming gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: Tensor, how: _Reduction, compression: Type[Compressor]) -> Tensor:
+        ctx.how = how
+        ctx.compression = compression
+        return _start_allreduce(tensor, torch.empty_like(tensor), how, compression).wait()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tuple[Optional[Tensor], None, None]:
+        if ctx.how.op not in (Average, Sum):
+            raise RuntimeError(
+                f"hvd.allreduce(op={ctx.how.op.name.title()}) has no gradient; use op=hvd.Average or op=hvd.Sum "
+                "for tensors that need one"
+            )
+        return _start_allreduce(grad, torch.empty_like(grad), ctx.how, ctx.compression).wait(), None, None
+
+
+def allreduce(
+    tensor: Tensor,
+    average: Optional[bool] = None,
+    name: Optional[str] = None,
+    compression: _CompressorLike = Compression.none,
+    op: Optional[ReduceOp] = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = global_process_set,
+) -> Tensor:
+    """Average (or sum, min, max, multiply) ``tensor`` over all ranks; the input is not modified.
+
+    Differentiable for Average and Sum: the gradient is reduced the same way.
+
+    Args:
+        tensor: the tensor to reduce; same shape and dtype on every rank.
+        average: deprecated: True for Average, False for Sum; use ``op``.
+        name: ignored (torch.distributed matches collectives by call order).
+        compression: e.g. ``hvd.Compression.fp16`` to send float tensors in 16 bits.
+        op: ``hvd.Average`` (default), ``hvd.Sum``, ``hvd.Min``, ``hvd.Max`` or ``hvd.Product``.
+        prescale_factor: multiplies ``tensor`` before the reduction.
+        postscale_factor: multiplies the result.
+        process_set: only ``hvd.global_process_set``.
+
+    Returns:
+        A new tensor with the reduced value.
+
+    Raises:
+        ValueError: if both ``op`` and ``average`` are given, or ``op`` is unknown.
+        NotImplementedError: for ``hvd.Adasum`` or another process set.
+    """
+    how = _reduction(op, average, prescale_factor, postscale_factor, process_set)
+    return _AllreduceFunction.apply(tensor, how, _compressor_class(compression))
+
+
+def allreduce_async(
+    tensor: Tensor,
+    average: Optional[bool] = None,
+    name: Optional[str] = None,
+    op: Optional[ReduceOp] = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = global_process_set,
+) -> Handle:
+    """Start :func:`allreduce` of ``tensor`` into a new tensor; :func:`synchronize` returns it.
+
+    Args: as :func:`allreduce`.
+
+    Returns:
+        A handle for :func:`synchronize` and :func:`poll`.
+    """
+    how = _reduction(op, average, prescale_factor, postscale_factor, process_set)
+    return _start_allreduce(tensor, torch.empty_like(tensor), how, NoneCompressor)
+
+
+def allreduce_async_(
+    tensor: Tensor,
+    average: Optional[bool] = None,
+    name: Optional[str] = None,
+    op: Optional[ReduceOp] = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = global_process_set,
+) -> Handle:
+    """Start an in-place :func:`allreduce` of ``tensor``; :func:`synchronize` returns ``tensor``.
+
+    Args: as :func:`allreduce`.
+
+    Returns:
+        A handle for :func:`synchronize` and :func:`poll`.
+    """
+    how = _reduction(op, average, prescale_factor, postscale_factor, process_set)
+    return _start_allreduce(tensor, tensor, how, NoneCompressor)
+
+
+def allreduce_(
+    tensor: Tensor,
+    average: Optional[bool] = None,
+    name: Optional[str] = None,
+    op: Optional[ReduceOp] = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = global_process_set,
+) -> Tensor:
+    """In-place :func:`allreduce`.
+
+    Args: as :func:`allreduce`.
+
+    Returns:
+        ``tensor``, now holding the reduced value.
+    """
+    how = _reduction(op, average, prescale_factor, postscale_factor, process_set)
+    return _start_allreduce(tensor, tensor, how, NoneCompressor).wait()
+
+
+def grouped_allreduce_async(
+    tensors: Sequence[Tensor],
+    average: Optional[bool] = None,
+    name: Optional[str] = None,
+    op: Optional[ReduceOp] = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = global_process_set,
+) -> Handle:
+    """Start :func:`allreduce` of each tensor in ``tensors``; :func:`synchronize` returns the list.
+
+    Args: as :func:`allreduce`, with a list of tensors.
+
+    Returns:
+        A handle for :func:`synchronize` and :func:`poll`.
+    """
+    how = _reduction(op, average, prescale_factor, postscale_factor, process_set)
+    return _grouped([_start_allreduce(t, torch.empty_like(t), how, NoneCompressor) for t in tensors])
+
+
+def grouped_allreduce_async_(
+    tensors: Sequence[Tensor],
+    average: Optional[bool] = None,
+    name: Optional[str] = None,
+    op: Optional[ReduceOp] = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = global_process_set,
+) -> Handle:
+    """In-place :func:`grouped_allreduce_async`.
+
+    Args: as :func:`allreduce`, with a list of tensors.
+
+    Returns:
+        A handle for :func:`synchronize` and :func:`poll`.
+    """
+    how = _reduction(op, average, prescale_factor, postscale_factor, process_set)
+    return _grouped([_start_allreduce(t, t, how, NoneCompressor) for t in tensors])
+
+
+def grouped_allreduce(
+    tensors: Sequence[Tensor],
+    average: Optional[bool] = None,
+    name: Optional[str] = None,
+    compression: _CompressorLike = Compression.none,
+    op: Optional[ReduceOp] = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = global_process_set,
+) -> List[Tensor]:
+    """:func:`allreduce` of each tensor in ``tensors``.
+
+    Args: as :func:`allreduce`, with a list of tensors.
+
+    Returns:
+        New tensors with the reduced values.
+    """
+    how = _reduction(op, average, prescale_factor, postscale_factor, process_set)
+    cls = _compressor_class(compression)
+    return [_AllreduceFunction.apply(t, how, cls) for t in tensors]
+
+
+def grouped_allreduce_(
+    tensors: Sequence[Tensor],
+    average: Optional[bool] = None,
+    name: Optional[str] = None,
+    op: Optional[ReduceOp] = None,
+    prescale_factor: float = 1.0,
+    postscale_factor: float = 1.0,
+    process_set: Any = global_process_set,
+) -> List[Tensor]:
+    """In-place :func:`grouped_allreduce`.
+
+    Args: as :func:`allreduce`, with a list of tensors.
+
+    Returns:
+        ``tensors``, now holding the reduced values.
+    """
+    how = _reduction(op, average, prescale_factor, postscale_factor, process_set)
+    return _grouped([_start_allreduce(t, t, how, NoneCompressor) for t in tensors]).wait()

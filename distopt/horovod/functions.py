@@ -1,0 +1,114 @@
+"""``hvd.broadcast_parameters``, ``hvd.broadcast_optimizer_state``, ``hvd.broadcast_object``, ``hvd.allgather_object``.
+
+Thin wrappers over :mod:`distopt.collectives` that keep Horovod's signatures,
+argument checks and wording.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable, List, Mapping, Optional, Tuple
+
+from torch import Tensor
+from torch.optim import Optimizer
+
+from .. import collectives
+from .basics import _check_root, _world
+from .unsupported import _check_process_set, global_process_set
+
+__all__ = [
+    "broadcast_object",
+    "allgather_object",
+    "broadcast_parameters",
+    "broadcast_optimizer_state",
+]
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
+                     process_set: Any = global_process_set) -> Any:
+    """The root's ``obj`` (any picklable object) on every rank.
+
+    Args:
+        obj: the object to send (ignored on other ranks).
+        root_rank: the rank whose object is sent.
+        name: ignored.
+        process_set: only ``hvd.global_process_set``.
+
+    Returns:
+        The root's object (on the root, ``obj`` itself).
+    """
+    _check_process_set(process_set)
+    root = _check_root(root_rank)
+    return collectives.broadcast_object_list([obj], src=root, group=_world())[0]
+
+
+def allgather_object(obj: Any, name: Optional[str] = None, process_set: Any = global_process_set) -> List[Any]:
+    """Every rank's ``obj`` (any picklable object), in rank order.
+
+    Args:
+        obj: this rank's object.
+        name: ignored.
+        process_set: only ``hvd.global_process_set``.
+
+    Returns:
+        A list with one object per rank.
+    """
+    _check_process_set(process_set)
+    return collectives.all_gather_object(obj, group=_world())
+
+
+def _tensors_to_broadcast(params: Any) -> List[Tensor]:
+    """The tensors of a state dict, named parameters or parameters, in an order all ranks share."""
+    if isinstance(params, Mapping):
+        pairs: List[Tuple[Any, Any]] = sorted(params.items(), key=lambda kv: str(kv[0]))
+    elif isinstance(params, Iterable) and not isinstance(params, (Tensor, str, bytes)):
+        pairs = [p if isinstance(p, tuple) and len(p) == 2 else (None, p) for p in params]
+    else:
+        raise ValueError(
+            f"invalid params of type: {type(params).__name__}; pass model.state_dict(), "
+            "model.named_parameters() or model.parameters()"
+        )
+    for name, tensor in pairs:
+        if not isinstance(tensor, Tensor):
+            where = f"entry {name!r}" if name is not None else "an entry"
+            raise ValueError(f"params must hold tensors, but {where} is a {type(tensor).__name__}")
+    return [tensor for _, tensor in pairs]
+
+
+def broadcast_parameters(params: Any, root_rank: int) -> None:
+    """Overwrite every rank's tensors with the root's, in place.
+
+    Args:
+        params: ``model.state_dict()`` (parameters and buffers),
+            ``model.named_parameters()`` or ``model.parameters()``; a generator is fine.
+        root_rank: the rank whose values are sent.
+
+    Raises:
+        ValueError: if ``params`` is none of those, or ``root_rank`` is not a rank of the job.
+    """
+    tensors = _tensors_to_broadcast(params)
+    root = _check_root(root_rank)
+    collectives.broadcast_parameters(tensors, src=root, group=_world())
+
+
+def broadcast_optimizer_state(optimizer: Optimizer, root_rank: int) -> None:
+    """Give every rank the root's optimizer state and hyperparameters (e.g. after the root loaded a checkpoint).
+
+    Unlike Horovod, no optimizer step is taken to create missing state: the
+    root's state is sent as it is, so no rank's parameters change and the root's
+    optimizer is left untouched. An optimizer without state yet ends up without
+    state on every rank. Works for every ``torch.optim`` optimizer, LBFGS included.
+    Each state tensor keeps the root's dtype; see
+    :func:`distopt.collectives.broadcast_optimizer_state`, which this calls.
+
+    Args:
+        optimizer: a ``torch.optim`` optimizer or a :class:`DistributedOptimizer`.
+        root_rank: the rank whose state is sent.
+
+    Raises:
+        TypeError: if ``optimizer`` is not a ``torch.optim.Optimizer``.
+        ValueError: if ``root_rank`` is not a rank of the job, or the parameter
+            groups differ from the root's.
+    """
+    if not isinstance(optimizer, Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
+    root = _check_root(root_rank)
+    collectives.broadcast_optimizer_state(optimizer, src=root, group=_world())

@@ -1,0 +1,265 @@
+"""``hvd.DistributedOptimizer``: distopt's :class:`distopt.DistributedOptimizer` under Horovod's signature.
+
+Horovod's arguments are checked with Horovod's wording here and translated to
+the core's (``op`` to ``reduce_op``, ``compression`` to the wire type);
+``synchronize()``/``skip_synchronize()`` follow Horovod's protocol.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+
+from torch import Tensor
+from torch.optim import Optimizer
+
+from ..optimizer import DistributedOptimizer as _CoreDistributedOptimizer
+from .basics import _require_init
+from .compression import BF16Compressor, Compression, FP16Compressor, NoneCompressor, _compressor_class, _CompressorLike
+from .reduce_op import Adasum, Average, ReduceOp, Sum
+from .unsupported import _ADASUM_ADVICE, _check_process_set, global_process_set
+
+__all__ = [
+    "DistributedOptimizer",
+]
+
+
+def _gradient_reduce_op(op: Any, gradient_predivide_factor: float) -> str:
+    """The core's ``reduce_op`` for Horovod's ``op`` and ``gradient_predivide_factor``."""
+    if op == Adasum:
+        raise NotImplementedError(_ADASUM_ADVICE)
+    if op not in (Average, Sum):
+        raise ValueError(f"op must be hvd.Average or hvd.Sum to combine gradients, got {op!r}")
+    if gradient_predivide_factor != 1.0:
+        if op != Average:
+            raise ValueError("gradient_predivide_factor not supported with op != Average")
+        if not gradient_predivide_factor > 0:
+            raise ValueError(f"gradient_predivide_factor must be positive, got {gradient_predivide_factor!r}")
+    # Dividing by f before the sum and by size/f after is the mean, which the core
+    # computes directly (dividing before any 16-bit cast).
+    return "mean" if op == Average else "sum"
+
+
+def _wire_compression(compression: Any) -> Optional[str]:
+    if compression is None:
+        return None
+    cls = _compressor_class(compression)
+    if cls not in (NoneCompressor, FP16Compressor, BF16Compressor):
+        raise TypeError(
+            f"compression={cls.__name__} is not supported by hvd.DistributedOptimizer: distopt casts whole "
+            "packs on the wire itself; use hvd.Compression.none, hvd.Compression.fp16 or hvd.Compression.bf16"
+        )
+    return cls.wire
+
+
+def _check_groups(num_groups: Any, groups: Any) -> None:
+    # Horovod's explicit fusion groups; distopt packs gradients by size (pack_threshold) instead.
+    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 0:
+        raise ValueError(f"num_groups must be a non-negative integer, got {num_groups!r}")
+    if num_groups:
+        warnings.warn(
+            "Parameter `num_groups` has been replaced by `groups` and will be removed; distopt ignores both "
+            "and packs gradients by size",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+    if groups is None:
+        return
+    if isinstance(groups, bool) or not (
+        (isinstance(groups, int) and groups >= 0)
+        or (isinstance(groups, list) and all(isinstance(g, (list, tuple)) for g in groups))
+    ):
+        raise ValueError(f"groups should be a non-negative integer or a list of list of torch.Tensor, got {groups!r}")
+
+
+def _check_named_parameters(named_parameters: Any, optimizer: Optimizer) -> List[Tuple[str, Tensor]]:
+    """Horovod's checks, with the unnamed parameters located; one name per parameter."""
+    pairs = list(named_parameters)
+    if any(not isinstance(p, tuple) for p in pairs):
+        raise ValueError(
+            "named_parameters should be a sequence of tuples (name, parameter), usually produced by "
+            "model.named_parameters()."
+        )
+    names = [name for name, _ in pairs]
+    duplicates = sorted({str(n) for n in names if names.count(n) > 1})
+    if duplicates:
+        raise ValueError(
+            f"Parameter names in named_parameters must be unique. Found duplicates: {', '.join(duplicates)}"
+        )
+    named_ids = {id(p) for _, p in pairs}
+    unnamed = [
+        f"param_groups[{g}]['params'][{j}] (shape {list(p.shape)})"
+        for g, group in enumerate(optimizer.param_groups)
+        for j, p in enumerate(group["params"])
+        if id(p) not in named_ids
+    ]
+    if unnamed:
+        raise ValueError(
+            f"named_parameters was specified, but one or more model parameters were not named: "
+            f"{', '.join(unnamed[:5])}{' ...' if len(unnamed) > 5 else ''}; pass the named_parameters() "
+            "of the model whose parameters the optimizer holds"
+        )
+    # Horovod lets one tensor appear under two names (tied weights); the first name is kept.
+    seen: Dict[int, str] = {}
+    return [(name, p) for name, p in pairs if seen.setdefault(id(p), name) == name]
+
+
+class DistributedOptimizer(_CoreDistributedOptimizer):
+    """Horovod's ``hvd.DistributedOptimizer``: distopt's optimizer under Horovod's signature.
+
+    Gradients are averaged (or summed) over all ranks during ``backward()``, in
+    packs that overlap the rest of the backward pass; ``step()`` finishes any
+    reduction still due and applies the inner optimizer. Also everything of
+    :class:`distopt.DistributedOptimizer` (``no_sync()``, ``stats``, ...).
+
+    Differences from Horovod: the object wraps ``optimizer`` rather than being
+    an instance of its class (``opt.optimizer`` is the inner one); it keeps the
+    inner optimizer's state; parameters are broadcast from rank 0 at
+    construction (``hvd.broadcast_parameters`` is still honored);
+    ``zero_grad()`` between ``backward()`` and ``step()`` is allowed.
+
+    Args:
+        optimizer: the ``torch.optim`` optimizer to wrap.
+        named_parameters: ``model.named_parameters()``, to check the names and
+            name parameters in errors (default: None).
+        compression: ``hvd.Compression.none`` (default), ``hvd.Compression.fp16``
+            or ``hvd.Compression.bf16``: 16-bit gradients on the wire.
+        backward_passes_per_step: backward passes accumulated locally before the
+            gradients are reduced, on the last of them (default: 1).
+        op: ``hvd.Average`` (default) or ``hvd.Sum``.
+        gradient_predivide_factor: with Average, Horovod divides by it before the
+            sum and by ``size / factor`` after; the result is the same mean, which
+            distopt computes directly (default: 1.0).
+        num_groups: deprecated in Horovod; accepted and ignored (default: 0).
+        groups: Horovod's fusion groups; accepted and ignored, distopt packs
+            gradients by size (default: None).
+        sparse_as_dense: turn sparse gradients dense instead of raising (default: False).
+        process_set: only ``hvd.global_process_set``.
+
+    Raises:
+        ValueError: on a bad argument (Horovod's wording), e.g. duplicate or
+            missing ``named_parameters``.
+        TypeError: if ``optimizer`` is not a ``torch.optim`` optimizer, or
+            ``compression`` is not one of ``hvd.Compression``'s.
+        NotImplementedError: for ``op=hvd.Adasum`` or another process set.
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        named_parameters: Optional[Iterable[Tuple[str, Tensor]]] = None,
+        compression: Optional[_CompressorLike] = Compression.none,
+        backward_passes_per_step: int = 1,
+        op: ReduceOp = Average,
+        gradient_predivide_factor: float = 1.0,
+        num_groups: int = 0,
+        groups: Optional[Any] = None,
+        sparse_as_dense: bool = False,
+        process_set: Any = global_process_set,
+    ) -> None:
+        _require_init()
+        _check_process_set(process_set)
+        reduce_op = _gradient_reduce_op(op, gradient_predivide_factor)
+        wire = _wire_compression(compression)
+        _check_groups(num_groups, groups)
+        if not isinstance(optimizer, Optimizer):
+            raise TypeError(
+                f"optimizer must be a torch.optim.Optimizer instance, got {type(optimizer).__name__}; e.g. "
+                "hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01))"
+            )
+        named = None if named_parameters is None else _check_named_parameters(named_parameters, optimizer)
+        self.op = ReduceOp(op)
+        self.gradient_predivide_factor = float(gradient_predivide_factor)
+        self._should_synchronize = True  # False inside skip_synchronize()
+        self._synchronized = False  # synchronize() ran since the last step()/zero_grad()
+        self._skipping_reduction = False  # inside a step() that must not reduce
+        super().__init__(
+            optimizer,
+            reduce_op=reduce_op,
+            compression=wire,
+            backward_passes_per_step=backward_passes_per_step,
+            named_parameters=named,
+            sparse_as_dense=sparse_as_dense,
+        )
+
+    def synchronize(self) -> None:
+        """Finish averaging gradients now, e.g. before clipping or ``GradScaler.unscale_``.
+
+        Then take the step inside :meth:`skip_synchronize`. Also reduces when fewer
+        than ``backward_passes_per_step`` passes ran. Never reduces twice.
+        """
+        if self._skipping_reduction:
+            return
+        super().synchronize()
+        self._synchronized = True
+
+    @contextlib.contextmanager
+    def skip_synchronize(self) -> Iterator[None]:
+        """Context in which ``step()`` does not reduce gradients: use after :meth:`synchronize`.
+
+        Example::
+
+            loss.backward()
+            optimizer.synchronize()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            with optimizer.skip_synchronize():
+                optimizer.step()
+        """
+        previous, self._should_synchronize = self._should_synchronize, False
+        try:
+            yield
+        finally:
+            self._should_synchronize = previous
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """Reduce gradients not reduced yet (unless in :meth:`skip_synchronize`), then step.
+
+        Warns, as Horovod does, when called after :meth:`synchronize` outside
+        :meth:`skip_synchronize` (harmless here, costly under Horovod).
+
+        Args:
+            closure: re-evaluates the model and returns the loss (default: None).
+
+        Returns:
+            Whatever the inner optimizer's ``step`` returns.
+        """
+        if self._should_synchronize and self._synchronized:
+            warnings.warn(
+                "optimizer.step() called without optimizer.skip_synchronize() context after "
+                "optimizer.synchronize(). distopt does not reduce twice, but Horovod does: wrap the step "
+                "in `with optimizer.skip_synchronize():` after calling optimizer.synchronize().",
+                stacklevel=2,
+            )
+        self._skipping_reduction = not self._should_synchronize
+        try:
+            return super().step(closure)
+        finally:
+            self._skipping_reduction = False
+            self._synchronized = False
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear gradients and start a new round; safe at any point (distopt waits for reductions).
+
+        Args:
+            set_to_none: set ``.grad`` to None instead of zeroing it (default: True).
+        """
+        super().zero_grad(set_to_none)
+        self._synchronized = False
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Change how many backward passes are accumulated before gradients are reduced.
+
+        Call it between ``step()`` and the next ``backward()``; it counts the
+        passes of the round since the last ``step()`` or ``zero_grad()``.
+
+        Args:
+            passes: backward passes per ``step()``, at least 1.
+
+        Raises:
+            ValueError: if ``passes`` is not an int >= 1.
+        """
+        if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+            raise ValueError(
+                f"backward_passes_per_step must be an int >= 1 (1 reduces after every backward), got {passes!r}"
+            )
+        self.backward_passes_per_step = passes

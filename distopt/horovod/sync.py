@@ -1,0 +1,128 @@
+"""Waiting for collectives: the :class:`Handle` of an ``*_async`` call, :func:`synchronize`, :func:`poll`.
+
+Also the job-wide waits, :func:`join` and :func:`barrier`.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, List, Optional, Sequence
+
+from .. import collectives
+from .basics import _world
+from .unsupported import _check_process_set, global_process_set
+
+__all__ = [
+    "Handle",
+    "synchronize",
+    "poll",
+    "join",
+    "barrier",
+]
+
+
+# ====================================================================== async handles
+
+
+class Handle:
+    """An operation in flight, returned by the ``*_async`` functions.
+
+    Pass it to :func:`synchronize` for the result or to :func:`poll` to ask
+    whether it finished.
+    """
+
+    def __init__(self, works: Sequence[Any], finish: Callable[[], Any]) -> None:
+        self._works = [w for w in works if w is not None]
+        self._finish: Optional[Callable[[], Any]] = finish
+        self._result: Any = None
+
+    def done(self) -> bool:
+        """Whether the communication has finished (the result may still need :meth:`wait`)."""
+        return self._finish is None or all(w.is_completed() for w in self._works)
+
+    def wait(self) -> Any:
+        """Block until the operation finished and return its result; the same result on every call."""
+        if self._finish is not None:
+            for work in self._works:
+                work.wait()
+            self._result = self._finish()
+            self._finish = None
+            self._works = []
+        return self._result
+
+
+def synchronize(handle: Handle) -> Any:
+    """Wait for an asynchronous operation and return its output.
+
+    Args:
+        handle: what an ``*_async`` function returned.
+
+    Returns:
+        The output tensor (a list of tensors for ``grouped_*``).
+
+    Raises:
+        TypeError: if ``handle`` is not a :class:`Handle`.
+    """
+    return _check_handle(handle).wait()
+
+
+def poll(handle: Handle) -> bool:
+    """Whether an asynchronous operation has finished, without blocking.
+
+    Args:
+        handle: what an ``*_async`` function returned.
+
+    Returns:
+        True once :func:`synchronize` would not block on communication.
+
+    Raises:
+        TypeError: if ``handle`` is not a :class:`Handle`.
+    """
+    return _check_handle(handle).done()
+
+
+def _check_handle(handle: Any) -> Handle:
+    if not isinstance(handle, Handle):
+        raise TypeError(
+            f"handle must be what an hvd.*_async function returned, got {type(handle).__name__}; "
+            "for DistributedOptimizer's synchronization call optimizer.synchronize()"
+        )
+    return handle
+
+
+def _grouped(handles: List[Handle]) -> Handle:
+    return Handle([w for h in handles for w in h._works], lambda: [h.wait() for h in handles])
+
+
+# ====================================================================== join and barrier
+
+
+def join(device: int = -1) -> int:
+    """Wait until every rank has called ``join()``; return the rank that arrived last.
+
+    Unlike Horovod, a rank that joined does not take part in the other ranks'
+    later all-reduces: give every rank the same number of batches (e.g.
+    ``DistributedSampler(drop_last=True)``) so that they all join after the
+    same collectives.
+
+    Args:
+        device: ignored (Horovod's GPU for the join's zero tensors).
+
+    Returns:
+        The rank that called ``join()`` last (by wall clock, so approximate across machines).
+    """
+    arrived = time.time()
+    group = _world()
+    if group is None:
+        return 0
+    times = collectives.all_gather_object(arrived, group=group)
+    return max(range(len(times)), key=lambda r: (times[r], r))
+
+
+def barrier(process_set: Any = global_process_set) -> None:
+    """Block until every rank reaches this call.
+
+    Args:
+        process_set: only ``hvd.global_process_set``.
+    """
+    _check_process_set(process_set)
+    collectives.barrier(_world())
