@@ -29,7 +29,7 @@ _COMPRESSIONS = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.
 _OWNER_ATTR = "_distopt_owner"
 # Mean member size (elements) under which a pack is gathered with one cat: below it the
 # per-tensor dispatch cost dominates; above it one fused copy-and-scale pass per tensor wins.
-_BATCH_GATHER_BELOW = 1 << 16
+_BATCH_GATHER_BELOW = 1 << 12
 
 
 @dataclass
@@ -564,7 +564,10 @@ class DistributedOptimizer(Optimizer):
         observed, *root_order = message.tolist()
         if not observed:
             return
-        if plan_packs(root_order, _metas(self._params), self.pack_threshold) != [pk.spec for pk in self._packs]:
+        # Only which packs exist, and their order, matter to matching; keeping the buffers when
+        # those are unchanged also spares a second set of buffers at the peak.
+        plan = plan_packs(root_order, _metas(self._params), self.pack_threshold)
+        if [set(spec.members) for spec in plan] != [set(pack.spec.members) for pack in self._packs]:
             self._build_packs(root_order)
         self._planned = True
 
