@@ -14,7 +14,9 @@ contract: ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
+import gc
 import functools
 import multiprocessing as mp
 import os
@@ -257,6 +259,9 @@ def init(backend: Optional[str] = None, timeout: _Timeout = None) -> None:
     if _uses_cuda(backend):
         torch.cuda.set_device(local_rank)
     dist.init_process_group(backend=backend, init_method="env://", timeout=wait)
+    # A group still alive at interpreter exit is torn down during C++ static destruction,
+    # which can abort the process ("terminate called without an active exception").
+    atexit.register(shutdown)
 
 
 def shutdown() -> None:
@@ -329,6 +334,10 @@ def _worker_main(spec: _WorkerSpec, job: bytes, conn: Connection) -> None:
                 raise
         else:
             conn.send(("ok", result))
+        # Free what fn left in reference cycles (e.g. a DDP module holds its group) while the
+        # runtime is intact, so the group really goes now and not during interpreter exit.
+        del fn, args, kwargs
+        gc.collect()
         shutdown()
     except BaseException as exc:
         code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1

@@ -4,7 +4,6 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-import warnings
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
@@ -153,7 +152,9 @@ class DistributedOptimizer(Optimizer):
         self.backward_passes_per_step = int(backward_passes_per_step)
         self.compression = None if compression in (None, "none") else compression
         self.sparse_as_dense = bool(sparse_as_dense)
-        self.process_group = collectives._resolve_group(process_group)
+        # None stays None (the default group, looked up per call): holding the default group would
+        # keep it alive past destroy_process_group() into interpreter exit.
+        self.process_group = process_group
         self.rank = collectives.get_rank(self.process_group)
         self.world_size = collectives.get_world_size(self.process_group)
         if not isinstance(root_rank, int) or not 0 <= root_rank < self.world_size:
@@ -220,18 +221,23 @@ class DistributedOptimizer(Optimizer):
         return self.optimizer.register_step_pre_hook(hook)
 
     def register_step_post_hook(self, hook: Callable[..., Any]) -> Any:
+        """Registered on the inner optimizer, whose machinery runs it."""
         return self.optimizer.register_step_post_hook(hook)
 
     def register_state_dict_pre_hook(self, hook: Callable[..., Any], prepend: bool = False) -> Any:
+        """Registered on the inner optimizer, whose machinery runs it."""
         return self.optimizer.register_state_dict_pre_hook(hook, prepend)
 
     def register_state_dict_post_hook(self, hook: Callable[..., Any], prepend: bool = False) -> Any:
+        """Registered on the inner optimizer, whose machinery runs it."""
         return self.optimizer.register_state_dict_post_hook(hook, prepend)
 
     def register_load_state_dict_pre_hook(self, hook: Callable[..., Any], prepend: bool = False) -> Any:
+        """Registered on the inner optimizer, whose machinery runs it."""
         return self.optimizer.register_load_state_dict_pre_hook(hook, prepend)
 
     def register_load_state_dict_post_hook(self, hook: Callable[..., Any], prepend: bool = False) -> Any:
+        """Registered on the inner optimizer, whose machinery runs it."""
         return self.optimizer.register_load_state_dict_post_hook(hook, prepend)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
@@ -557,10 +563,8 @@ class DistributedOptimizer(Optimizer):
         """
         seen = set(self._arrivals)
         order = self._arrivals + [i for i in reversed(range(len(self._params))) if i not in seen]
-        device = _collective_device(self.process_group, self._params[0].device)
-        message = torch.tensor([len(self._arrivals)] + order, dtype=torch.int64, device=device)
-        src = dist.get_global_rank(self.process_group, self.root_rank)
-        dist.broadcast(message, src=src, group=self.process_group)
+        message = torch.tensor([len(self._arrivals)] + order, dtype=torch.int64)
+        collectives.broadcast(message, src=self.root_rank, group=self.process_group)
         observed, *root_order = message.tolist()
         if not observed:
             return
@@ -597,12 +601,6 @@ def _make_hook(ref: "weakref.ReferenceType[DistributedOptimizer]", index: int) -
             opt._on_grad_ready(index)
 
     return hook
-
-
-def _collective_device(group: Optional[ProcessGroup], fallback: torch.device) -> torch.device:
-    if dist.get_backend(group) == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu") if fallback.type == "cuda" else fallback
 
 
 def _check_arguments(
