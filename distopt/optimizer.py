@@ -444,7 +444,8 @@ class DistributedOptimizer(Optimizer):
             raise RuntimeError(
                 f"backward() ran again after the gradients were averaged (backward_passes_per_step="
                 f"{self.backward_passes_per_step}): call step() or zero_grad() before the next backward(), "
-                f"or raise backward_passes_per_step to accumulate more passes"
+                f"or raise backward_passes_per_step to accumulate more passes (a reentrant "
+                f"torch.utils.checkpoint also runs nested backward passes: use use_reentrant=False)"
             )
         self._pass_open = True
         self._pass_counts = self._sync_enabled  # no_sync passes do not count

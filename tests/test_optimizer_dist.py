@@ -496,6 +496,39 @@ def test_the_roots_observed_order_becomes_the_fixed_plan_and_packs_overlap_backw
     assert all(at_flush == 0 for _, at_flush in planned[1:])
 
 
+# ---------------------------------------------------------------------- activation checkpointing
+
+
+def checkpoint_worker(reentrant):
+    from torch.utils.checkpoint import checkpoint
+
+    reference, model = make_model(), make_model()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), pack_threshold=1)
+    for x, y in batches(3):
+        ref_opt.zero_grad()
+        nn.functional.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        # Checkpointing the last layers puts the first gradients inside the recomputation.
+        out = checkpoint(model[3:], model[:3](shard(x)), use_reentrant=reentrant)
+        try:
+            nn.functional.mse_loss(out, shard(y)).backward()
+        except RuntimeError as e:
+            return str(e)
+        opt.step()
+    return max_diff(model.parameters(), reference.parameters())
+
+
+def test_non_reentrant_checkpointing_trains_like_single_process():
+    assert all(diff < TOL for diff in world_results(2, checkpoint_worker, False))
+
+
+def test_reentrant_checkpointing_fails_loudly_and_names_the_fix():
+    for message in world_results(2, checkpoint_worker, True):
+        assert "use_reentrant=False" in message
+
+
 # (worlds, check, args): every check the world fixture runs, in order.
 CHECKS = [
     ((1, 2, 3), parity_worker, ()),
@@ -515,4 +548,6 @@ CHECKS = [
     ((2,), compression_worker, ("fp16",)),
     ((2,), compression_worker, ("bf16",)),
     ((2,), plan_worker, ()),
+    ((2,), checkpoint_worker, (False,)),
+    ((2,), checkpoint_worker, (True,)),
 ]
