@@ -21,8 +21,11 @@ float16, ``--use-mixed-precision`` trains under autocast with a GradScaler
 """
 import argparse
 import hashlib
+import importlib.util
+from pathlib import Path
 from typing import Optional, Tuple, Union
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -56,11 +59,14 @@ class Net(nn.Module):
 
 def load_digits(seed: int) -> Tuple[TensorDataset, TensorDataset]:
     """Train and test sets of scikit-learn's digits (80/20, the same split on every rank)."""
-    from sklearn.datasets import load_digits as sklearn_digits
-
-    digits = sklearn_digits()
-    images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    labels = torch.tensor(digits.target, dtype=torch.long)
+    # Read scikit-learn's data file instead of importing scikit-learn: its OpenMP runtime
+    # beside torch's makes some processes abort at exit ("terminate called without an active exception").
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the digits come with scikit-learn, which is not installed: pip install scikit-learn")
+    data = np.loadtxt(Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz", delimiter=",")
+    images = torch.tensor(data[:, :-1], dtype=torch.float32).reshape(-1, 1, 8, 8) / 16.0
+    labels = torch.tensor(data[:, -1], dtype=torch.long)
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
     cut = int(0.8 * len(labels))
     train, test = order[:cut], order[cut:]

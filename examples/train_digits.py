@@ -22,14 +22,17 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import math
 import os
 import re
 import sys
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import List, Optional, Sequence, Tuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -106,18 +109,36 @@ class TrainResult:
 def load_digits_split(seed: int, test_fraction: float = 0.2) -> Split:
     """The digits as ``(x_train, y_train, x_test, y_test)``; images are ``N x 1 x 8 x 8`` in ``[0, 1]``.
 
-    The split is stratified and depends only on ``seed``, so every rank gets the same one.
+    The split is stratified (``test_fraction`` of each digit) and depends only on
+    ``seed``, so every rank gets the same one.
     """
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
+    images, labels = _read_digits()
+    generator = torch.Generator().manual_seed(seed)
+    train_idx, test_idx = [], []
+    for digit in range(10):
+        idx = (labels == digit).nonzero().flatten()
+        idx = idx[torch.randperm(len(idx), generator=generator)]
+        cut = round(len(idx) * test_fraction)
+        test_idx.append(idx[:cut])
+        train_idx.append(idx[cut:])
+    train, test = torch.cat(train_idx), torch.cat(test_idx)
+    return images[train], labels[train], images[test], labels[test]
 
-    digits = load_digits()
-    images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
-    labels = torch.tensor(digits.target, dtype=torch.long)
-    train_idx, test_idx = train_test_split(
-        list(range(len(labels))), test_size=test_fraction, random_state=seed, stratify=digits.target
-    )
-    return images[train_idx], labels[train_idx], images[test_idx], labels[test_idx]
+
+def _read_digits() -> Tuple[Tensor, Tensor]:
+    """scikit-learn's bundled digits, read straight from its data file.
+
+    Reading the file rather than calling ``sklearn.datasets.load_digits`` keeps
+    scikit-learn's own OpenMP runtime out of the training processes: loaded beside
+    torch's, it makes about one process in five abort at exit ("terminate called
+    without an active exception"), even in a script without distopt.
+    """
+    spec = importlib.util.find_spec("sklearn")  # finds the package without importing it
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("the digits come with scikit-learn, which is not installed: pip install -e '.[examples]'")
+    data = np.loadtxt(Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz", delimiter=",")
+    images = torch.tensor(data[:, :-1], dtype=torch.float32).reshape(-1, 1, 8, 8) / 16.0
+    return images, torch.tensor(data[:, -1], dtype=torch.long)
 
 
 def _parse_size(text: str) -> int:

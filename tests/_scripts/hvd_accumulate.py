@@ -7,9 +7,12 @@ step() must reduce what was accumulated. Trains on scikit-learn's digits with a
 learning-rate warm-up, checkpoints on rank 0 and resumes from the newest checkpoint.
 """
 import argparse
+import importlib.util
 import math
 import os
+from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -39,11 +42,12 @@ parser.add_argument("--seed", type=int, default=42, help="random seed")
 
 
 def load_digits(seed):
-    from sklearn.datasets import load_digits as sklearn_digits
-
-    digits = sklearn_digits()
-    images = torch.tensor(digits.images, dtype=torch.float32).flatten(1) / 16.0
-    labels = torch.tensor(digits.target, dtype=torch.long)
+    # Read scikit-learn's data file instead of importing scikit-learn: its OpenMP runtime
+    # beside torch's makes some processes abort at exit.
+    spec = importlib.util.find_spec("sklearn")
+    data = np.loadtxt(Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz", delimiter=",")
+    images = torch.tensor(data[:, :-1], dtype=torch.float32) / 16.0
+    labels = torch.tensor(data[:, -1], dtype=torch.long)
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
     cut = int(0.8 * len(labels))
     return (TensorDataset(images[order[:cut]], labels[order[:cut]]),
