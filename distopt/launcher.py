@@ -26,6 +26,7 @@ import sys
 import time
 import traceback
 import warnings
+import weakref
 from dataclasses import dataclass, replace
 from datetime import timedelta
 from multiprocessing import connection
@@ -258,16 +259,59 @@ def init(backend: Optional[str] = None, timeout: _Timeout = None) -> None:
         _check_backend(backend, local_rank + 1)
     if _uses_cuda(backend):
         torch.cuda.set_device(local_rank)
-    dist.init_process_group(backend=backend, init_method="env://", timeout=wait)
-    # A group still alive at interpreter exit is torn down during C++ static destruction,
-    # which can abort the process ("terminate called without an active exception").
+    _init_process_group(backend=backend, init_method="env://", timeout=wait)
     atexit.register(shutdown)
 
 
+def _init_process_group(**kwargs: Any) -> None:
+    """``dist.init_process_group``, after the one import that would otherwise keep the group alive.
+
+    ``torch.distributed.nn.functional`` binds ``group=group.WORLD`` as a default
+    argument when it is first imported, and ``torch.optim`` imports it (through
+    ``torch._dynamo``) the first time an optimizer is built. Imported after the
+    group exists, it captures the group for good: ``destroy_process_group()``
+    then cannot free it, gloo's worker threads run on into interpreter exit, and
+    one that drops the last reference to a finished collective there needs the
+    GIL, cannot get it and aborts the process ("terminate called without an
+    active exception"). Imported first, it binds ``None``.
+    """
+    import torch.distributed.nn.functional  # noqa: F401  (see above)
+
+    dist.init_process_group(**kwargs)
+
+
 def shutdown() -> None:
-    """Destroy the default process group; a no-op without one."""
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+    """Destroy the default process group; a no-op without one.
+
+    Warns if the group outlives this call (something still references it), since
+    its threads would then run into interpreter exit, where they can abort the process.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    group = weakref.ref(dist.distributed_c10d._get_default_group())
+    dist.destroy_process_group()
+    if group() is not None:
+        gc.collect()  # a reference cycle (e.g. a DDP module that holds the group) is not a leak
+    if group() is not None:
+        warnings.warn(
+            "distopt.shutdown() destroyed the default process group, but something still references it, so its "
+            f"communication threads stay alive and can abort the process at exit. {_who_holds(group())}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
+def _who_holds(group: Any) -> str:
+    functional = sys.modules.get("torch.distributed.nn.functional")
+    if functional is not None and any(
+        group in (getattr(fn, "__defaults__", None) or ()) for fn in vars(functional).values()
+    ):
+        return (
+            "torch.distributed.nn.functional was imported after the group was created and holds it as a default "
+            "argument (building the first torch.optim optimizer imports it): create the group with distopt.init() "
+            "or distopt.launch(), or import torch.distributed.nn.functional before init_process_group()."
+        )
+    return "Drop your own references to it (e.g. a saved dist.group.WORLD or a process_group= attribute) first."
 
 
 # ---------------------------------------------------------------------------
@@ -326,7 +370,7 @@ def _worker_main(spec: _WorkerSpec, job: bytes, conn: Connection) -> None:
         torch.set_num_threads(max(1, cores // spec.local_world_size))
         # The parent owns the rendezvous store, so port 0 never races for a port.
         store = dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, False, _STORE_TIMEOUT)
-        dist.init_process_group(spec.backend, store=store, rank=spec.rank, world_size=spec.world_size)
+        _init_process_group(backend=spec.backend, store=store, rank=spec.rank, world_size=spec.world_size)
         try:
             result = fn(*args, **kwargs)
         except SystemExit as exc:
@@ -334,10 +378,7 @@ def _worker_main(spec: _WorkerSpec, job: bytes, conn: Connection) -> None:
                 raise
         else:
             conn.send(("ok", result))
-        # Free what fn left in reference cycles (e.g. a DDP module holds its group) while the
-        # runtime is intact, so the group really goes now and not during interpreter exit.
-        del fn, args, kwargs
-        gc.collect()
+        del fn, args, kwargs  # so that nothing of the job keeps the group alive past shutdown()
         shutdown()
     except BaseException as exc:
         code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
