@@ -37,7 +37,7 @@ def test_single_process_is_bitwise_identical_to_the_inner_optimizer(name):
 def test_single_process_installs_no_hooks_and_communicates_nothing():
     model = make_model()
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
-    assert opt.world_size == 1 and opt._handles == []
+    assert opt.world_size == 1 and opt._engine.handles == []
     train(model, opt, steps=2)
     assert opt.stats.packs == 0 and opt.stats.bytes == 0
 

@@ -170,7 +170,7 @@ def random_reduction_worker(cases):
             for i in order:
                 loss = loss + (params[i] * case_grad(case, rnd, rank, i, *specs[i])).sum().double()
             opt.zero_grad()
-            plan_was_fixed = opt._planned  # the first round may re-plan, changing the pack count
+            plan_was_fixed = opt._engine.planned  # the first round may re-plan, changing the pack count
             loss.backward()
             opt.synchronize()
             for i, (shape, dtype) in enumerate(specs):
@@ -185,10 +185,10 @@ def random_reduction_worker(cases):
                     failures.append(f"case {case} round {rnd}: param {i} gradient is {got!r}")
                 elif not torch.allclose(got.double(), expected, rtol=DTYPE_TOL[dtype], atol=DTYPE_TOL[dtype]):
                     failures.append(f"case {case} round {rnd}: param {i} ({dtype}) {got} != {expected}")
-            if plan_was_fixed and opt.stats.packs != len(opt._packs):
-                failures.append(f"case {case} round {rnd}: {opt.stats.packs} all-reduces for {len(opt._packs)} packs")
+            if plan_was_fixed and opt.stats.packs != len(opt._engine.packs):
+                failures.append(f"case {case} round {rnd}: {opt.stats.packs} all-reduces for {len(opt._engine.packs)} packs")
             opt.step()
-        for pack in opt._packs:
+        for pack in opt._engine.packs:
             if len({(params[i].dtype, params[i].device) for i in pack.spec.members}) != 1:
                 failures.append(f"case {case}: a pack mixes dtypes or devices")
         opt.close()
@@ -298,7 +298,7 @@ def accumulation_worker(mode):
                 nn.functional.mse_loss(model(shard(x1)), shard(y1)).backward()
         else:
             nn.functional.mse_loss(model(shard(x1)), shard(y1)).backward()
-        packs_after_first.append(opt._state)
+        packs_after_first.append(opt._engine.state)
         nn.functional.mse_loss(model(shard(x2)), shard(y2)).backward()
         opt.step()
     error = ""
@@ -315,7 +315,7 @@ def accumulation_worker(mode):
 def test_accumulated_gradients_are_reduced_once_on_the_last_pass(mode):
     for diff, states, error in world_results(2, accumulation_worker, mode):
         assert diff < TOL
-        assert states == [distopt.optimizer._IDLE] * 3  # nothing was reduced after the first pass
+        assert states == [distopt.engine.IDLE] * 3  # nothing was reduced after the first pass
         assert "call step() or zero_grad() before the next backward()" in error
 
 
@@ -346,7 +346,7 @@ def scaler_worker():
         packs = opt.stats.packs
         scaler.step(opt)
         scaler.update()
-        launches.append((packs, opt.stats.packs, len(opt._packs)))
+        launches.append((packs, opt.stats.packs, len(opt._engine.packs)))
     return max_diff(model.parameters(), reference.parameters()), launches
 
 
@@ -483,8 +483,8 @@ def plan_worker():
         opt.zero_grad()
         nn.functional.mse_loss(model(shard(x)), shard(y)).backward()
         opt.step()
-        planned.append((opt._planned, opt.stats.packs_at_flush))
-    return planned, [pack.spec.members for pack in opt._packs]
+        planned.append((opt._engine.planned, opt.stats.packs_at_flush))
+    return planned, [pack.spec.members for pack in opt._engine.packs]
 
 
 def test_the_roots_observed_order_becomes_the_fixed_plan_and_packs_overlap_backward():

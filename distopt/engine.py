@@ -1,0 +1,359 @@
+"""The reduction engine under :class:`distopt.DistributedOptimizer`: hooks, packs and the round.
+
+This is the hot path. A post-accumulate-grad hook on every tracked parameter
+marks its gradient ready; the gradient moves into its pack's persistent flat
+buffer (scaled in the same pass) and ``.grad`` becomes a view of its slice.
+Packs launch one asynchronous all-reduce each, strictly in the order of a plan
+every rank holds identically (:class:`distopt.packing.LaunchOrder`). At the end
+of the reducing backward pass (an autograd engine callback) the rest is flushed
+and everything is awaited in :meth:`GradientEngine.finish_round`, the one place
+that waits.
+
+A *round* is what happens between two ``step()``/``zero_grad()`` calls: backward
+passes accumulate locally (``IDLE``), the reducing pass runs (``ACTIVE``), and
+once every pack is back the gradients are averaged and final (``DONE``).
+
+The engine knows nothing of steps or optimizers; a mode (:mod:`distopt.modes`)
+decides what happens at ``step()``.
+"""
+from __future__ import annotations
+
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.autograd import Variable
+from torch.distributed import ProcessGroup
+
+from . import collectives
+from .packing import LaunchOrder, PackSpec, ParamMeta, plan_packs
+
+__all__ = ["GradientEngine", "StepStats", "IDLE", "ACTIVE", "DONE"]
+
+# Mean member size (elements) under which a pack is gathered with one cat: below it the
+# per-tensor dispatch cost dominates; above it one fused copy-and-scale pass per tensor wins.
+_BATCH_GATHER_BELOW = 1 << 12
+
+# Round states: gradients accumulate locally (IDLE), the reducing backward is
+# running (ACTIVE), gradients are averaged and final (DONE).
+IDLE, ACTIVE, DONE = range(3)
+
+
+@dataclass
+class StepStats:
+    """What the last reduction round did.
+
+    Attributes:
+        packs: all-reduces launched.
+        packs_at_flush: of those, how many launched only at the end of backward
+            (the rest overlapped with backward).
+        bytes: bytes put on the wire.
+        wait_seconds: time spent blocked waiting for communication.
+    """
+
+    packs: int = 0
+    packs_at_flush: int = 0
+    bytes: int = 0
+    wait_seconds: float = 0.0
+
+
+@dataclass
+class _Pack:
+    """Runtime state of one planned pack: a persistent flat buffer the gradients live in."""
+
+    spec: PackSpec
+    buffer: Tensor  # gradient data, then one presence flag per member
+    data: Tensor  # the gradient part of ``buffer``
+    views: List[Tensor]  # per member, shaped like its parameter; these become ``.grad``
+    flags: Tensor
+    params: List[Tensor]  # the members' parameters
+    batched: bool  # small members: gather with one cat instead of one copy each
+    wire: Optional[Tensor]  # 16-bit copy sent instead of ``buffer`` when compressing
+    absent: List[int]  # members that had no local gradient this round
+
+
+class GradientEngine:
+    """Averages the gradients of the parameters it tracks, during backward.
+
+    Args:
+        process_group: the group to reduce over (None: the default group).
+        scale: factor applied while copying into a pack (the mean's 1/world), or None.
+        op: the all-reduce op (``SUM``, or ``AVG`` where the backend averages natively).
+        pack_threshold: bytes at which a pack closes.
+        wire_dtype: 16-bit dtype float packs travel as, or None.
+        sparse_as_dense: densify sparse gradients instead of raising.
+        backward_passes_per_step: passes accumulated before the reducing one.
+        root_rank: the rank whose observed gradient order becomes the plan.
+    """
+
+    def __init__(self, *, process_group: Optional[ProcessGroup], scale: Optional[float], op: Any,
+                 pack_threshold: int, wire_dtype: Optional[torch.dtype], sparse_as_dense: bool,
+                 backward_passes_per_step: int, root_rank: int) -> None:
+        self.process_group = process_group
+        self.scale = scale
+        self.op = op
+        self.pack_threshold = pack_threshold
+        self.wire_dtype = wire_dtype
+        self.sparse_as_dense = sparse_as_dense
+        self.backward_passes_per_step = backward_passes_per_step
+        self.root_rank = root_rank
+        self.stats = StepStats()
+        self.params: List[Tensor] = []
+        self.names: List[str] = []
+        self.handles: List[Any] = []  # hook handles, removed by close()
+        self.packs: List[_Pack] = []
+        self.pack_of: List[int] = []  # parameter index -> pack index
+        self.launch_order = LaunchOrder([])
+        self.planned = False
+        self.sync_enabled = True  # False inside no_sync()
+        self.lock = threading.Lock()
+        self.reset_round()
+
+    # ------------------------------------------------------------------ set-up
+
+    def track(self, params: Sequence[Tensor], names: Sequence[str]) -> None:
+        """Hook ``params`` (already checked across ranks) and re-plan the packs."""
+        ref = weakref.ref(self)
+        for index, p in enumerate(params, len(self.params)):
+            self.handles.append(p.register_post_accumulate_grad_hook(_make_hook(ref, index)))
+        self.params.extend(params)
+        self.names.extend(names)
+        # Reverse registration order is the usual arrival order; the root's observed order replaces it later.
+        self._build_packs(list(reversed(range(len(self.params)))))
+        self.planned = False
+        self.reset_round()
+
+    def close(self) -> None:
+        """Remove every hook: the engine's gradients are no longer reduced."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+
+    def _build_packs(self, order: Sequence[int]) -> None:
+        packs = []
+        pack_of = [0] * len(self.params)
+        for k, spec in enumerate(plan_packs(order, _metas(self.params), self.pack_threshold)):
+            device, dtype = spec.key
+            buffer = torch.empty(spec.numel + len(spec.members), dtype=dtype, device=device)
+            views = [
+                buffer[off : off + n].view(self.params[i].shape)
+                for i, off, n in zip(spec.members, spec.offsets, spec.numels)
+            ]
+            wire = None
+            if self.wire_dtype is not None and dtype in (torch.float32, torch.float64):
+                wire = torch.empty(buffer.numel(), dtype=self.wire_dtype, device=device)
+            members = [self.params[i] for i in spec.members]
+            batched = spec.numel < _BATCH_GATHER_BELOW * len(spec.members)
+            packs.append(_Pack(spec, buffer, buffer[: spec.numel], views, buffer[spec.numel :], members, batched,
+                               wire, []))
+            for i in spec.members:
+                pack_of[i] = k
+        if self.packs:  # a re-plan: gradients move from the old buffers to the new ones
+            for pack in packs:
+                for p, view in zip(pack.params, pack.views):
+                    if p.grad is not None:
+                        view.copy_(p.grad)
+                        p.grad = view
+        self.packs = packs
+        self.pack_of = pack_of
+        self.launch_order = LaunchOrder([len(pk.spec.members) for pk in packs])
+
+    # ------------------------------------------------------------------ the round
+
+    def reset_round(self) -> None:
+        """Start a new round: nothing fired, nothing in flight."""
+        self.state = IDLE
+        self._passes = 0
+        self._pass_open = False
+        self._pass_counts = False
+        self._pass_reduces = False
+        self._inflight: List[Tuple[Any, _Pack]] = []
+        self._fired = bytearray(len(self.params))
+        self._arrivals: List[int] = []
+        self.launch_order.reset()
+        for pack in self.packs:
+            pack.absent.clear()
+
+    def synchronize(self) -> None:
+        """Reduce whatever is not reduced yet this round and wait for it; a no-op once DONE."""
+        if self.state == DONE:
+            return
+        with self.lock:
+            self.stats = StepStats()
+            self._flush()
+            self.finish_round()
+
+    def on_grad_ready(self, index: int) -> None:
+        with self.lock:
+            if not self._pass_open:
+                self._open_pass()
+            if not self._pass_reduces:
+                return
+            if self._fired[index]:
+                raise RuntimeError(
+                    f"the gradient of {self.names[index]!r} was accumulated twice in one backward pass "
+                    "after it was sent; distopt supports one gradient per parameter per backward"
+                )
+            self._fired[index] = 1
+            if not self.planned:
+                self._arrivals.append(index)
+            for ready in self.launch_order.ready(self.pack_of[index]):
+                self._launch(self.packs[ready])
+
+    def _open_pass(self) -> None:
+        """First hook of a backward pass: decide whether it reduces, and hook its end."""
+        if self._passes >= self.backward_passes_per_step or self.state == DONE:
+            raise RuntimeError(
+                f"backward() ran again after the gradients were averaged (backward_passes_per_step="
+                f"{self.backward_passes_per_step}): call step() or zero_grad() before the next backward(), "
+                f"or raise backward_passes_per_step to accumulate more passes (a reentrant "
+                f"torch.utils.checkpoint also runs nested backward passes: use use_reentrant=False)"
+            )
+        self._pass_open = True
+        self._pass_counts = self.sync_enabled  # no_sync passes do not count
+        self._pass_reduces = self._pass_counts and self._passes == self.backward_passes_per_step - 1
+        if self._pass_reduces:
+            self.state = ACTIVE
+            self.stats = StepStats()
+        Variable._execution_engine.queue_callback(self._on_backward_end)
+
+    def _on_backward_end(self) -> None:
+        with self.lock:
+            self._pass_open = False
+            self._passes += self._pass_counts
+            if self._pass_reduces:
+                self._flush()
+                self.finish_round()
+
+    def _adopt_grad(self, index: int, view: Tensor) -> bool:
+        """Make ``.grad`` of parameter ``index`` the buffer view ``view``; False if it has none."""
+        param = self.params[index]
+        grad = param.grad
+        scale = self.scale
+        if grad is view:  # accumulated in place
+            if scale is not None:
+                view.mul_(scale)
+            return True
+        if grad is None:
+            return False
+        if grad.is_sparse:
+            if not self.sparse_as_dense:
+                raise RuntimeError(
+                    f"parameter {self.names[index]!r} has a sparse gradient, which distopt does not reduce; "
+                    "use dense gradients (e.g. nn.Embedding(..., sparse=False)) or pass sparse_as_dense=True"
+                )
+            grad = grad.to_dense()
+        if scale is None:
+            view.copy_(grad)
+        else:
+            torch.mul(grad, scale, out=view)
+        param.grad = view
+        return True
+
+    def _gather(self, pack: _Pack) -> None:
+        """Move the members' gradients into the pack's buffer, scaled; zeros where a member has none."""
+        grads = [p.grad for p in pack.params]
+        if pack.batched and all(
+            g is not None and g is not v and not g.is_sparse for g, v in zip(grads, pack.views)
+        ):
+            # Many small gradients: one cat and one scale beat a copy per tensor.
+            torch.cat([g.reshape(-1) for g in grads], out=pack.data)
+            if self.scale is not None:
+                pack.data.mul_(self.scale)
+            for p, view in zip(pack.params, pack.views):
+                p.grad = view
+            return
+        for j, index in enumerate(pack.spec.members):
+            if not self._adopt_grad(index, pack.views[j]):
+                pack.views[j].zero_()
+                pack.absent.append(j)
+
+    def _launch(self, pack: _Pack) -> None:
+        self._gather(pack)
+        pack.flags.fill_(1)
+        for j in pack.absent:
+            pack.flags[j] = 0
+        buffer = pack.buffer
+        if pack.wire is not None:
+            pack.wire.copy_(buffer)
+            buffer = pack.wire
+        with torch.profiler.record_function("distopt.all_reduce"):
+            work = dist.all_reduce(buffer, op=self.op, group=self.process_group, async_op=True)
+        self._inflight.append((work, pack))
+        self.stats.packs += 1
+        self.stats.bytes += buffer.numel() * buffer.element_size()
+
+    def _flush(self) -> None:
+        """Launch every pack not launched yet, sending zeros for members without a gradient."""
+        launched_before = self.launch_order.launched
+        for k in self.launch_order.flush():
+            self._launch(self.packs[k])
+        self.stats.packs_at_flush = self.launch_order.launched - launched_before
+
+    def wait(self) -> None:
+        """Block until every launched all-reduce is done (their buffers may still be written before)."""
+        if not self._inflight:
+            return
+        start = time.perf_counter()
+        with torch.profiler.record_function("distopt.wait"):
+            for work, _ in self._inflight:
+                work.wait()
+        self.stats.wait_seconds += time.perf_counter() - start
+
+    def finish_round(self) -> None:
+        """Wait for every pack, scale, and settle which parameters end up with a gradient."""
+        self.wait()
+        for _, pack in self._inflight:
+            if pack.wire is not None:
+                pack.buffer.copy_(pack.wire)
+            if pack.absent:
+                present = pack.flags.tolist()
+                for j in pack.absent:
+                    # Averaged with zeros where some rank had a gradient; None where none had.
+                    index = pack.spec.members[j]
+                    self.params[index].grad = pack.views[j] if present[j] else None
+                pack.absent.clear()
+        self._inflight = []
+        self.state = DONE
+        self._passes = self.backward_passes_per_step
+        if not self.planned:
+            self._fix_plan()
+
+    def _fix_plan(self) -> None:
+        """Adopt the root's observed gradient order as the plan on every rank.
+
+        The message starts with how many arrivals the root saw: a round without
+        any (gradients set by hand) leaves the plan open for the next round.
+        """
+        seen = set(self._arrivals)
+        order = self._arrivals + [i for i in reversed(range(len(self.params))) if i not in seen]
+        message = torch.tensor([len(self._arrivals)] + order, dtype=torch.int64)
+        collectives.broadcast(message, src=self.root_rank, group=self.process_group)
+        observed, *root_order = message.tolist()
+        if not observed:
+            return
+        # Only which packs exist, and their order, matter to matching; keeping the buffers when
+        # those are unchanged also spares a second set of buffers at the peak.
+        plan = plan_packs(root_order, _metas(self.params), self.pack_threshold)
+        if [set(spec.members) for spec in plan] != [set(pack.spec.members) for pack in self.packs]:
+            self._build_packs(root_order)
+        self.planned = True
+
+
+def _metas(params: Sequence[Tensor]) -> List[ParamMeta]:
+    return [ParamMeta((p.device, p.dtype), p.numel(), p.element_size()) for p in params]
+
+
+def _make_hook(ref: "weakref.ReferenceType[GradientEngine]", index: int) -> Callable[[Tensor], None]:
+    # A weak reference, so a dropped optimizer is collected and its hooks go quiet.
+    def hook(param: Tensor) -> None:
+        engine = ref()
+        if engine is not None:
+            engine.on_grad_ready(index)
+
+    return hook
