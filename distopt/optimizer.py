@@ -110,7 +110,6 @@ class DistributedOptimizer(Optimizer):
         self.reduce_op = reduce_op
         self.pack_threshold = int(pack_threshold)
         self.bcast_period = int(bcast_period)
-        self.backward_passes_per_step = int(backward_passes_per_step)
         self.compression = None if compression in (None, "none") else compression
         self.sparse_as_dense = bool(sparse_as_dense)
         # None stays None (the default group, looked up per call): holding the default group would
@@ -135,7 +134,7 @@ class DistributedOptimizer(Optimizer):
             pack_threshold=self.pack_threshold,
             wire_dtype=checks.COMPRESSIONS[self.compression],
             sparse_as_dense=self.sparse_as_dense,
-            backward_passes_per_step=self.backward_passes_per_step,
+            backward_passes_per_step=int(backward_passes_per_step),
             root_rank=root_rank,
         )
         self._mode: Mode = SynchronousMode()
@@ -143,6 +142,15 @@ class DistributedOptimizer(Optimizer):
         self._names_by_id = checks.names_by_id(named_parameters, optimizer)
         self._params: List[Tensor] = []  # every parameter this wrapper broadcasts, in tracking order
         self._track_new_params()
+
+    @property
+    def backward_passes_per_step(self) -> int:
+        """Backward passes accumulated locally before the gradients are reduced, on the last of them."""
+        return self._engine.backward_passes_per_step
+
+    @backward_passes_per_step.setter
+    def backward_passes_per_step(self, passes: int) -> None:
+        self._engine.backward_passes_per_step = passes
 
     @property
     def stats(self) -> StepStats:
