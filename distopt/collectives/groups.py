@@ -1,0 +1,119 @@
+"""Which process group a call runs on, and this process's place in it.
+
+``group=None`` means the default process group: :func:`_resolve_group` is the
+one place that turns it into that group, or into None when no process group is
+initialized, which every helper in :mod:`distopt.collectives` then treats as a
+world of one. Also here: :func:`barrier` and :func:`synchronized`, which wait
+for every rank of a group.
+"""
+from __future__ import annotations
+
+import functools
+import os
+from typing import Any, Callable, Optional, Tuple, TypeVar
+
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+__all__ = [
+    "is_distributed",
+    "get_rank",
+    "get_world_size",
+    "get_local_rank",
+    "get_dist_info",
+    "barrier",
+    "synchronized",
+]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+# ---------------------------------------------------------------------------
+# who am I
+
+
+def is_distributed() -> bool:
+    """Whether torch.distributed is available and a default process group exists."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def _resolve_group(group: Optional[ProcessGroup]) -> Optional[ProcessGroup]:
+    """The one place where ``group=None`` becomes the default group (or None without one)."""
+    if group is not None:
+        return group
+    if not is_distributed():
+        return None
+    return dist.group.WORLD
+
+
+def _world(group: Optional[ProcessGroup]) -> Tuple[Optional[ProcessGroup], int]:
+    """``(group, its world size)`` with ``None`` resolved; ``(None, 1)`` without a process group."""
+    group = _resolve_group(group)
+    return group, (1 if group is None else dist.get_world_size(group))
+
+
+def get_rank(group: Optional[ProcessGroup] = None) -> int:
+    """Rank of this process in ``group`` (default: the world); 0 without a process group."""
+    group = _resolve_group(group)
+    return 0 if group is None else dist.get_rank(group)
+
+
+def get_world_size(group: Optional[ProcessGroup] = None) -> int:
+    """Number of processes in ``group`` (default: the world); 1 without a process group."""
+    group = _resolve_group(group)
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def get_local_rank() -> int:
+    """Index of this process on its machine; 0 without a process group.
+
+    Read from ``LOCAL_RANK`` (set by :func:`distopt.launch` and torchrun); a
+    group set up without it is taken to be on one machine, so the global rank.
+    """
+    if not is_distributed():
+        return 0
+    return int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+
+
+def get_dist_info(group: Optional[ProcessGroup] = None) -> Tuple[int, int]:
+    """``(rank, world_size)`` of this process in ``group``."""
+    return get_rank(group), get_world_size(group)
+
+
+# ---------------------------------------------------------------------------
+# waiting for every rank
+
+
+def barrier(group: Optional[ProcessGroup] = None) -> None:
+    """Block until every rank of ``group`` reaches this call; a no-op in one process."""
+    group = _resolve_group(group)
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.barrier(group=group)
+
+
+def synchronized(fn: Optional[_F] = None, *, group: Optional[ProcessGroup] = None) -> Any:
+    """Decorator: after the function returns, wait at a barrier for every rank of ``group``.
+
+    Use it bare (``@synchronized``) or with a group (``@synchronized(group=g)``),
+    e.g. around code where rank 0 writes a file the others then read. If the
+    function raises, no barrier is entered. A plain call in one process.
+
+    Args:
+        fn: the function (given when used bare).
+        group: the group to synchronize; default: the world.
+
+    Returns:
+        The wrapped function, or a decorator when ``fn`` is not given.
+    """
+    if fn is None:
+        return functools.partial(synchronized, group=group)
+    if not callable(fn):
+        raise TypeError(f"synchronized decorates a function; got {fn!r}")
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        result = fn(*args, **kwargs)
+        barrier(group)
+        return result
+
+    return wrapper
