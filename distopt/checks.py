@@ -7,6 +7,7 @@ argument, the bad value and the fix.
 """
 from __future__ import annotations
 
+import numbers
 import weakref
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
@@ -21,11 +22,12 @@ __all__ = [
     "COMPRESSIONS",
     "REDUCE_OPS",
     "check_arguments",
+    "byte_count",
     "names_by_id",
     "positions",
     "claim",
     "release",
-    "check_same_params_on_all_ranks",
+    "check_agreement",
 ]
 
 REDUCE_OPS = ("mean", "sum")
@@ -42,6 +44,7 @@ def check_arguments(
     bcast_period: Any,
     backward_passes_per_step: Any,
     compression: Any,
+    sparse_as_dense: Any,
 ) -> None:
     """Raise ``TypeError``/``ValueError`` naming the first bad constructor argument."""
     if not isinstance(optimizer, Optimizer):
@@ -51,10 +54,7 @@ def check_arguments(
         )
     if reduce_op not in REDUCE_OPS:
         raise ValueError(f"reduce_op must be 'mean' or 'sum', got {reduce_op!r}")
-    if isinstance(pack_threshold, bool) or not isinstance(pack_threshold, int) or pack_threshold < 0:
-        raise ValueError(
-            f"pack_threshold must be a number of bytes >= 0 (0 sends each gradient alone), got {pack_threshold!r}"
-        )
+    byte_count(pack_threshold, "pack_threshold", "0 sends each gradient alone")
     if isinstance(bcast_period, bool) or not isinstance(bcast_period, int) or bcast_period < -1:
         raise ValueError(
             f"bcast_period must be an int >= -1 (N > 0: every N steps, 0: only at construction, -1: never), "
@@ -71,6 +71,21 @@ def check_arguments(
         )
     if compression not in COMPRESSIONS:
         raise ValueError(f"compression must be None, 'fp16' or 'bf16', got {compression!r}")
+    if not isinstance(sparse_as_dense, bool):
+        raise TypeError(f"sparse_as_dense must be True or False, got {sparse_as_dense!r}")
+
+
+def byte_count(value: Any, name: str, hint: str) -> int:
+    """``value`` as an int number of bytes >= 0: ints, numpy integers and integral floats (``1e6``).
+
+    Raises:
+        ValueError: anything else, naming ``name`` and the value.
+    """
+    if isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 0:
+        return int(value)
+    if isinstance(value, numbers.Real) and not isinstance(value, bool) and float(value).is_integer() and value >= 0:
+        return int(value)
+    raise ValueError(f"{name} must be a number of bytes >= 0, a whole one ({hint}), got {value!r}")
 
 
 def names_by_id(named_parameters: Optional[Iterable[Tuple[str, Tensor]]], optimizer: Optimizer) -> Dict[int, str]:
@@ -119,19 +134,16 @@ def positions(optimizer: Optimizer, only: Optional[List[Tensor]]) -> List[Tuple[
     ]
 
 
-def claim(param: Tensor, name: str, owner: Any) -> None:
-    """Mark ``owner`` as the wrapper that reduces ``param``'s gradient.
+def claim(param: Tensor, owner: Any) -> Optional[Any]:
+    """Make ``owner`` the wrapper that reduces ``param``'s gradient.
 
-    Raises:
-        ValueError: another live wrapper already reduces it.
+    Returns:
+        The live wrapper that reduced it until now, if another one; it must stop.
     """
     current = getattr(param, _OWNER_ATTR, None)
-    if current is not None and current() is not None and current() is not owner:
-        raise ValueError(
-            f"parameter {name!r} already belongs to another DistributedOptimizer; give each wrapper its own "
-            "parameters, or call close() on the old wrapper first"
-        )
+    previous = current() if current is not None else None
     setattr(param, _OWNER_ATTR, weakref.ref(owner))
+    return previous if previous is not owner else None
 
 
 def release(param: Tensor, owner: Any) -> None:
@@ -141,27 +153,61 @@ def release(param: Tensor, owner: Any) -> None:
         delattr(param, _OWNER_ATTR)
 
 
-def check_same_params_on_all_ranks(
-    params: List[Tensor], names: List[str], group: Optional[ProcessGroup], root: int
+def check_agreement(
+    settings: Dict[str, Any], params: List[Tensor], names: List[str], group: Optional[ProcessGroup], root: int
 ) -> None:
-    """Raise on every rank, naming the first parameter that differs from the root's."""
-    mine = [(n, tuple(p.shape), str(p.dtype)) for n, p in zip(names, params)]
+    """Raise the same ``ValueError`` on every rank if the ranks' settings or parameters differ.
+
+    One gather of every rank's ``settings`` (whatever shapes the collectives)
+    and of each parameter's name, shape and dtype, in order.
+
+    Args:
+        settings: name -> value of every setting that must match.
+        params: the parameters, in the order the wrapper tracks them.
+        names: their names (``named_parameters``, or their positions).
+        group: the group the wrapper communicates on.
+        root: the rank whose parameters are the reference.
+    """
+    mine = (settings, [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in zip(names, params)])
     everyone = collectives.all_gather_object(mine, group=group)
-    reference = everyone[root]
-    for rank, theirs in enumerate(everyone):
+    for key in settings:
+        values = [theirs[0].get(key) for theirs in everyone]
+        if any(v != values[0] for v in values):
+            detail = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))
+            raise ValueError(
+                f"DistributedOptimizer was built with different {key} on different ranks ({detail}); every "
+                "rank must pass the same settings, since they decide which collectives run"
+            )
+    reference = everyone[root][1]
+    for rank, (_, theirs) in enumerate(everyone):
         if theirs == reference:
             continue
         for i in range(max(len(theirs), len(reference))):
             a = reference[i] if i < len(reference) else None
             b = theirs[i] if i < len(theirs) else None
-            if a is None or b is None or a[1:] != b[1:]:
+            if a is None or b is None or a[1:3] != b[1:3]:
                 what = a[0] if a is not None else b[0]
                 raise ValueError(
                     f"the model differs between ranks: parameter {i} ({what!r}) is "
                     f"{_describe(a)} on rank {root} but {_describe(b)} on rank {rank}; build the same model "
                     f"({len(reference)} vs {len(theirs)} parameters) on every rank before wrapping the optimizer"
                 )
+            if a[0] != b[0]:
+                raise ValueError(
+                    f"the parameters are in a different order on different ranks: parameter {i} is {a[0]!r} on "
+                    f"rank {root} but {b[0]!r} on rank {rank}; build the model and the optimizer's parameter list "
+                    "in the same order on every rank (e.g. sort a dict of modules by key)"
+                )
+            if a[3] != b[3]:
+                raise ValueError(
+                    f"parameter {i} ({a[0]!r}) is {_trainable(a)} on rank {root} but {_trainable(b)} on rank "
+                    f"{rank}; set requires_grad alike on every rank before wrapping the optimizer"
+                )
 
 
-def _describe(entry: Optional[Tuple[str, Tuple[int, ...], str]]) -> str:
+def _describe(entry: Optional[Tuple[str, Tuple[int, ...], str, bool]]) -> str:
     return "missing" if entry is None else f"shape {list(entry[1])} {entry[2]}"
+
+
+def _trainable(entry: Tuple[str, Tuple[int, ...], str, bool]) -> str:
+    return "trainable" if entry[3] else "frozen (requires_grad=False)"

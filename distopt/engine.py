@@ -28,10 +28,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.autograd import Variable
-from torch.distributed import ProcessGroup
 
 from . import collectives
 from .packing import LaunchOrder, PackSpec, ParamMeta, plan_packs
+from .private_groups import PrivateGroup
 
 __all__ = ["GradientEngine", "StepStats", "IDLE", "ACTIVE", "DONE"]
 
@@ -42,6 +42,13 @@ _BATCH_GATHER_BELOW = 1 << 12
 # Round states: gradients accumulate locally (IDLE), the reducing backward is
 # running (ACTIVE), gradients are averaged and final (DONE).
 IDLE, ACTIVE, DONE = range(3)
+
+# Where a rank launched its packs this round. Every pack's tail carries, after one
+# presence flag per member, three control flags that every rank reads alike once
+# the round is back: "launched during backward", "launched only inside step()"
+# and "a parameter frozen when it was tracked is trainable now".
+_BACKWARD, _EXPLICIT, _IMPLICIT = range(3)
+_CONTROL = 3
 
 
 @dataclass
@@ -67,10 +74,10 @@ class _Pack:
     """Runtime state of one planned pack: a persistent flat buffer the gradients live in."""
 
     spec: PackSpec
-    buffer: Tensor  # gradient data, then one presence flag per member
+    buffer: Tensor  # gradient data, one presence flag per member, then the control flags
     data: Tensor  # the gradient part of ``buffer``
     views: List[Tensor]  # per member, shaped like its parameter; these become ``.grad``
-    flags: Tensor
+    flags: Tensor  # presence and control flags
     params: List[Tensor]  # the members' parameters
     batched: bool  # small members: gather with one cat instead of one copy each
     wire: Optional[Tensor]  # 16-bit copy sent instead of ``buffer`` when compressing
@@ -81,7 +88,7 @@ class GradientEngine:
     """Averages the gradients of the parameters it tracks, during backward.
 
     Args:
-        process_group: the group to reduce over (None: the default group).
+        channel: the private group to reduce over.
         scale: factor applied while copying into a pack (the mean's 1/world), or None.
         op: the all-reduce op (``SUM``, or ``AVG`` where the backend averages natively).
         pack_threshold: bytes at which a pack closes.
@@ -91,10 +98,10 @@ class GradientEngine:
         root_rank: the rank whose observed gradient order becomes the plan.
     """
 
-    def __init__(self, *, process_group: Optional[ProcessGroup], scale: Optional[float], op: Any,
+    def __init__(self, *, channel: Optional[PrivateGroup], scale: Optional[float], op: Any,
                  pack_threshold: int, wire_dtype: Optional[torch.dtype], sparse_as_dense: bool,
                  backward_passes_per_step: int, root_rank: int) -> None:
-        self.process_group = process_group
+        self.channel = channel
         self.scale = scale
         self.op = op
         self.pack_threshold = pack_threshold
@@ -105,6 +112,9 @@ class GradientEngine:
         self.stats = StepStats()
         self.params: List[Tensor] = []
         self.names: List[str] = []
+        # Parameters held but frozen when they were tracked; they join once trainable.
+        self.frozen: List[Tensor] = []
+        self.frozen_names: List[str] = []
         self.handles: List[Any] = []  # hook handles, removed by close()
         self.packs: List[_Pack] = []
         self.pack_of: List[int] = []  # parameter index -> pack index
@@ -117,7 +127,14 @@ class GradientEngine:
     # ------------------------------------------------------------------ set-up
 
     def track(self, params: Sequence[Tensor], names: Sequence[str]) -> None:
-        """Hook ``params`` (already checked across ranks) and re-plan the packs."""
+        """Reduce ``params`` (already checked across ranks): the trainable ones now, the frozen once trainable."""
+        trainable = [(p, n) for p, n in zip(params, names) if p.requires_grad]
+        frozen = [(p, n) for p, n in zip(params, names) if not p.requires_grad]
+        self.frozen.extend(p for p, _ in frozen)
+        self.frozen_names.extend(n for _, n in frozen)
+        self._hook([p for p, _ in trainable], [n for _, n in trainable])
+
+    def _hook(self, params: Sequence[Tensor], names: Sequence[str]) -> None:
         ref = weakref.ref(self)
         for index, p in enumerate(params, len(self.params)):
             self.handles.append(p.register_post_accumulate_grad_hook(_make_hook(ref, index)))
@@ -129,17 +146,19 @@ class GradientEngine:
         self.reset_round()
 
     def close(self) -> None:
-        """Remove every hook: the engine's gradients are no longer reduced."""
+        """Remove every hook and destroy the private group: nothing is reduced any more."""
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+        if self.channel is not None:
+            self.channel.destroy()
 
     def _build_packs(self, order: Sequence[int]) -> None:
         packs = []
         pack_of = [0] * len(self.params)
         for k, spec in enumerate(plan_packs(order, _metas(self.params), self.pack_threshold)):
             device, dtype = spec.key
-            buffer = torch.empty(spec.numel + len(spec.members), dtype=dtype, device=device)
+            buffer = torch.empty(spec.numel + len(spec.members) + _CONTROL, dtype=dtype, device=device)
             views = [
                 buffer[off : off + n].view(self.params[i].shape)
                 for i, off, n in zip(spec.members, spec.offsets, spec.numels)
@@ -175,16 +194,28 @@ class GradientEngine:
         self._inflight: List[Tuple[Any, _Pack]] = []
         self._fired = bytearray(len(self.params))
         self._arrivals: List[int] = []
+        self._phase = _BACKWARD
+        self._control: Optional[Tensor] = None  # this rank's control flags, set at its first launch
         self.launch_order.reset()
         for pack in self.packs:
             pack.absent.clear()
 
-    def synchronize(self) -> None:
-        """Reduce whatever is not reduced yet this round and wait for it; a no-op once DONE."""
+    def synchronize(self, explicit: bool) -> None:
+        """Reduce whatever is not reduced yet this round and wait for it; a no-op once DONE.
+
+        Args:
+            explicit: the user asked for it (``synchronize()``), rather than ``step()``
+                reducing what backward did not.
+        """
         if self.state == DONE:
             return
         with self.lock:
             self.stats = StepStats()
+            if self.state == IDLE:
+                self._phase = _EXPLICIT if explicit else _IMPLICIT
+            if not self.packs:
+                self._adopt_unfrozen_without_packs()
+                return
             self._flush()
             self.finish_round()
 
@@ -235,6 +266,8 @@ class GradientEngine:
         param = self.params[index]
         grad = param.grad
         scale = self.scale
+        if grad is not None and grad.requires_grad:
+            raise RuntimeError(_CREATE_GRAPH)
         if grad is view:  # accumulated in place
             if scale is not None:
                 view.mul_(scale)
@@ -274,16 +307,28 @@ class GradientEngine:
                 pack.absent.append(j)
 
     def _launch(self, pack: _Pack) -> None:
-        self._gather(pack)
+        try:
+            self._gather(pack)
+        except RuntimeError as exc:
+            problem = self._diagnose(pack)
+            if problem is None:
+                raise
+            raise RuntimeError(problem) from exc
+        if self._control is None:
+            unfrozen = any(p.requires_grad for p in self.frozen)
+            self._control = torch.tensor(
+                [float(self._phase == _BACKWARD), float(self._phase == _IMPLICIT), float(unfrozen)]
+            )
         pack.flags.fill_(1)
         for j in pack.absent:
             pack.flags[j] = 0
+        pack.flags[-_CONTROL:].copy_(self._control)
         buffer = pack.buffer
         if pack.wire is not None:
             pack.wire.copy_(buffer)
             buffer = pack.wire
         with torch.profiler.record_function("distopt.all_reduce"):
-            work = dist.all_reduce(buffer, op=self.op, group=self.process_group, async_op=True)
+            work = dist.all_reduce(buffer, op=self.op, group=self.channel.group, async_op=True)
         self._inflight.append((work, pack))
         self.stats.packs += 1
         self.stats.bytes += buffer.numel() * buffer.element_size()
@@ -306,11 +351,19 @@ class GradientEngine:
         self.stats.wait_seconds += time.perf_counter() - start
 
     def finish_round(self) -> None:
-        """Wait for every pack, scale, and settle which parameters end up with a gradient."""
+        """Wait for every pack, scale, and settle which parameters end up with a gradient.
+
+        Raises:
+            RuntimeError: some ranks reduced during backward and others only inside step().
+            ValueError: the ranks unfroze different parameters.
+        """
         self.wait()
+        control = None
         for _, pack in self._inflight:
             if pack.wire is not None:
                 pack.buffer.copy_(pack.wire)
+            if control is None:
+                control = pack.flags[-_CONTROL:].tolist()
             if pack.absent:
                 present = pack.flags.tolist()
                 for j in pack.absent:
@@ -321,8 +374,59 @@ class GradientEngine:
         self._inflight = []
         self.state = DONE
         self._passes = self.backward_passes_per_step
-        if not self.planned:
+        if control is None:
+            return
+        during_backward, inside_step, unfrozen = control
+        if during_backward and inside_step:
+            raise RuntimeError(_MIXED_ROUND)
+        if unfrozen:
+            self._adopt_unfrozen()
+        elif not self.planned:
             self._fix_plan()
+
+    def _adopt_unfrozen(self) -> None:
+        """Track the parameters every rank unfroze, and reduce this round again with them."""
+        mine = [n for p, n in zip(self.frozen, self.frozen_names) if p.requires_grad]
+        everyone = collectives.all_gather_object(mine, group=self.channel.group)
+        if any(theirs != everyone[0] for theirs in everyone):
+            detail = "; ".join(f"rank {r}: {theirs}" for r, theirs in enumerate(everyone))
+            raise ValueError(
+                f"different ranks made different parameters trainable ({detail}); set requires_grad alike on "
+                "every rank, at the same step"
+            )
+        now = [i for i, p in enumerate(self.frozen) if p.requires_grad]
+        params = [self.frozen[i] for i in now]
+        names = [self.frozen_names[i] for i in now]
+        self.frozen = [p for i, p in enumerate(self.frozen) if i not in now]
+        self.frozen_names = [n for i, n in enumerate(self.frozen_names) if i not in now]
+        self._hook(params, names)  # re-plans; the gradients move into the new packs
+        # The old parameters' gradients are averaged already; averaging them again changes
+        # nothing but rounding, and keeps one plan for every parameter.
+        self._fired = bytearray(b"\x01" * len(self.params))
+        self.state = ACTIVE
+        self._flush()
+        self.finish_round()
+
+    def _adopt_unfrozen_without_packs(self) -> None:
+        # With nothing trainable at construction there are no packs to carry the flag.
+        flag = torch.tensor([float(any(p.requires_grad for p in self.frozen))])
+        collectives.all_reduce(flag, op="max", group=self.channel.group)
+        self.state = DONE
+        if flag.item():
+            self._adopt_unfrozen()
+
+    def _diagnose(self, pack: _Pack) -> Optional[str]:
+        """Why moving ``pack``'s gradients failed, if the model or the backward call changed under us."""
+        for p, name in zip(pack.params, (self.names[i] for i in pack.spec.members)):
+            if p.grad is not None and p.grad.requires_grad:
+                return _CREATE_GRAPH
+            if (p.device, p.dtype) != pack.spec.key:
+                return (
+                    f"parameter {name!r} is now {p.dtype} on {p.device}, but it was {pack.spec.key[1]} on "
+                    f"{pack.spec.key[0]} when the DistributedOptimizer was built (model.to(), .half() or "
+                    ".double() after wrapping); convert the model first, then build the optimizer and the wrapper"
+                )
+        return None
 
     def _fix_plan(self) -> None:
         """Adopt the root's observed gradient order as the plan on every rank.
@@ -333,7 +437,7 @@ class GradientEngine:
         seen = set(self._arrivals)
         order = self._arrivals + [i for i in reversed(range(len(self.params))) if i not in seen]
         message = torch.tensor([len(self._arrivals)] + order, dtype=torch.int64)
-        collectives.broadcast(message, src=self.root_rank, group=self.process_group)
+        collectives.broadcast(message, src=self.root_rank, group=self.channel.group)
         observed, *root_order = message.tolist()
         if not observed:
             return
@@ -343,6 +447,22 @@ class GradientEngine:
         if [set(spec.members) for spec in plan] != [set(pack.spec.members) for pack in self.packs]:
             self._build_packs(root_order)
         self.planned = True
+
+
+_CREATE_GRAPH = (
+    "backward(create_graph=True) made gradients that require grad, and a DistributedOptimizer averages "
+    "gradients as plain tensors; for a gradient penalty take torch.autograd.grad(..., create_graph=True) "
+    "yourself, add the penalty to the loss and call loss.backward() without create_graph"
+)
+_MIXED_ROUND = (
+    "ranks averaged their gradients at different points: some during backward(), others only inside step(), "
+    "because their backward passes gave no gradient to any parameter this optimizer holds (a skipped batch "
+    "with a constant loss, a detached loss) or were fewer than backward_passes_per_step. Code between "
+    "backward() and step() (clipping, GradScaler, logging) would see different gradients on different ranks "
+    "and the ranks would drift apart. Call opt.synchronize() right after backward() on every rank (it "
+    "averages at once everywhere), or keep every rank's loss connected to the parameters "
+    "(e.g. loss = model(x).sum() * 0.0)"
+)
 
 
 def _metas(params: Sequence[Tensor]) -> List[ParamMeta]:

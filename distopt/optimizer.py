@@ -17,7 +17,8 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
-from . import checks, collectives
+from . import checks, collectives, private_groups
+from .collectives.groups import check_member
 from .engine import IDLE, GradientEngine, StepStats
 from .modes import Mode, SynchronousMode
 
@@ -105,19 +106,21 @@ class DistributedOptimizer(Optimizer):
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("optimizer is already a DistributedOptimizer; wrap the plain torch.optim optimizer once")
         checks.check_arguments(optimizer, reduce_op, pack_threshold, bcast_period, backward_passes_per_step,
-                               compression)
+                               compression, sparse_as_dense)
         self.optimizer = optimizer
         self.reduce_op = reduce_op
-        self.pack_threshold = int(pack_threshold)
+        self.pack_threshold = checks.byte_count(pack_threshold, "pack_threshold", "0 sends each gradient alone")
         self.bcast_period = int(bcast_period)
         self.compression = None if compression in (None, "none") else compression
-        self.sparse_as_dense = bool(sparse_as_dense)
+        self.sparse_as_dense = sparse_as_dense
         # None stays None (the default group, looked up per call): holding the default group would
         # keep it alive past destroy_process_group() into interpreter exit.
         self.process_group = process_group
+        if process_group is not None:
+            check_member(process_group, "process_group")
         self.rank = collectives.get_rank(self.process_group)
         self.world_size = collectives.get_world_size(self.process_group)
-        if not isinstance(root_rank, int) or not 0 <= root_rank < self.world_size:
+        if isinstance(root_rank, bool) or not isinstance(root_rank, int) or not 0 <= root_rank < self.world_size:
             raise ValueError(
                 f"root_rank must be a rank of the process group (0..{self.world_size - 1}), got {root_rank!r}"
             )
@@ -127,8 +130,10 @@ class DistributedOptimizer(Optimizer):
         native_avg = self.world_size > 1 and dist.get_backend(self.process_group) == "nccl"
         mean = reduce_op == "mean"
         scale = 1.0 / self.world_size if mean and (self.compression or not native_avg) else None
+        # The wrapper's own traffic travels on a private group, so it never pairs with the user's collectives.
+        channel = private_groups.create(process_group) if self.world_size > 1 else None
         self._engine = GradientEngine(
-            process_group=process_group,
+            channel=channel,
             scale=scale,
             op=dist.ReduceOp.AVG if mean and scale is None else dist.ReduceOp.SUM,
             pack_threshold=self.pack_threshold,
@@ -138,6 +143,7 @@ class DistributedOptimizer(Optimizer):
             root_rank=root_rank,
         )
         self._mode: Mode = SynchronousMode()
+        self._retired_by: Optional[str] = None  # why this wrapper no longer reduces
         self._steps = 0
         self._names_by_id = checks.names_by_id(named_parameters, optimizer)
         self._params: List[Tensor] = []  # every parameter this wrapper broadcasts, in tracking order
@@ -243,6 +249,7 @@ class DistributedOptimizer(Optimizer):
         Returns:
             Whatever the inner optimizer's ``step`` returns.
         """
+        self._check_not_retired("step()")
         loss = self._mode.step(self, closure)
         self._engine.reset_round()
         self._steps += 1
@@ -268,8 +275,14 @@ class DistributedOptimizer(Optimizer):
         when gradients were set by hand. Calling it again, or calling ``step()``
         after it, does not reduce a second time.
         """
+        self._check_not_retired("synchronize()")
         if self.world_size > 1:
-            self._engine.synchronize()
+            self._engine.synchronize(explicit=True)
+
+    def _reduce_for_step(self) -> None:
+        """Reduce what backward did not, as ``step()`` must (the modes call this)."""
+        if self.world_size > 1:
+            self._engine.synchronize(explicit=False)
 
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
@@ -286,9 +299,10 @@ class DistributedOptimizer(Optimizer):
 
     def broadcast_parameters(self) -> None:
         """Overwrite every rank's parameters with the root's (coalesced per device and dtype)."""
+        self._check_not_retired("broadcast_parameters()")
         if self.world_size > 1 and self._params:
             with torch.no_grad():
-                collectives.broadcast_parameters(self._params, src=self.root_rank, group=self.process_group)
+                collectives.broadcast_parameters(self._params, src=self.root_rank, group=self._group())
 
     def broadcast_optimizer_state(self) -> None:
         """Give every rank the root's optimizer state, e.g. when only the root loaded a checkpoint.
@@ -296,10 +310,11 @@ class DistributedOptimizer(Optimizer):
         Unlike Horovod, no optimizer step is taken to create the state first, so
         parameters and moments are exactly the root's.
         """
-        collectives.broadcast_optimizer_state(self.optimizer, src=self.root_rank, group=self.process_group)
+        self._check_not_retired("broadcast_optimizer_state()")
+        collectives.broadcast_optimizer_state(self.optimizer, src=self.root_rank, group=self._group())
 
     def close(self) -> None:
-        """Remove the gradient hooks and release the parameters for another wrapper."""
+        """Remove the gradient hooks, destroy the private group and release the parameters."""
         self._engine.close()
         for p in self._params:
             checks.release(p, self)
@@ -310,26 +325,59 @@ class DistributedOptimizer(Optimizer):
 
     # ------------------------------------------------------------------ set-up
 
+    def _group(self) -> Optional[ProcessGroup]:
+        channel = self._engine.channel
+        return channel.group if channel is not None else self.process_group
+
+    def _settings(self) -> Dict[str, Any]:
+        """Every setting that decides which collectives run; they must match on every rank."""
+        return {
+            "reduce_op": self.reduce_op,
+            "pack_threshold": self.pack_threshold,
+            "compression": self.compression,
+            "bcast_period": self.bcast_period,
+            "backward_passes_per_step": self.backward_passes_per_step,
+            "sparse_as_dense": self.sparse_as_dense,
+            "root_rank": self.root_rank,
+            "mode": type(self._mode).__name__,
+        }
+
     def _track_new_params(self) -> None:
-        """Take on parameters not tracked yet: check them across ranks, broadcast, hook."""
+        """Take on parameters not held yet: check them across ranks, broadcast them, reduce their gradients.
+
+        Frozen parameters are broadcast too, and reduced once they become trainable.
+        """
         known = {id(p) for p in self._params}
         new: List[Tensor] = []
         for group in self.optimizer.param_groups:
             for p in group["params"]:
-                if id(p) in known or not p.requires_grad:
-                    continue
-                known.add(id(p))
-                new.append(p)
+                if id(p) not in known:
+                    known.add(id(p))
+                    new.append(p)
         names = [self._names_by_id.get(id(p), f"param_groups[{g}][{j}]")
                  for g, j, p in checks.positions(self.optimizer, new)]
-        for p, name in zip(new, names):
-            checks.claim(p, name, self)
+        for p in new:
+            previous = checks.claim(p, self)
+            if previous is not None:
+                previous._retire()
         self._params.extend(new)
         if self.world_size == 1 or not new:
             self._engine.reset_round()
             return
-        checks.check_same_params_on_all_ranks(new, names, self.process_group, self.root_rank)
+        checks.check_agreement(self._settings(), new, names, self._group(), self.root_rank)
         if self.bcast_period != -1:
             with torch.no_grad():
-                collectives.broadcast_parameters(new, src=self.root_rank, group=self.process_group)
+                collectives.broadcast_parameters(new, src=self.root_rank, group=self._group())
         self._engine.track(new, names)
+
+    def _retire(self) -> None:
+        """A newer wrapper took this one's parameters over: stop reducing, for good."""
+        self._engine.close()
+        self._retired_by = "a newer DistributedOptimizer was built over the same parameters and took them over"
+
+    def _check_not_retired(self, what: str) -> None:
+        if self._retired_by is not None:
+            raise RuntimeError(
+                f"{what} on a DistributedOptimizer that no longer reduces: {self._retired_by}. Use the newer "
+                "wrapper (each parameter is reduced by one wrapper, the newest one built over it)"
+            )

@@ -8,6 +8,7 @@ any process group.
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import Dict, Hashable, List, Optional, Sequence, Tuple
 
@@ -228,12 +229,21 @@ def split(flat: Tensor, like: Sequence[Tensor]) -> List[Tensor]:
 
 
 def get_offsets(shapes: Sequence[Sequence[int]]) -> List[int]:
-    """Flat offsets ``[begin0, end0, begin1, end1, ...]`` for tensors of ``shapes`` packed back to back."""
+    """Flat offsets ``[begin0, end0, begin1, end1, ...]`` for tensors of ``shapes`` packed back to back.
+
+    Raises:
+        ValueError: a shape has a negative or non-integral size.
+    """
     offsets: List[int] = []
     cursor = 0
-    for shape in shapes:
+    for i, shape in enumerate(shapes):
         n = 1
         for d in shape:
+            if isinstance(d, bool) or not isinstance(d, numbers.Integral) or d < 0:
+                raise ValueError(
+                    f"shapes[{i}] = {tuple(shape)} has the size {d!r}; sizes must be integers >= 0, "
+                    "e.g. get_offsets([t.shape for t in tensors])"
+                )
             n *= int(d)
         offsets.extend((cursor, cursor + n))
         cursor += n

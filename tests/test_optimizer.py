@@ -193,14 +193,20 @@ def test_named_parameters_must_be_unique_and_cover_every_parameter():
         DistributedOptimizer(sgd(model), named_parameters=[p for _, p in named])
 
 
-def test_a_parameter_can_belong_to_only_one_live_wrapper():
+def test_the_newest_wrapper_takes_the_parameters_over_and_the_old_one_refuses_to_step():
     model = make_model()
     first = DistributedOptimizer(sgd(model), named_parameters=model.named_parameters())
-    with pytest.raises(ValueError, match=r"parameter '0.weight' already belongs to another DistributedOptimizer"):
-        DistributedOptimizer(sgd(model), named_parameters=model.named_parameters())
-    first.close()
+    second = DistributedOptimizer(sgd(model), named_parameters=model.named_parameters())  # e.g. a re-run cell
+    model(torch.randn(4, 3)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"step\(\) on a DistributedOptimizer that no longer reduces: a newer "
+                                           r"DistributedOptimizer was built over the same parameters"):
+        first.step()
+    with pytest.raises(RuntimeError, match=r"synchronize\(\) on a DistributedOptimizer that no longer reduces"):
+        first.synchronize()
+    second.step()
+    first.zero_grad()  # harmless
+    second.close()
     DistributedOptimizer(sgd(model))  # released by close()
-    del first
 
 
 def test_a_dropped_wrapper_releases_its_parameters():

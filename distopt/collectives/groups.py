@@ -23,6 +23,7 @@ __all__ = [
     "get_dist_info",
     "barrier",
     "synchronized",
+    "check_member",
 ]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -38,8 +39,17 @@ def is_distributed() -> bool:
 
 
 def _resolve_group(group: Optional[ProcessGroup]) -> Optional[ProcessGroup]:
-    """The one place where ``group=None`` becomes the default group (or None without one)."""
+    """The one place where ``group=None`` becomes the default group (or None without one).
+
+    Raises:
+        TypeError: ``group`` is neither None nor a ``ProcessGroup``.
+    """
     if group is not None:
+        if not isinstance(group, ProcessGroup):
+            raise TypeError(
+                f"group must be a torch.distributed ProcessGroup (e.g. from dist.new_group(ranks)) or None "
+                f"for the default group, got {group!r}"
+            )
         return group
     if not is_distributed():
         return None
@@ -47,9 +57,32 @@ def _resolve_group(group: Optional[ProcessGroup]) -> Optional[ProcessGroup]:
 
 
 def _world(group: Optional[ProcessGroup]) -> Tuple[Optional[ProcessGroup], int]:
-    """``(group, its world size)`` with ``None`` resolved; ``(None, 1)`` without a process group."""
+    """``(group, its world size)`` with ``None`` resolved; ``(None, 1)`` without a process group.
+
+    Raises:
+        TypeError: ``group`` is not a process group.
+        ValueError: this process is not a member of ``group``.
+    """
     group = _resolve_group(group)
-    return group, (1 if group is None else dist.get_world_size(group))
+    if group is None:
+        return None, 1
+    check_member(group)
+    return group, dist.get_world_size(group)
+
+
+def check_member(group: ProcessGroup, what: str = "group") -> None:
+    """Raise ``ValueError`` if this process is not one of ``group``'s ranks.
+
+    Args:
+        group: a process group.
+        what: the argument's name, for the message.
+    """
+    if dist.get_rank(group) < 0:
+        raise ValueError(
+            f"this process (global rank {dist.get_rank()}) is not a member of {what}, whose ranks are "
+            f"{dist.get_process_group_ranks(group)}; run code that uses {what} only on those ranks "
+            "(e.g. `if dist.get_rank() in ranks:`)"
+        )
 
 
 def get_rank(group: Optional[ProcessGroup] = None) -> int:
@@ -86,8 +119,8 @@ def get_dist_info(group: Optional[ProcessGroup] = None) -> Tuple[int, int]:
 
 def barrier(group: Optional[ProcessGroup] = None) -> None:
     """Block until every rank of ``group`` reaches this call; a no-op in one process."""
-    group = _resolve_group(group)
-    if group is not None and dist.get_world_size(group) > 1:
+    group, world_size = _world(group)
+    if group is not None and world_size > 1:
         dist.barrier(group=group)
 
 

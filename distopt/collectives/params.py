@@ -16,7 +16,7 @@ from torch.distributed import ProcessGroup
 from ..packing import flatten, split
 from ._checks import _check_op, _check_rank, _check_tensor, _check_tensors, _Op
 from .groups import _world
-from .tensors import _agree, _comm_device, _layout, _reduce, _restore, _to_comm
+from .tensors import _agree, _layout, _reduce, _restore, _to_comm
 
 __all__ = [
     "all_reduce_params",
@@ -51,7 +51,7 @@ def _coalesced(tensors: Sequence[Tensor], bucket_bytes: Optional[int], group: Pr
     """Run ``collective`` on one flat buffer per bucket (packing's flatten/split), then copy back."""
     for bucket in _buckets(tensors, bucket_bytes):
         with torch.no_grad():
-            flat = flatten(bucket).to(_comm_device(group, bucket[0]))
+            flat = _to_comm(flatten(bucket), group)
             collective(flat)
             if write_back:
                 for t, synced in zip(bucket, split(flat.to(bucket[0].device), bucket)):
@@ -93,7 +93,7 @@ def all_reduce_params(params: Iterable[Tensor], coalesce: bool = True, bucket_si
            "pass the same tensors in the same order on every rank", group)
     if not coalesce:
         for t in tensors:
-            work = _to_comm(t, _comm_device(group, t))
+            work = _to_comm(t, group)
             _reduce(work, op, group)
             _restore(t, work)
         return

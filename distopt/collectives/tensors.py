@@ -68,11 +68,22 @@ def _comm_device(group: ProcessGroup, like: Tensor) -> torch.device:
     return like.device
 
 
-def _to_comm(t: Tensor, device: torch.device) -> Tensor:
-    """``t`` itself if the backend can use it as is, else a contiguous copy on ``device``."""
-    if t.device == device and t.is_contiguous():
+# dtypes gloo has no kernels for, and the wider dtype they travel as (exact for every value).
+_GLOO_WIDER = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64}
+
+
+def _comm_dtype(group: ProcessGroup, dtype: torch.dtype) -> torch.dtype:
+    if "gloo" in str(dist.get_backend(group)):
+        return _GLOO_WIDER.get(dtype, dtype)
+    return dtype
+
+
+def _to_comm(t: Tensor, group: ProcessGroup) -> Tensor:
+    """``t`` itself if the backend can use it as is, else a contiguous copy it can use."""
+    device, dtype = _comm_device(group, t), _comm_dtype(group, t.dtype)
+    if t.device == device and t.dtype == dtype and t.is_contiguous():
         return t
-    return t.to(device).contiguous()
+    return t.to(device=device, dtype=dtype).contiguous()
 
 
 def _restore(t: Tensor, work: Tensor) -> None:
@@ -115,7 +126,7 @@ def all_reduce(data: Tensor, op: _Op = "sum", group: Optional[ProcessGroup] = No
     if group is None or world_size == 1:
         return data
     _agree(_layout(data), "data's (shape, dtype)", "pass tensors of one shape and dtype on every rank", group)
-    work = _to_comm(data, _comm_device(group, data))
+    work = _to_comm(data, group)
     _reduce(work, op, group)
     _restore(data, work)
     return data
@@ -130,7 +141,7 @@ def _gather_padded(data: Tensor, group: ProcessGroup, dst: Optional[int]) -> Lis
         raise ValueError(f"data must have one dtype on every rank, got {detail}; convert with data.to(dtype)")
     numels = [int(np.prod(shape, dtype=np.int64)) for shape, _ in layouts]
     device = _comm_device(group, data)
-    padded = torch.zeros(max(numels), dtype=data.dtype, device=device)
+    padded = torch.zeros(max(numels), dtype=_comm_dtype(group, data.dtype), device=device)
     padded[: data.numel()].copy_(data.reshape(-1))
     if dst is not None and dist.get_rank(group) != dst:
         dist.gather(padded, None, dst=dist.get_global_rank(group, dst), group=group)
@@ -140,7 +151,7 @@ def _gather_padded(data: Tensor, group: ProcessGroup, dst: Optional[int]) -> Lis
         dist.all_gather(slots, padded, group=group)
     else:
         dist.gather(padded, slots, dst=dist.get_global_rank(group, dst), group=group)
-    return [s[:n].view(shape).to(data.device) for s, n, (shape, _) in zip(slots, numels, layouts)]
+    return [s[:n].view(shape).to(data.device, data.dtype) for s, n, (shape, _) in zip(slots, numels, layouts)]
 
 
 def all_gather(data: Tensor, group: Optional[ProcessGroup] = None) -> List[Tensor]:
@@ -209,7 +220,7 @@ def broadcast(data: Tensor, src: int = 0, group: Optional[ProcessGroup] = None) 
     if group is None or world_size == 1:
         return data
     _agree(_layout(data), "data's (shape, dtype)", "pass tensors of one shape and dtype on every rank", group)
-    work = _to_comm(data, _comm_device(group, data))
+    work = _to_comm(data, group)
     dist.broadcast(work, dist.get_global_rank(group, src), group=group)
     _restore(data, work)
     return data

@@ -193,6 +193,10 @@ class DistributedOptimizer(_CoreDistributedOptimizer):
         super().synchronize()
         self._synchronized = True
 
+    def _reduce_for_step(self) -> None:
+        if not self._skipping_reduction:
+            super()._reduce_for_step()
+
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
         """Context in which ``step()`` does not reduce gradients: use after :meth:`synchronize`.

@@ -24,7 +24,7 @@ class SynchronousMode(Mode):
 
     def step(self, owner: "DistributedOptimizer", closure: Optional[Callable[[], Any]]) -> Any:
         if closure is None:
-            owner.synchronize()
+            owner._reduce_for_step()
             return owner.optimizer.step()
         return owner.optimizer.step(_synchronizing(owner, closure))
 
@@ -34,7 +34,7 @@ def _synchronizing(owner: "DistributedOptimizer", closure: Callable[[], Any]) ->
         owner._engine.reset_round()  # each closure call is a fresh forward and backward
         with torch.enable_grad():
             loss = closure()
-        owner.synchronize()
+        owner.synchronize()  # at once, before the inner optimizer reads the gradients
         return loss
 
     return reduced_closure

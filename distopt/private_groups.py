@@ -1,0 +1,98 @@
+"""Process groups distopt creates for its own traffic, and tears down in :func:`distopt.shutdown`.
+
+torch.distributed pairs collectives by their order on a group. If a wrapper's
+gradient packs shared a group with the user's own collectives (a metric's
+all-reduce, a barrier), one rank's pack could pair with another rank's metric
+whenever the ranks reach them in a different order, and the job would hang or
+abort. Each :class:`distopt.DistributedOptimizer` therefore talks on a private
+group with the same ranks, as Horovod keeps a channel of its own.
+
+Nothing outside this module holds such a group: a wrapper holds a
+:class:`PrivateGroup` handle and looks the group up per use, so that
+:func:`destroy_all` (called by :func:`distopt.shutdown`) really frees every group
+and no communication thread outlives the interpreter.
+"""
+from __future__ import annotations
+
+import itertools
+from typing import Dict, Optional, Set
+
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+__all__ = ["PrivateGroup", "create", "destroy_all"]
+
+_groups: Dict[int, ProcessGroup] = {}
+_keep_until_shutdown: Set[int] = set()
+_keys = itertools.count()
+
+
+class PrivateGroup:
+    """A handle on a private group; :attr:`group` looks it up.
+
+    Args:
+        key: its key in the registry.
+    """
+
+    __slots__ = ("key",)
+
+    def __init__(self, key: int) -> None:
+        self.key = key
+
+    @property
+    def group(self) -> ProcessGroup:
+        """The group.
+
+        Raises:
+            RuntimeError: it was destroyed (by :func:`distopt.shutdown` or :meth:`destroy`).
+        """
+        try:
+            return _groups[self.key]
+        except KeyError:
+            raise RuntimeError(
+                "this DistributedOptimizer's process group was destroyed (distopt.shutdown() or close() ran); "
+                "build a new wrapper after initializing the process group again"
+            ) from None
+
+    def destroy(self) -> None:
+        """Destroy the group (local to this rank), if it may be destroyed before shutdown; idempotent."""
+        if self.key in _keep_until_shutdown:
+            return
+        _destroy(self.key)
+
+
+def _destroy(key: int) -> None:
+    group = _groups.pop(key, None)
+    _keep_until_shutdown.discard(key)
+    if group is not None and dist.is_initialized():
+        dist.destroy_process_group(group)
+
+
+def create(parent: Optional[ProcessGroup]) -> PrivateGroup:
+    """Create a group with the same ranks as ``parent`` (None: the default group).
+
+    Every rank of ``parent``, and only those, must call it, in the same order
+    relative to their other group creations.
+    """
+    if parent is None:
+        # Every rank takes part; the group gets a fresh numbered name, so destroying it later is safe.
+        group = dist.new_group(ranks=None)
+        local = False
+    else:
+        # Only the subgroup's ranks take part, so torch names the group by a hash of its ranks; a
+        # destroyed group's name would be given again, with its stale addresses still in the store.
+        # Such groups therefore stay until shutdown.
+        ranks = dist.get_process_group_ranks(parent)
+        group = dist.new_group(ranks=ranks, backend=dist.get_backend(parent), use_local_synchronization=True)
+        local = True
+    key = next(_keys)
+    _groups[key] = group
+    if local:
+        _keep_until_shutdown.add(key)
+    return PrivateGroup(key)
+
+
+def destroy_all() -> None:
+    """Destroy every private group (before the default group is destroyed)."""
+    for key in list(_groups):
+        _destroy(key)
