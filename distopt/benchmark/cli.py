@@ -1,0 +1,96 @@
+"""The command line, ``python -m distopt.benchmark``: flags to a :class:`BenchConfig`, figures to stdout."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Optional, Sequence
+
+from ..optimizer import DEFAULT_PACK_THRESHOLD
+from .config import BenchConfig
+from .plot import write_sweep_plot
+from .report import format_report, report_to_json
+from .runner import run_benchmark
+from .sizes import parse_size
+from .workloads import WORKLOADS
+
+__all__ = ["main"]
+
+_DEFAULT_SWEEP = (0, 64 * 2**10, 256 * 2**10, 2**20, 4 * 2**20, 16 * 2**20, 64 * 2**20)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m distopt.benchmark",
+        description="Step time of local (no communication), PyTorch DDP and distopt, "
+        "interleaved in the same processes.",
+    )
+    p.add_argument("--workloads", default="mlp,wide,transformer",
+                   help="comma-separated subset of: " + ", ".join(WORKLOADS))
+    p.add_argument("--world", type=int, default=2, help="processes (default 2); 1 runs only the world-size-1 section")
+    p.add_argument("--backend", default="gloo", help="torch.distributed backend (default gloo; nccl runs on CUDA)")
+    p.add_argument("--iters", type=int, default=20, help="timed steps per mode (x5 for mlp; default 20)")
+    p.add_argument("--rounds", type=int, default=10,
+                   help="interleaving rounds the timed steps are spread over (default 10)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per mode after it is built (default 3)")
+    p.add_argument("--thresholds", default="", help="extra distopt pack thresholds, comma-separated (e.g. 0,1M,64MiB)")
+    p.add_argument("--sweep", metavar="PNG",
+                   help="time distopt over a range of pack thresholds and plot step time against them")
+    p.add_argument("--json", nargs="?", const="-", metavar="PATH",
+                   help="write the figures as JSON to PATH, or alone: print JSON instead of the table")
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory probes (one fresh launch per mode)")
+    p.add_argument("--no-world1", action="store_true", help="skip the world-size-1 section")
+    p.add_argument("--seed", type=int, default=0, help="seed of model initialisation and data (default 0)")
+    return p
+
+
+def _config_from_args(args: argparse.Namespace) -> BenchConfig:
+    thresholds = [parse_size(t) for t in args.thresholds.split(",") if t.strip()]
+    if args.sweep and not thresholds:
+        thresholds = list(_DEFAULT_SWEEP)
+    default = DEFAULT_PACK_THRESHOLD
+    # The default mode already covers the default threshold.
+    thresholds = sorted({t for t in thresholds if t != default})
+    return BenchConfig(
+        workloads=tuple(w.strip() for w in args.workloads.split(",") if w.strip()),
+        world=args.world,
+        backend=args.backend,
+        iters=args.iters,
+        rounds=args.rounds,
+        warmup=args.warmup,
+        thresholds=tuple(thresholds),
+        memory=not args.no_memory,
+        world1=not args.no_world1,
+        seed=args.seed,
+    )
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Command-line entry point; returns the process exit status.
+
+    Args:
+        argv: the arguments after the program name; None reads ``sys.argv``.
+
+    Returns:
+        0; bad flags exit through argparse with status 2 instead.
+    """
+    args = _parser().parse_args(argv)
+    try:
+        cfg = _config_from_args(args)
+    except ValueError as exc:
+        _parser().error(str(exc))
+    started = time.perf_counter()
+    report = run_benchmark(cfg, log=lambda line: print(f"[benchmark] {line}", file=sys.stderr, flush=True))
+    if args.json == "-":
+        print(json.dumps(report_to_json(report), indent=2))
+    else:
+        print(format_report(report))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report_to_json(report), f, indent=2)
+    if args.sweep:
+        write_sweep_plot(report, args.sweep)
+        print(f"[benchmark] wrote {args.sweep}", file=sys.stderr)
+    print(f"[benchmark] done in {time.perf_counter() - started:.0f} s", file=sys.stderr)
+    return 0

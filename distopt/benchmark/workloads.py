@@ -1,0 +1,93 @@
+"""The models the benchmark times, by name.
+
+A workload is a model, a fixed per-rank batch and a loss. Adding one is one
+:class:`Workload` entry in :data:`WORKLOADS`; ``--workloads`` and
+:class:`~distopt.benchmark.BenchConfig` pick them by name.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Tuple
+
+import torch
+from torch import Tensor, nn
+
+__all__ = ["Batch", "LossFn", "Workload", "WORKLOADS"]
+
+Batch = Tuple[Tensor, Tensor]
+LossFn = Callable[[Tensor, Tensor], Tensor]
+
+
+@dataclass(frozen=True)
+class Workload:
+    """A model, a fixed per-rank batch and a loss; ``iters_scale`` multiplies ``--iters``.
+
+    Attributes:
+        name: the key in :data:`WORKLOADS` and the ``--workloads`` name.
+        description: what the model is, for the report.
+        build_model: makes a fresh model; called right after seeding, so every mode and rank
+            starts from the same weights. It must honour a ``torch.device`` context: the
+            parameter count builds it on ``meta``.
+        make_batch: makes ``(input, target)`` from a seeded generator (one seed per rank).
+        loss_fn: ``loss_fn(model(input), target)`` is the loss.
+        iters_scale: multiplies ``--iters`` for workloads whose steps are short and noisy.
+    """
+
+    name: str
+    description: str
+    build_model: Callable[[], nn.Module]
+    make_batch: Callable[[torch.Generator], Batch]
+    loss_fn: LossFn
+    iters_scale: int = 1
+
+
+def _mlp_model() -> nn.Module:
+    # 50 tiny Linear layers: 100 parameters of at most 4 KiB, so per-parameter hook and
+    # launch overhead dominates, not bandwidth.
+    layers: List[nn.Module] = []
+    for _ in range(50):
+        layers += [nn.Linear(32, 32), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+def _mlp_batch(gen: torch.Generator) -> Batch:
+    return torch.randn(32, 32, generator=gen), torch.randn(32, 32, generator=gen)
+
+
+def _wide_model() -> nn.Module:
+    # 4 parameters, ~128 MiB of fp32 gradients: copies and bandwidth dominate.
+    return nn.Sequential(nn.Linear(4096, 4096), nn.ReLU(), nn.Linear(4096, 4096))
+
+
+def _wide_batch(gen: torch.Generator) -> Batch:
+    return torch.randn(8, 4096, generator=gen), torch.randn(8, 4096, generator=gen)
+
+
+class _TransformerModel(nn.Module):
+    """A 4-layer ``nn.TransformerEncoder`` with a linear head: a realistic mix of sizes."""
+
+    def __init__(self, d_model: int = 128, nhead: int = 4, layers: int = 4) -> None:
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(d_model, nhead, dim_feedforward=4 * d_model, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d_model, d_model)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.encoder(x))
+
+
+def _transformer_batch(gen: torch.Generator) -> Batch:
+    return torch.randn(8, 32, 128, generator=gen), torch.randn(8, 32, 128, generator=gen)
+
+
+#: Every workload, by name.
+WORKLOADS: Dict[str, Workload] = {
+    w.name: w
+    for w in (
+        Workload("mlp", "50 x Linear(32,32)", _mlp_model, _mlp_batch, nn.functional.mse_loss,
+                 iters_scale=5),
+        Workload("wide", "2 x Linear(4096,4096)", _wide_model, _wide_batch, nn.functional.mse_loss),
+        Workload("transformer", "4-layer TransformerEncoder d=128", _TransformerModel, _transformer_batch,
+                 nn.functional.mse_loss),
+    )
+}
