@@ -48,7 +48,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.profiler import record_function
 
-from .launcher import launch
+from .launching import launch
 from .optimizer import DEFAULT_PACK_THRESHOLD, DistributedOptimizer
 
 __all__ = [
