@@ -25,7 +25,7 @@ from .collectives import (
     sync_random_seed,
     synchronized,
 )
-from .launcher import LaunchError, LaunchTimeoutError, WorkerFailedError, init, launch, launcher, shutdown
+from .launching import LaunchError, LaunchTimeoutError, WorkerFailedError, init, launch, launcher, shutdown
 from .optimizer import DistributedOptimizer, StepStats
 
 __all__ = [

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from typing import Any, Callable, Iterable, List
 
-from .launcher import launch
+from .launching import launch
 
 __all__ = ["run_world", "live_children", "assert_no_children"]
 
@@ -31,9 +31,9 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
         ``fn``'s return values, by rank.
 
     Raises:
-        distopt.launcher.WorkerFailedError: a rank raised (its traceback is in the message),
+        distopt.WorkerFailedError: a rank raised (its traceback is in the message),
             exited non-zero or was killed.
-        distopt.launcher.LaunchTimeoutError: the ranks did not finish within ``timeout``.
+        distopt.LaunchTimeoutError: the ranks did not finish within ``timeout``.
     """
     return launch(fn, world_size, args=args, kwargs=kwargs, backend=backend,
                   master_addr="127.0.0.1", master_port=0, timeout=timeout)

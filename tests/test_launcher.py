@@ -1,5 +1,6 @@
 """distopt.launch / launcher / init / shutdown, with real spawned processes on gloo."""
 import contextlib
+import importlib.machinery
 import json
 import os
 import signal
@@ -8,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import types
 from pathlib import Path
 
 import psutil
@@ -120,6 +122,18 @@ def test_bare_decorator_wraps_without_launching():
     assert wrapped.__wrapped__ is fn and wrapped.__name__ == "fn"
     with pytest.raises(TypeError, match="launcher decorates a function"):
         launcher(3)
+
+
+def test_launcher_is_the_decorator_and_the_code_lives_in_distopt_launching():
+    from distopt.launching import init, launch, shutdown
+
+    assert (init, launch, shutdown) == (distopt.init, distopt.launch, distopt.shutdown)
+    assert distopt.launcher is distopt.launching.launcher
+    assert not isinstance(distopt.launcher, types.ModuleType)
+    # No module of that name is left for the decorator to shadow. PathFinder searches the package's own
+    # directory only: an editable install's finder could otherwise find another checkout's distopt.
+    assert importlib.machinery.PathFinder.find_spec("distopt.launcher", distopt.__path__) is None
+    assert distopt.launching.DEFAULT_TIMEOUT > 0
 
 
 @pytest.mark.timeout(180)

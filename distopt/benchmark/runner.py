@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, List, Tuple
 import torch
 import torch.distributed as dist
 
-from ..launcher import launch
+from ..launching import launch
 from ..optimizer import DEFAULT_PACK_THRESHOLD
 from .config import BenchConfig
 from .memory import memory_worker

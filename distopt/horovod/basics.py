@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 
 from .. import collectives
-from ..launcher import _under_torchrun
-from ..launcher import init as _init_process_group
-from ..launcher import shutdown as _destroy_process_group
+from ..launching.process_group import _under_torchrun
+from ..launching.process_group import init as _init_process_group
+from ..launching.process_group import shutdown as _destroy_process_group
 from .unsupported import _PROCESS_SET_ADVICE
 
 __all__ = [
@@ -61,7 +61,7 @@ def init(comm: Optional[Any] = None, process_sets: Optional[Any] = None) -> None
     """Join the job: set up the process group from ``torchrun``'s environment.
 
     Under ``torchrun`` this initializes the default process group (see
-    :func:`distopt.launcher.init`: NCCL when every local rank has a GPU, else
+    :func:`distopt.launching.init`: NCCL when every local rank has a GPU, else
     gloo). If a process group already exists (e.g. inside :func:`distopt.launch`)
     it is used as is. Started as a plain ``python script.py``, the script runs as
     a job of one process, as it would with Horovod. Every rank must call it: the

@@ -1,0 +1,168 @@
+"""The process group itself: :func:`init` and :func:`shutdown`, and the backend a job gets.
+
+:func:`init` is what a script started by ``torchrun`` calls; the spawned workers
+of :func:`~distopt.launching.launch` set up their group through the same
+:func:`_init_process_group`, and tear it down with the same :func:`shutdown`.
+The only environment variables read here are torchrun's ``env://`` contract.
+"""
+from __future__ import annotations
+
+import atexit
+import gc
+import os
+import sys
+import warnings
+import weakref
+from datetime import timedelta
+from typing import Any, Optional, Union
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["init", "shutdown"]
+
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
+_ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+_Timeout = Union[float, int, timedelta, None]
+
+
+def _under_torchrun() -> bool:
+    return all(name in os.environ for name in _TORCHRUN_VARS)
+
+
+def _as_timedelta(timeout: _Timeout, name: str = "timeout") -> Optional[timedelta]:
+    if timeout is None:
+        return None
+    if isinstance(timeout, timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise TypeError(f"{name} must be seconds (a number) or a datetime.timedelta, got {timeout!r}")
+    if not seconds > 0:
+        raise ValueError(f"{name} must be positive, got {timeout!r}; pass e.g. {name}=600")
+    return timedelta(seconds=seconds)
+
+
+def _uses_cuda(backend: str) -> bool:
+    return "nccl" in backend.lower()
+
+
+def _default_backend(local_world_size: int) -> str:
+    """NCCL for CUDA tensors when every local rank can have a GPU of its own (gloo still
+    serves CPU tensors, e.g. metrics), gloo alone otherwise."""
+    if dist.is_nccl_available() and torch.cuda.is_available() and local_world_size <= torch.cuda.device_count():
+        return "cpu:gloo,cuda:nccl"
+    return "gloo"
+
+
+def _check_backend(backend: str, local_world_size: int) -> None:
+    if not isinstance(backend, str) or not backend:
+        raise TypeError(f"backend must be a string such as 'gloo' or 'nccl', got {backend!r}")
+    if _uses_cuda(backend):
+        if not (dist.is_nccl_available() and torch.cuda.is_available()):
+            raise ValueError(f"backend={backend!r} needs CUDA and NCCL, which this machine lacks; use backend='gloo'")
+        if local_world_size > torch.cuda.device_count():
+            raise ValueError(
+                f"backend={backend!r} gives each local rank its own GPU, but {local_world_size} local ranks "
+                f"were asked for and only {torch.cuda.device_count()} GPUs are visible; lower nprocs "
+                "or use backend='gloo'"
+            )
+
+
+def init(backend: Optional[str] = None, timeout: _Timeout = None) -> None:
+    """Initialize the default process group from ``env://``; a no-op if one exists.
+
+    This is what a script started by ``torchrun`` calls. It reads ``RANK``,
+    ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (and ``LOCAL_RANK``,
+    ``LOCAL_WORLD_SIZE`` if set) and, with a CUDA backend, makes GPU
+    ``LOCAL_RANK`` the current device.
+
+    Args:
+        backend: ``"nccl"``, ``"gloo"`` or any backend string torch accepts.
+            Default: NCCL when each local rank can have its own GPU, else gloo.
+        timeout: collective timeout in seconds or as a ``timedelta``;
+            default: torch's default for the backend.
+
+    Raises:
+        RuntimeError: if the ``env://`` variables are missing.
+        ValueError: if ``backend`` needs GPUs this machine lacks, or ``timeout`` is not positive.
+    """
+    wait = _as_timedelta(timeout)
+    if dist.is_initialized():
+        if backend is not None and backend != dist.get_backend():
+            warnings.warn(
+                f"init(backend={backend!r}) ignored: the process group is already initialized with "
+                f"backend {dist.get_backend()!r}; call shutdown() first to change it",
+                stacklevel=2,
+            )
+        return
+    missing = [name for name in _ENV_VARS if name not in os.environ]
+    if missing:
+        raise RuntimeError(
+            f"init() sets up the process group from env://, but {', '.join(missing)} "
+            "is not set in the environment; start the script with torchrun "
+            "(python -m torch.distributed.run --nproc-per-node N script.py) or use distopt.launch(fn)"
+        )
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if backend is None:
+        backend = _default_backend(max(local_world_size, local_rank + 1))
+    else:
+        _check_backend(backend, local_rank + 1)
+    if _uses_cuda(backend):
+        torch.cuda.set_device(local_rank)
+    _init_process_group(backend=backend, init_method="env://", timeout=wait)
+    atexit.register(shutdown)
+
+
+def _init_process_group(**kwargs: Any) -> None:
+    """``dist.init_process_group``, after the one import that would otherwise keep the group alive.
+
+    ``torch.distributed.nn.functional`` binds ``group=group.WORLD`` as a default
+    argument when it is first imported, and ``torch.optim`` imports it (through
+    ``torch._dynamo``) the first time an optimizer is built. Imported after the
+    group exists, it captures the group for good: ``destroy_process_group()``
+    then cannot free it, gloo's worker threads run on into interpreter exit, and
+    one that drops the last reference to a finished collective there needs the
+    GIL, cannot get it and aborts the process ("terminate called without an
+    active exception"). Imported first, it binds ``None``.
+    """
+    import torch.distributed.nn.functional  # noqa: F401  (see above)
+
+    dist.init_process_group(**kwargs)
+
+
+def shutdown() -> None:
+    """Destroy the default process group; a no-op without one.
+
+    Warns if the group outlives this call (something still references it), since
+    its threads would then run into interpreter exit, where they can abort the process.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    group = weakref.ref(dist.distributed_c10d._get_default_group())
+    dist.destroy_process_group()
+    if group() is not None:
+        gc.collect()  # a reference cycle (e.g. a DDP module that holds the group) is not a leak
+    if group() is not None:
+        warnings.warn(
+            "distopt.shutdown() destroyed the default process group, but something still references it, so its "
+            f"communication threads stay alive and can abort the process at exit. {_who_holds(group())}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+
+def _who_holds(group: Any) -> str:
+    functional = sys.modules.get("torch.distributed.nn.functional")
+    if functional is not None and any(
+        group in (getattr(fn, "__defaults__", None) or ()) for fn in vars(functional).values()
+    ):
+        return (
+            "torch.distributed.nn.functional was imported after the group was created and holds it as a default "
+            "argument (building the first torch.optim optimizer imports it): create the group with distopt.init() "
+            "or distopt.launch(), or import torch.distributed.nn.functional before init_process_group()."
+        )
+    return "Drop your own references to it (e.g. a saved dist.group.WORLD or a process_group= attribute) first."

@@ -1,0 +1,174 @@
+"""The launching process's side of :func:`~distopt.launching.launch`: start the workers and watch them.
+
+:func:`_run_workers` spawns one process per local rank and hands them to a
+:class:`_Supervisor`, which collects their results as they arrive and stops at
+the first failure or at the timeout. Whatever happens, :func:`_stop` then
+terminates every worker still alive (SIGTERM, and SIGKILL after a grace period)
+and reaps them all, so no process outlives the call.
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+import warnings
+from dataclasses import replace
+from multiprocessing import connection
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from .errors import LaunchTimeoutError, WorkerFailedError, WorkerFailure
+from .worker import _worker_main, _WorkerSpec
+
+__all__: List[str] = []
+
+# Seconds a worker gets between SIGTERM and SIGKILL.
+_TERMINATE_GRACE = 3.0
+
+
+def _run_workers(job: bytes, nprocs: int, world_size: int, first_rank: int, backend: str,
+                 master_addr: str, master_port: int, timeout: Optional[float]) -> List[Any]:
+    ctx = mp.get_context("spawn")
+    procs: List[BaseProcess] = []
+    readers: List[Connection] = []
+    try:
+        for local in range(nprocs):
+            spec = _WorkerSpec(first_rank + local, local, world_size, nprocs, master_addr, master_port,
+                               backend, os.getpid())
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=_worker_main, args=(spec, job, writer), name=f"distopt-rank{spec.rank}")
+            readers.append(reader)
+            procs.append(proc)
+            try:
+                proc.start()
+            finally:
+                # Our copy of the write end must go, or a dead worker's pipe never reports EOF.
+                writer.close()
+        return _Supervisor(procs, readers, first_rank).wait(timeout)
+    finally:
+        _stop(procs)
+        for reader in readers:
+            reader.close()
+
+
+class _Supervisor:
+    """Collects results while watching every worker; stops at the first failure."""
+
+    def __init__(self, procs: List[BaseProcess], readers: List[Connection], first_rank: int) -> None:
+        self.procs = procs
+        self.readers = readers
+        self.first_rank = first_rank
+        self.results: List[Any] = [None] * len(procs)
+        self.returned = [False] * len(procs)
+        self.started = [False] * len(procs)
+        self.errors: Dict[int, Tuple[float, str]] = {}
+        self.open_readers = {reader: i for i, reader in enumerate(readers)}
+        self.live = {proc.sentinel: i for i, proc in enumerate(procs)}
+
+    def wait(self, timeout: Optional[float]) -> List[Any]:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        failures: List[WorkerFailure] = []
+        while self.live and not failures:
+            remaining = None if deadline is None else deadline - time.monotonic()
+            if remaining is not None and remaining <= 0:
+                running = sorted(self.first_rank + i for i in self.live.values())
+                finished = sorted(set(range(self.first_rank, self.first_rank + len(self.procs))) - set(running))
+                raise LaunchTimeoutError(timeout or 0.0, running, finished)
+            # A worker that dies without a word died at some point during this wait;
+            # dating it to the wait's start ranks it before the errors its death causes in peers.
+            since = time.time()
+            # Reading pipes as results arrive keeps a large result from blocking its worker's exit.
+            for ready in connection.wait(list(self.open_readers) + list(self.live), remaining):
+                if ready in self.open_readers:
+                    self._receive(self.open_readers[ready])
+                else:
+                    failures += self._exited(self.live.pop(ready), since)
+            failures += [self._failure(i, None, since) for i in self.errors if i in self.live.values()]
+        if failures:
+            raise WorkerFailedError(self._settle(failures))
+        silent = [self.first_rank + i for i, done in enumerate(self.returned) if not done]
+        if silent:
+            warnings.warn(
+                f"worker ranks {silent} exited with code 0 but did not return a value "
+                "(sys.exit(0) or os._exit(0) in fn); their results are None",
+                stacklevel=4,
+            )
+        return self.results
+
+    def _receive(self, i: int) -> None:
+        reader = self.readers[i]
+        try:
+            message = reader.recv()
+        except EOFError:
+            del self.open_readers[reader]
+            return
+        except Exception as exc:  # the result could not be unpickled here
+            self.errors.setdefault(i, (time.time(), f"the result of rank {self.first_rank + i} could not be "
+                                                  f"unpickled by the launching process: {exc!r}\n"))
+            return
+        if message[0] == "started":
+            self.started[i] = True
+        elif message[0] == "ok":
+            self.results[i] = message[1]
+            self.returned[i] = True
+        else:
+            self.errors.setdefault(i, (message[1], message[2]))
+
+    def _exited(self, i: int, since: float) -> List[WorkerFailure]:
+        proc = self.procs[i]
+        proc.join()
+        reader = self.readers[i]
+        # A dead worker's messages are all in the pipe now; poll() first in case
+        # something it forked still holds the write end open.
+        while reader in self.open_readers and reader.poll(0):
+            self._receive(i)
+        if proc.exitcode == 0 and i not in self.errors:
+            return []
+        return [self._failure(i, proc.exitcode, since)]
+
+    def _failure(self, i: int, exitcode: Optional[int], since: float) -> WorkerFailure:
+        when, formatted = self.errors.get(i, (since, None))
+        return WorkerFailure(self.first_rank + i, i, exitcode, formatted, when, self.started[i])
+
+    def _settle(self, failures: List[WorkerFailure]) -> List[WorkerFailure]:
+        """Let workers that reported an error exit by themselves, so their real exit codes are reported."""
+        settled = []
+        for failure in failures:
+            proc = self.procs[failure.local_rank]
+            if failure.exitcode is None:
+                proc.join(_TERMINATE_GRACE)
+                failure = replace(failure, exitcode=proc.exitcode)
+            settled.append(failure)
+        unique = {f.rank: f for f in sorted(settled, key=lambda f: f.when, reverse=True)}
+        return sorted(unique.values(), key=lambda f: f.when)
+
+
+def _signal_worker(proc: BaseProcess, sig: int) -> None:
+    pid = proc.pid
+    if pid is None or proc.exitcode is not None:
+        return
+    try:
+        if hasattr(os, "killpg") and os.getpgid(pid) == pid:
+            os.killpg(pid, sig)
+        else:
+            os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _stop(procs: Sequence[BaseProcess]) -> None:
+    """SIGTERM every live worker, SIGKILL what is left after a grace period, and reap all."""
+    started = [proc for proc in procs if proc.pid is not None]
+    alive = [proc for proc in started if proc.is_alive()]
+    for proc in alive:
+        _signal_worker(proc, signal.SIGTERM)
+    deadline = time.monotonic() + _TERMINATE_GRACE
+    for proc in alive:
+        proc.join(max(0.0, deadline - time.monotonic()))
+    for proc in alive:
+        if proc.is_alive():
+            _signal_worker(proc, signal.SIGKILL)
+    for proc in started:
+        proc.join()

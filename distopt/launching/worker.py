@@ -1,0 +1,137 @@
+"""One spawned worker of :func:`~distopt.launching.launch`: from process start to its report.
+
+:func:`_worker_main` is the target of every worker process; it must stay at
+module level so that the ``spawn`` start method can find it by name. A worker
+ties its life to the launching process, gets torchrun's ``env://`` variables
+(the only environment variables it writes), joins the process group through the
+parent's rendezvous store, runs the job and sends its result, or its traceback,
+back through a pipe. The job's format is defined here too, by
+:func:`_pickle_job`, next to the code that reads it.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from multiprocessing.connection import Connection
+from typing import Any, Callable, List, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .process_group import _init_process_group, _uses_cuda, shutdown
+
+__all__: List[str] = []
+
+# How long a worker waits to reach the parent's rendezvous store.
+_STORE_TIMEOUT = timedelta(seconds=300)
+
+
+@dataclass(frozen=True)
+class _WorkerSpec:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    backend: str
+    parent_pid: int
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    """Make the kernel kill this worker if the launching process dies, so none is orphaned."""
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, int(signal.SIGKILL))  # 1 == PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+        os._exit(1)
+
+
+def _pickle_job(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], *, unwrap: bool) -> bytes:
+    """Pickle what a worker runs, or say why it cannot be sent to the workers.
+
+    Args:
+        fn: the function the workers run, pickled by reference (module and name).
+        args: its positional arguments.
+        kwargs: its keyword arguments.
+        unwrap: ``fn`` is a wrapper made by :func:`~distopt.launching.launcher`,
+            which pickles by name in its place; the worker calls the function it
+            wraps, since calling the wrapper would launch again.
+
+    Raises:
+        TypeError: ``fn`` or an argument cannot be pickled.
+    """
+    try:
+        return pickle.dumps((fn, unwrap, tuple(args), dict(kwargs)))
+    except Exception as exc:
+        raise TypeError(
+            f"launch could not pickle fn={getattr(fn, '__qualname__', fn)!r} with its args/kwargs for the "
+            "spawned workers: define fn at module level (not a lambda or a nested function) and pass "
+            f"picklable arguments. Pickle said: {exc}"
+        ) from exc
+
+
+def _worker_main(spec: _WorkerSpec, job: bytes, conn: Connection) -> None:
+    """Entry point of a spawned worker: set up the group, run the job, report back."""
+    _die_with_parent(spec.parent_pid)
+    conn.send(("started",))
+    if hasattr(os, "setpgrp"):
+        # Its own process group lets the parent stop the worker together with
+        # anything it started (data-loader workers, ...).
+        os.setpgrp()
+    os.environ.update(
+        RANK=str(spec.rank),
+        LOCAL_RANK=str(spec.local_rank),
+        WORLD_SIZE=str(spec.world_size),
+        LOCAL_WORLD_SIZE=str(spec.local_world_size),
+        MASTER_ADDR=spec.master_addr,
+        MASTER_PORT=str(spec.master_port),
+    )
+    try:
+        fn, unwrap, args, kwargs = pickle.loads(job)
+        if unwrap:
+            fn = fn.__wrapped__
+        if _uses_cuda(spec.backend):
+            torch.cuda.set_device(spec.local_rank)
+        # Like torchrun, share the cores between the local workers: N workers each running as
+        # many intra-op threads as there are cores oversubscribe the CPU and slow every op.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        torch.set_num_threads(max(1, cores // spec.local_world_size))
+        # The parent owns the rendezvous store, so port 0 never races for a port.
+        store = dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, False, _STORE_TIMEOUT)
+        _init_process_group(backend=spec.backend, store=store, rank=spec.rank, world_size=spec.world_size)
+        try:
+            result = fn(*args, **kwargs)
+        except SystemExit as exc:
+            if exc.code not in (None, 0):
+                raise
+        else:
+            conn.send(("ok", result))
+        del fn, args, kwargs  # so that nothing of the job keeps the group alive past shutdown()
+        shutdown()
+    except BaseException as exc:
+        code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
+        _report_and_exit(conn, traceback.format_exc(), code)
+    conn.close()
+
+
+def _report_and_exit(conn: Connection, formatted: str, code: int) -> None:
+    try:
+        conn.send(("error", time.time(), formatted))
+        conn.close()
+    except BaseException:
+        pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: a peer may be stuck in a collective with us.
+    os._exit(code)
