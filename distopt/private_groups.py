@@ -15,7 +15,8 @@ and no communication thread outlives the interpreter.
 from __future__ import annotations
 
 import itertools
-from typing import Dict, Optional, Set
+import weakref
+from typing import Dict, List, Optional, Set
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
@@ -92,7 +93,13 @@ def create(parent: Optional[ProcessGroup]) -> PrivateGroup:
     return PrivateGroup(key)
 
 
-def destroy_all() -> None:
-    """Destroy every private group (before the default group is destroyed)."""
+def destroy_all() -> List["weakref.ReferenceType[ProcessGroup]"]:
+    """Destroy every private group (before the default group is destroyed).
+
+    Returns:
+        Weak references to the destroyed groups, to check that nothing keeps one alive.
+    """
+    refs = [weakref.ref(group) for group in _groups.values()]
     for key in list(_groups):
         _destroy(key)
+    return refs

@@ -55,7 +55,7 @@ def test_shutdown_warns_when_something_keeps_the_group_alive():
         assert len(caught) == 1, caught
         category, message = caught[0]
         assert category == "RuntimeWarning"
-        assert "still references it" in message and "can abort the process at exit" in message
+        assert "still references one" in message and "can abort the process at exit" in message
         assert "Drop your own references" in message
 
 

@@ -197,7 +197,7 @@ def test_the_newest_wrapper_takes_the_parameters_over_and_the_old_one_refuses_to
     model = make_model()
     first = DistributedOptimizer(sgd(model), named_parameters=model.named_parameters())
     second = DistributedOptimizer(sgd(model), named_parameters=model.named_parameters())  # e.g. a re-run cell
-    model(torch.randn(4, 3)).sum().backward()
+    model(torch.randn(3, 4)).sum().backward()
     with pytest.raises(RuntimeError, match=r"step\(\) on a DistributedOptimizer that no longer reduces: a newer "
                                            r"DistributedOptimizer was built over the same parameters"):
         first.step()

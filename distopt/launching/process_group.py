@@ -19,6 +19,8 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
+from .. import private_groups
+
 __all__ = ["init", "shutdown"]
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
@@ -135,21 +137,23 @@ def _init_process_group(**kwargs: Any) -> None:
 
 
 def shutdown() -> None:
-    """Destroy the default process group; a no-op without one.
+    """Destroy the default process group and the private groups of distopt's wrappers; a no-op without one.
 
-    Warns if the group outlives this call (something still references it), since
-    its threads would then run into interpreter exit, where they can abort the process.
+    Warns if the default group outlives this call (something still references it),
+    since its threads would then run into interpreter exit, where they can abort the process.
     """
     if not (dist.is_available() and dist.is_initialized()):
         return
-    group = weakref.ref(dist.distributed_c10d._get_default_group())
+    groups = private_groups.destroy_all()
+    groups.append(weakref.ref(dist.distributed_c10d._get_default_group()))
     dist.destroy_process_group()
-    if group() is not None:
+    if any(ref() is not None for ref in groups):
         gc.collect()  # a reference cycle (e.g. a DDP module that holds the group) is not a leak
-    if group() is not None:
+    alive = [ref() for ref in groups if ref() is not None]
+    if alive:
         warnings.warn(
-            "distopt.shutdown() destroyed the default process group, but something still references it, so its "
-            f"communication threads stay alive and can abort the process at exit. {_who_holds(group())}",
+            "distopt.shutdown() destroyed the process groups, but something still references one, so its "
+            f"communication threads stay alive and can abort the process at exit. {_who_holds(alive[-1])}",
             RuntimeWarning,
             stacklevel=2,
         )
