@@ -22,6 +22,7 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -33,11 +34,15 @@ from . import collectives
 from .packing import LaunchOrder, PackSpec, ParamMeta, plan_packs
 from .private_groups import PrivateGroup
 
-__all__ = ["GradientEngine", "StepStats", "IDLE", "ACTIVE", "DONE"]
+__all__ = ["GradientEngine", "StepStats", "IDLE", "ACTIVE", "DONE", "BACKWARD_PATIENCE"]
 
 # Mean member size (elements) under which a pack is gathered with one cat: below it the
 # per-tensor dispatch cost dominates; above it one fused copy-and-scale pass per tensor wins.
 _BATCH_GATHER_BELOW = 1 << 12
+
+#: Seconds the end of backward waits for the other ranks' gradients before leaving the round
+#: pending (finished by synchronize(), step() or zero_grad()).
+BACKWARD_PATIENCE = 5.0
 
 # Round states: gradients accumulate locally (IDLE), the reducing backward is
 # running (ACTIVE), gradients are averaged and final (DONE).
@@ -195,6 +200,7 @@ class GradientEngine:
         self._fired = bytearray(len(self.params))
         self._arrivals: List[int] = []
         self._phase = _BACKWARD
+        self._pending_versions: Optional[List[int]] = None
         self._control: Optional[Tensor] = None  # this rank's control flags, set at its first launch
         self.launch_order.reset()
         for pack in self.packs:
@@ -259,7 +265,9 @@ class GradientEngine:
             self._passes += self._pass_counts
             if self._pass_reduces:
                 self._flush()
-                self.finish_round()
+                # A rank whose backward reached no parameter sends its packs only in step(); waiting for
+                # them here without bound would deadlock with a collective it runs before step().
+                self.finish_round(patience=BACKWARD_PATIENCE)
 
     def _adopt_grad(self, index: int, view: Tensor) -> bool:
         """Make ``.grad`` of parameter ``index`` the buffer view ``view``; False if it has none."""
@@ -340,24 +348,55 @@ class GradientEngine:
             self._launch(self.packs[k])
         self.stats.packs_at_flush = self.launch_order.launched - launched_before
 
-    def wait(self) -> None:
-        """Block until every launched all-reduce is done (their buffers may still be written before)."""
-        if not self._inflight:
-            return
-        start = time.perf_counter()
-        with torch.profiler.record_function("distopt.wait"):
-            for work, _ in self._inflight:
-                work.wait()
-        self.stats.wait_seconds += time.perf_counter() - start
+    def wait(self, patience: Optional[float] = None) -> bool:
+        """Block until every launched all-reduce is done (their buffers may be written until then).
 
-    def finish_round(self) -> None:
+        Args:
+            patience: give up after this many seconds (gloo; NCCL's wait does not block the host).
+
+        Returns:
+            False if it gave up: the all-reduces go on, and a later wait finishes them.
+        """
+        if not self._inflight:
+            return True
+        start = time.perf_counter()
+        try:
+            with torch.profiler.record_function("distopt.wait"):
+                for work, _ in self._inflight:
+                    if patience is None:
+                        work.wait()
+                        continue
+                    left = max(patience - (time.perf_counter() - start), 0.001)
+                    try:
+                        work.wait(timeout=timedelta(seconds=left))
+                    except RuntimeError as exc:
+                        if "timed out" not in str(exc).lower():
+                            raise
+                        return False
+            return True
+        finally:
+            self.stats.wait_seconds += time.perf_counter() - start
+
+    def finish_round(self, patience: Optional[float] = None) -> None:
         """Wait for every pack, scale, and settle which parameters end up with a gradient.
 
+        Args:
+            patience: seconds to wait before leaving the round pending, to be finished by
+                the next ``synchronize()``, ``step()`` or ``zero_grad()``.
+
         Raises:
-            RuntimeError: some ranks reduced during backward and others only inside step().
+            RuntimeError: some ranks reduced during backward and others only inside step(),
+                or gradients were changed while the round was pending.
             ValueError: the ranks unfroze different parameters.
         """
-        self.wait()
+        if not self.wait(patience):
+            # Remember the buffers' versions: changing a gradient before it is averaged is an error.
+            self._pending_versions = [pack.buffer._version for _, pack in self._inflight]
+            return
+        touched = self._pending_versions is not None and any(
+            pack.buffer._version != version for (_, pack), version in zip(self._inflight, self._pending_versions)
+        )
+        self._pending_versions = None
         control = None
         for _, pack in self._inflight:
             if pack.wire is not None:
@@ -379,6 +418,8 @@ class GradientEngine:
         during_backward, inside_step, unfrozen = control
         if during_backward and inside_step:
             raise RuntimeError(_MIXED_ROUND)
+        if touched:
+            raise RuntimeError(_TOUCHED_WHILE_PENDING.format(BACKWARD_PATIENCE))
         if unfrozen:
             self._adopt_unfrozen()
         elif not self.planned:
@@ -453,6 +494,11 @@ _CREATE_GRAPH = (
     "backward(create_graph=True) made gradients that require grad, and a DistributedOptimizer averages "
     "gradients as plain tensors; for a gradient penalty take torch.autograd.grad(..., create_graph=True) "
     "yourself, add the penalty to the loss and call loss.backward() without create_graph"
+)
+_TOUCHED_WHILE_PENDING = (
+    "gradients were changed (clipped, unscaled, ...) after backward() returned but before every rank's "
+    "gradients had arrived (distopt waited {:g} s for them at the end of backward, then went on); the ranks "
+    "would apply different updates. Call opt.synchronize() after backward() and before touching gradients"
 )
 _MIXED_ROUND = (
     "ranks averaged their gradients at different points: some during backward(), others only inside step(), "

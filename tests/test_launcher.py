@@ -297,3 +297,46 @@ def _stop_torchrun(proc, marker):
         if marker in (leftover.info["cmdline"] or []):
             with contextlib.suppress(psutil.NoSuchProcess):
                 leftover.kill()
+
+
+# --- results travel by value: tensors, nested containers, whatever a worker returns ---
+
+
+def _draw_tensors(seed, rank):
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    count = int(torch.randint(1, 7, (1,), generator=g))
+    shapes = [torch.randint(0, 40, (int(torch.randint(0, 4, (1,), generator=g)),), generator=g).tolist()
+              for _ in range(count)]
+    return [torch.randn(shape, generator=g) for shape in shapes]  # [] is a 0-dim tensor
+
+
+def _tensor_results(seed):
+    tensors = _draw_tensors(seed, dist.get_rank())
+    return {"rank": dist.get_rank(), "tensors": tensors, "nested": [(t.sum(), {"t": t.to(torch.int16)}) for t in tensors]}
+
+
+def _expected_tensor_results(seed, world):
+    return [_draw_tensors(seed, rank) for rank in range(world)]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", [2, 3])
+def test_tensor_results_arrive_intact_every_time(world):
+    launches = 12
+    for seed in range(launches):
+        results = launch(_tensor_results, world, args=(seed,), master_port=0, timeout=60)
+        for rank, (result, expected) in enumerate(zip(results, _expected_tensor_results(seed, world))):
+            assert result["rank"] == rank
+            assert len(result["tensors"]) == len(expected)
+            for got, want, (total, inner) in zip(result["tensors"], expected, result["nested"]):
+                assert torch.equal(got, want)
+                assert torch.equal(total, want.sum()) and torch.equal(inner["t"], want.to(torch.int16))
+
+
+def _unpicklable_result():
+    return lambda: None
+
+
+def test_a_result_that_cannot_be_pickled_names_the_rank_and_the_type():
+    with pytest.raises(WorkerFailedError, match=r"rank [01]: fn returned a function, which cannot be pickled"):
+        launch(_unpicklable_result, 2, timeout=60)

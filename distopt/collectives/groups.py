@@ -45,6 +45,8 @@ def _resolve_group(group: Optional[ProcessGroup]) -> Optional[ProcessGroup]:
         TypeError: ``group`` is neither None nor a ``ProcessGroup``.
     """
     if group is not None:
+        if group is dist.GroupMember.NON_GROUP_MEMBER:  # what new_group() returns on other ranks
+            check_member(group)
         if not isinstance(group, ProcessGroup):
             raise TypeError(
                 f"group must be a torch.distributed ProcessGroup (e.g. from dist.new_group(ranks)) or None "
@@ -77,11 +79,11 @@ def check_member(group: ProcessGroup, what: str = "group") -> None:
         group: a process group.
         what: the argument's name, for the message.
     """
-    if dist.get_rank(group) < 0:
+    if group is dist.GroupMember.NON_GROUP_MEMBER or dist.get_rank(group) < 0:
+        ranks = "" if not isinstance(group, ProcessGroup) else f", whose ranks are {dist.get_process_group_ranks(group)}"
         raise ValueError(
-            f"this process (global rank {dist.get_rank()}) is not a member of {what}, whose ranks are "
-            f"{dist.get_process_group_ranks(group)}; run code that uses {what} only on those ranks "
-            "(e.g. `if dist.get_rank() in ranks:`)"
+            f"this process (global rank {dist.get_rank()}) is not a member of {what}{ranks}; run code that uses "
+            f"{what} only on its ranks (e.g. `if dist.get_rank() in ranks:`)"
         )
 
 

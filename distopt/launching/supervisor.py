@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import signal
 import time
 import warnings
@@ -100,7 +101,9 @@ class _Supervisor:
     def _receive(self, i: int) -> None:
         reader = self.readers[i]
         try:
-            message = reader.recv()
+            message = pickle.loads(reader.recv_bytes())
+            if message[0] == "ok":
+                message = ("ok", pickle.loads(message[1]))
         except EOFError:
             del self.open_readers[reader]
             return

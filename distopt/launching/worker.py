@@ -84,7 +84,7 @@ def _pickle_job(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str
 def _worker_main(spec: _WorkerSpec, job: bytes, conn: Connection) -> None:
     """Entry point of a spawned worker: set up the group, run the job, report back."""
     _die_with_parent(spec.parent_pid)
-    conn.send(("started",))
+    _send(conn, ("started",))
     if hasattr(os, "setpgrp"):
         # Its own process group lets the parent stop the worker together with
         # anything it started (data-loader workers, ...).
@@ -116,7 +116,7 @@ def _worker_main(spec: _WorkerSpec, job: bytes, conn: Connection) -> None:
             if exc.code not in (None, 0):
                 raise
         else:
-            conn.send(("ok", result))
+            _send(conn, ("ok", _pickle_result(result, spec.rank)))
         del fn, args, kwargs  # so that nothing of the job keeps the group alive past shutdown()
         shutdown()
     except BaseException as exc:
@@ -125,9 +125,31 @@ def _worker_main(spec: _WorkerSpec, job: bytes, conn: Connection) -> None:
     conn.close()
 
 
+def _send(conn: Connection, message: Any) -> None:
+    # Plain pickle, as bytes: the Connection's own pickler (torch registers reductions on it) would
+    # send a tensor as a handle on this process's shared memory, which is gone once this worker exits.
+    conn.send_bytes(pickle.dumps(message))
+
+
+def _pickle_result(result: Any, rank: int) -> bytes:
+    """``result`` as plain-pickle bytes (tensors travel by value).
+
+    Raises:
+        TypeError: it cannot be pickled; names the rank and the type.
+    """
+    try:
+        return pickle.dumps(result)
+    except Exception as exc:
+        raise TypeError(
+            f"rank {rank}: fn returned a {type(result).__name__}, which cannot be pickled to send it to the "
+            f"launching process ({exc}); return plain data (tensors, numbers, lists, dicts), or save the "
+            "object to a file and return its path"
+        ) from exc
+
+
 def _report_and_exit(conn: Connection, formatted: str, code: int) -> None:
     try:
-        conn.send(("error", time.time(), formatted))
+        _send(conn, ("error", time.time(), formatted))
         conn.close()
     except BaseException:
         pass
