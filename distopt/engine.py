@@ -31,14 +31,11 @@ from torch import Tensor
 from torch.autograd import Variable
 
 from . import collectives
-from .packing import LaunchOrder, PackSpec, ParamMeta, plan_packs
+from .packing import LaunchOrder, plan_packs
+from .packs import CONTROL_FLAGS, Pack, adopt_current_grads, build_packs, gather, metas
 from .private_groups import PrivateGroup
 
 __all__ = ["GradientEngine", "StepStats", "IDLE", "ACTIVE", "DONE", "BACKWARD_PATIENCE"]
-
-# Mean member size (elements) under which a pack is gathered with one cat: below it the
-# per-tensor dispatch cost dominates; above it one fused copy-and-scale pass per tensor wins.
-_BATCH_GATHER_BELOW = 1 << 12
 
 #: Seconds the end of backward waits for the other ranks' gradients before leaving the round
 #: pending (finished by synchronize(), step() or zero_grad()).
@@ -53,7 +50,6 @@ IDLE, ACTIVE, DONE = range(3)
 # the round is back: "launched during backward", "launched only inside step()"
 # and "a parameter frozen when it was tracked is trainable now".
 _BACKWARD, _EXPLICIT, _IMPLICIT = range(3)
-_CONTROL = 3
 
 
 @dataclass
@@ -72,21 +68,6 @@ class StepStats:
     packs_at_flush: int = 0
     bytes: int = 0
     wait_seconds: float = 0.0
-
-
-@dataclass
-class _Pack:
-    """Runtime state of one planned pack: a persistent flat buffer the gradients live in."""
-
-    spec: PackSpec
-    buffer: Tensor  # gradient data, one presence flag per member, then the control flags
-    data: Tensor  # the gradient part of ``buffer``
-    views: List[Tensor]  # per member, shaped like its parameter; these become ``.grad``
-    flags: Tensor  # presence and control flags
-    params: List[Tensor]  # the members' parameters
-    batched: bool  # small members: gather with one cat instead of one copy each
-    wire: Optional[Tensor]  # 16-bit copy sent instead of ``buffer`` when compressing
-    absent: List[int]  # members that had no local gradient this round
 
 
 class GradientEngine:
@@ -121,7 +102,7 @@ class GradientEngine:
         self.frozen: List[Tensor] = []
         self.frozen_names: List[str] = []
         self.handles: List[Any] = []  # hook handles, removed by close()
-        self.packs: List[_Pack] = []
+        self.packs: List[Pack] = []
         self.pack_of: List[int] = []  # parameter index -> pack index
         self.launch_order = LaunchOrder([])
         self.planned = False
@@ -159,33 +140,15 @@ class GradientEngine:
             self.channel.destroy()
 
     def _build_packs(self, order: Sequence[int]) -> None:
-        packs = []
-        pack_of = [0] * len(self.params)
-        for k, spec in enumerate(plan_packs(order, _metas(self.params), self.pack_threshold)):
-            device, dtype = spec.key
-            buffer = torch.empty(spec.numel + len(spec.members) + _CONTROL, dtype=dtype, device=device)
-            views = [
-                buffer[off : off + n].view(self.params[i].shape)
-                for i, off, n in zip(spec.members, spec.offsets, spec.numels)
-            ]
-            wire = None
-            if self.wire_dtype is not None and dtype in (torch.float32, torch.float64):
-                wire = torch.empty(buffer.numel(), dtype=self.wire_dtype, device=device)
-            members = [self.params[i] for i in spec.members]
-            batched = spec.numel < _BATCH_GATHER_BELOW * len(spec.members)
-            packs.append(_Pack(spec, buffer, buffer[: spec.numel], views, buffer[spec.numel :], members, batched,
-                               wire, []))
-            for i in spec.members:
-                pack_of[i] = k
+        packs = build_packs(self.params, self.names, order, self.pack_threshold, self.wire_dtype)
         if self.packs:  # a re-plan: gradients move from the old buffers to the new ones
-            for pack in packs:
-                for p, view in zip(pack.params, pack.views):
-                    if p.grad is not None:
-                        view.copy_(p.grad)
-                        p.grad = view
+            adopt_current_grads(packs)
         self.packs = packs
-        self.pack_of = pack_of
-        self.launch_order = LaunchOrder([len(pk.spec.members) for pk in packs])
+        self.pack_of = [0] * len(self.params)
+        for k, pack in enumerate(packs):
+            for i in pack.spec.members:
+                self.pack_of[i] = k
+        self.launch_order = LaunchOrder([len(pack.spec.members) for pack in packs])
 
     # ------------------------------------------------------------------ the round
 
@@ -196,7 +159,7 @@ class GradientEngine:
         self._pass_open = False
         self._pass_counts = False
         self._pass_reduces = False
-        self._inflight: List[Tuple[Any, _Pack]] = []
+        self._inflight: List[Tuple[Any, Pack]] = []
         self._fired = bytearray(len(self.params))
         self._arrivals: List[int] = []
         self._phase = _BACKWARD
@@ -269,59 +232,8 @@ class GradientEngine:
                 # them here without bound would deadlock with a collective it runs before step().
                 self.finish_round(patience=BACKWARD_PATIENCE)
 
-    def _adopt_grad(self, index: int, view: Tensor) -> bool:
-        """Make ``.grad`` of parameter ``index`` the buffer view ``view``; False if it has none."""
-        param = self.params[index]
-        grad = param.grad
-        scale = self.scale
-        if grad is not None and grad.requires_grad:
-            raise RuntimeError(_CREATE_GRAPH)
-        if grad is view:  # accumulated in place
-            if scale is not None:
-                view.mul_(scale)
-            return True
-        if grad is None:
-            return False
-        if grad.is_sparse:
-            if not self.sparse_as_dense:
-                raise RuntimeError(
-                    f"parameter {self.names[index]!r} has a sparse gradient, which distopt does not reduce; "
-                    "use dense gradients (e.g. nn.Embedding(..., sparse=False)) or pass sparse_as_dense=True"
-                )
-            grad = grad.to_dense()
-        if scale is None:
-            view.copy_(grad)
-        else:
-            torch.mul(grad, scale, out=view)
-        param.grad = view
-        return True
-
-    def _gather(self, pack: _Pack) -> None:
-        """Move the members' gradients into the pack's buffer, scaled; zeros where a member has none."""
-        grads = [p.grad for p in pack.params]
-        if pack.batched and all(
-            g is not None and g is not v and not g.is_sparse for g, v in zip(grads, pack.views)
-        ):
-            # Many small gradients: one cat and one scale beat a copy per tensor.
-            torch.cat([g.reshape(-1) for g in grads], out=pack.data)
-            if self.scale is not None:
-                pack.data.mul_(self.scale)
-            for p, view in zip(pack.params, pack.views):
-                p.grad = view
-            return
-        for j, index in enumerate(pack.spec.members):
-            if not self._adopt_grad(index, pack.views[j]):
-                pack.views[j].zero_()
-                pack.absent.append(j)
-
-    def _launch(self, pack: _Pack) -> None:
-        try:
-            self._gather(pack)
-        except RuntimeError as exc:
-            problem = self._diagnose(pack)
-            if problem is None:
-                raise
-            raise RuntimeError(problem) from exc
+    def _launch(self, pack: Pack) -> None:
+        gather(pack, self.scale, self.sparse_as_dense)
         if self._control is None:
             unfrozen = any(p.requires_grad for p in self.frozen)
             self._control = torch.tensor(
@@ -330,7 +242,7 @@ class GradientEngine:
         pack.flags.fill_(1)
         for j in pack.absent:
             pack.flags[j] = 0
-        pack.flags[-_CONTROL:].copy_(self._control)
+        pack.flags[-CONTROL_FLAGS:].copy_(self._control)
         buffer = pack.buffer
         if pack.wire is not None:
             pack.wire.copy_(buffer)
@@ -402,7 +314,7 @@ class GradientEngine:
             if pack.wire is not None:
                 pack.buffer.copy_(pack.wire)
             if control is None:
-                control = pack.flags[-_CONTROL:].tolist()
+                control = pack.flags[-CONTROL_FLAGS:].tolist()
             if pack.absent:
                 present = pack.flags.tolist()
                 for j in pack.absent:
@@ -456,19 +368,6 @@ class GradientEngine:
         if flag.item():
             self._adopt_unfrozen()
 
-    def _diagnose(self, pack: _Pack) -> Optional[str]:
-        """Why moving ``pack``'s gradients failed, if the model or the backward call changed under us."""
-        for p, name in zip(pack.params, (self.names[i] for i in pack.spec.members)):
-            if p.grad is not None and p.grad.requires_grad:
-                return _CREATE_GRAPH
-            if (p.device, p.dtype) != pack.spec.key:
-                return (
-                    f"parameter {name!r} is now {p.dtype} on {p.device}, but it was {pack.spec.key[1]} on "
-                    f"{pack.spec.key[0]} when the DistributedOptimizer was built (model.to(), .half() or "
-                    ".double() after wrapping); convert the model first, then build the optimizer and the wrapper"
-                )
-        return None
-
     def _fix_plan(self) -> None:
         """Adopt the root's observed gradient order as the plan on every rank.
 
@@ -484,17 +383,12 @@ class GradientEngine:
             return
         # Only which packs exist, and their order, matter to matching; keeping the buffers when
         # those are unchanged also spares a second set of buffers at the peak.
-        plan = plan_packs(root_order, _metas(self.params), self.pack_threshold)
+        plan = plan_packs(root_order, metas(self.params), self.pack_threshold)
         if [set(spec.members) for spec in plan] != [set(pack.spec.members) for pack in self.packs]:
             self._build_packs(root_order)
         self.planned = True
 
 
-_CREATE_GRAPH = (
-    "backward(create_graph=True) made gradients that require grad, and a DistributedOptimizer averages "
-    "gradients as plain tensors; for a gradient penalty take torch.autograd.grad(..., create_graph=True) "
-    "yourself, add the penalty to the loss and call loss.backward() without create_graph"
-)
 _TOUCHED_WHILE_PENDING = (
     "gradients were changed (clipped, unscaled, ...) after backward() returned but before every rank's "
     "gradients had arrived (distopt waited {:g} s for them at the end of backward, then went on); the ranks "
@@ -509,10 +403,6 @@ _MIXED_ROUND = (
     "averages at once everywhere), or keep every rank's loss connected to the parameters "
     "(e.g. loss = model(x).sum() * 0.0)"
 )
-
-
-def _metas(params: Sequence[Tensor]) -> List[ParamMeta]:
-    return [ParamMeta((p.device, p.dtype), p.numel(), p.element_size()) for p in params]
 
 
 def _make_hook(ref: "weakref.ReferenceType[GradientEngine]", index: int) -> Callable[[Tensor], None]:

@@ -1,0 +1,154 @@
+"""Pack buffers: where gradients live while they are averaged.
+
+A :class:`Pack` is the runtime side of one planned :class:`distopt.packing.PackSpec`:
+a persistent flat buffer holding its members' gradients, then one presence flag
+per member, then :data:`CONTROL_FLAGS` flags the engine uses to compare rounds
+across ranks. Each member's ``.grad`` becomes a view of its slice, so the
+averaged result is the gradient and nothing is copied back. :func:`gather` moves
+the gradients in (scaled by the mean's 1/world in the same pass) and says in
+plain words what went wrong when the model or the backward call changed under
+the wrapper.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+from .packing import PackSpec, ParamMeta, plan_packs
+
+__all__ = ["CONTROL_FLAGS", "Pack", "build_packs", "adopt_current_grads", "gather", "metas"]
+
+#: Flags after the presence flags of every pack, for the engine.
+CONTROL_FLAGS = 3
+
+# Mean member size (elements) under which a pack is gathered with one cat: below it the
+# per-tensor dispatch cost dominates; above it one fused copy-and-scale pass per tensor wins.
+_BATCH_GATHER_BELOW = 1 << 12
+
+_CREATE_GRAPH = (
+    "backward(create_graph=True) made gradients that require grad, and a DistributedOptimizer averages "
+    "gradients as plain tensors; for a gradient penalty take torch.autograd.grad(..., create_graph=True) "
+    "yourself, add the penalty to the loss and call loss.backward() without create_graph"
+)
+
+
+@dataclass
+class Pack:
+    """Runtime state of one planned pack: a persistent flat buffer the gradients live in."""
+
+    spec: PackSpec
+    buffer: Tensor  # gradient data, one presence flag per member, then the control flags
+    data: Tensor  # the gradient part of ``buffer``
+    views: List[Tensor]  # per member, shaped like its parameter; these become ``.grad``
+    flags: Tensor  # presence and control flags
+    params: List[Tensor]  # the members' parameters
+    names: List[str]  # the members' names, for errors
+    batched: bool  # small members: gather with one cat instead of one copy each
+    wire: Optional[Tensor]  # 16-bit copy sent instead of ``buffer`` when compressing
+    absent: List[int]  # members that had no local gradient this round
+
+
+def metas(params: Sequence[Tensor]) -> List[ParamMeta]:
+    """What planning needs of each parameter; the key is ``(device, dtype)``."""
+    return [ParamMeta((p.device, p.dtype), p.numel(), p.element_size()) for p in params]
+
+
+def build_packs(params: Sequence[Tensor], names: Sequence[str], order: Sequence[int], threshold: int,
+                wire_dtype: Optional[torch.dtype]) -> List[Pack]:
+    """Allocate the packs of the plan for ``params`` taken in ``order``."""
+    packs = []
+    for spec in plan_packs(order, metas(params), threshold):
+        device, dtype = spec.key
+        buffer = torch.empty(spec.numel + len(spec.members) + CONTROL_FLAGS, dtype=dtype, device=device)
+        views = [buffer[off : off + n].view(params[i].shape) for i, off, n in zip(spec.members, spec.offsets, spec.numels)]
+        wire = None
+        if wire_dtype is not None and dtype in (torch.float32, torch.float64):
+            wire = torch.empty(buffer.numel(), dtype=wire_dtype, device=device)
+        batched = spec.numel < _BATCH_GATHER_BELOW * len(spec.members)
+        packs.append(Pack(spec, buffer, buffer[: spec.numel], views, buffer[spec.numel :],
+                          [params[i] for i in spec.members], [names[i] for i in spec.members], batched, wire, []))
+    return packs
+
+
+def adopt_current_grads(packs: Sequence[Pack]) -> None:
+    """Move the members' current gradients into ``packs`` (after a re-plan)."""
+    for pack in packs:
+        for p, view in zip(pack.params, pack.views):
+            if p.grad is not None:
+                view.copy_(p.grad)
+                p.grad = view
+
+
+def gather(pack: Pack, scale: Optional[float], sparse_as_dense: bool) -> None:
+    """Move the members' gradients into the pack's buffer, scaled; zeros where a member has none.
+
+    Raises:
+        RuntimeError: a sparse gradient without ``sparse_as_dense``, ``backward(create_graph=True)``,
+            or a model converted (dtype, device) after the wrapper was built.
+    """
+    try:
+        _gather(pack, scale, sparse_as_dense)
+    except RuntimeError as exc:
+        problem = _diagnose(pack)
+        if problem is None:
+            raise
+        raise RuntimeError(problem) from exc
+
+
+def _gather(pack: Pack, scale: Optional[float], sparse_as_dense: bool) -> None:
+    grads = [p.grad for p in pack.params]
+    if pack.batched and all(g is not None and g is not v and not g.is_sparse for g, v in zip(grads, pack.views)):
+        # Many small gradients: one cat and one scale beat a copy per tensor.
+        torch.cat([g.reshape(-1) for g in grads], out=pack.data)
+        if scale is not None:
+            pack.data.mul_(scale)
+        for p, view in zip(pack.params, pack.views):
+            p.grad = view
+        return
+    for j, (param, view) in enumerate(zip(pack.params, pack.views)):
+        if not _adopt_grad(param, pack.names[j], view, scale, sparse_as_dense):
+            view.zero_()
+            pack.absent.append(j)
+
+
+def _adopt_grad(param: Tensor, name: str, view: Tensor, scale: Optional[float], sparse_as_dense: bool) -> bool:
+    """Make ``param.grad`` the buffer view ``view``; False if it has none."""
+    grad = param.grad
+    if grad is None:
+        return False
+    if grad.requires_grad:
+        raise RuntimeError(_CREATE_GRAPH)
+    if grad is view:  # accumulated in place
+        if scale is not None:
+            view.mul_(scale)
+        return True
+    if grad.is_sparse:
+        if not sparse_as_dense:
+            raise RuntimeError(
+                f"parameter {name!r} has a sparse gradient, which distopt does not reduce; "
+                "use dense gradients (e.g. nn.Embedding(..., sparse=False)) or pass sparse_as_dense=True"
+            )
+        grad = grad.to_dense()
+    if scale is None:
+        view.copy_(grad)
+    else:
+        torch.mul(grad, scale, out=view)
+    param.grad = view
+    return True
+
+
+def _diagnose(pack: Pack) -> Optional[str]:
+    """Why moving ``pack``'s gradients failed, if the model or the backward call changed under us."""
+    for p, name in zip(pack.params, pack.names):
+        if p.grad is not None and p.grad.requires_grad:
+            return _CREATE_GRAPH
+        if (p.device, p.dtype) != pack.spec.key:
+            return (
+                f"parameter {name!r} is now {p.dtype} on {p.device}, but it was {pack.spec.key[1]} on "
+                f"{pack.spec.key[0]} when the DistributedOptimizer was built (model.to(), .half() or "
+                ".double() after wrapping); convert the model first, then build the optimizer and the wrapper"
+            )
+    return None
