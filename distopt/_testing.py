@@ -5,11 +5,15 @@ Used by distopt's own tests; not part of the public API.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Iterable, List
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Union
 
 from .launching import launch
 
-__all__ = ["run_world", "live_children", "assert_no_children"]
+__all__ = ["run_world", "run_torchrun", "live_children", "assert_no_children"]
 
 
 def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
@@ -37,6 +41,32 @@ def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     """
     return launch(fn, world_size, args=args, kwargs=kwargs, backend=backend,
                   master_addr="127.0.0.1", master_port=0, timeout=timeout)
+
+
+def run_torchrun(script: Union[str, Path], args: Sequence[str], cwd: Union[str, Path], timeout: float,
+                 nprocs: int = 2) -> Tuple[Optional[int], str]:
+    """Run ``script`` under ``torchrun --standalone`` with ``nprocs`` processes, importing this checkout.
+
+    The whole process tree is killed if it runs past ``timeout``.
+
+    Returns:
+        ``(exit code, output)``; the exit code is None when it timed out.
+    """
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nprocs),
+           str(script), *args]
+    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        return None, out
+    return proc.returncode, out
 
 
 def _is_resource_tracker(cmdline: List[str]) -> bool:

@@ -13,6 +13,14 @@ A *round* is what happens between two ``step()``/``zero_grad()`` calls: backward
 passes accumulate locally (``IDLE``), the reducing pass runs (``ACTIVE``), and
 once every pack is back the gradients are averaged and final (``DONE``).
 
+The wait at the end of backward is bounded (:data:`BACKWARD_PATIENCE`): a rank
+whose backward reached no parameter sends its packs only in ``step()``, and an
+unbounded wait would deadlock with any collective that rank runs first. The
+round then stays pending until ``synchronize()``, ``step()`` or ``zero_grad()``.
+Once a round is back, control flags in every pack tell every rank alike whether
+the ranks reduced at different points (an error on every rank) or unfroze
+parameters (tracked at once, on every rank together).
+
 The engine knows nothing of steps or optimizers; a mode (:mod:`distopt.modes`)
 decides what happens at ``step()``.
 """
@@ -37,8 +45,9 @@ from .private_groups import PrivateGroup
 
 __all__ = ["GradientEngine", "StepStats", "IDLE", "ACTIVE", "DONE", "BACKWARD_PATIENCE"]
 
-#: Seconds the end of backward waits for the other ranks' gradients before leaving the round
-#: pending (finished by synchronize(), step() or zero_grad()).
+#: Seconds the end of backward waits at least for the other ranks' gradients before leaving the
+#: round pending (finished by synchronize(), step() or zero_grad()); it grows to 20 times the
+#: slowest wait seen, so that slow links do not leave rounds pending.
 BACKWARD_PATIENCE = 5.0
 
 # Round states: gradients accumulate locally (IDLE), the reducing backward is
@@ -96,6 +105,7 @@ class GradientEngine:
         self.backward_passes_per_step = backward_passes_per_step
         self.root_rank = root_rank
         self.stats = StepStats()
+        self._slowest_wait = 0.0  # seconds, of the waits at the end of backward that finished
         self.params: List[Tensor] = []
         self.names: List[str] = []
         # Parameters held but frozen when they were tracked; they join once trainable.
@@ -164,6 +174,7 @@ class GradientEngine:
         self._arrivals: List[int] = []
         self._phase = _BACKWARD
         self._pending_versions: Optional[List[int]] = None
+        self._patience_used = 0.0
         self._control: Optional[Tensor] = None  # this rank's control flags, set at its first launch
         self.launch_order.reset()
         for pack in self.packs:
@@ -230,7 +241,7 @@ class GradientEngine:
                 self._flush()
                 # A rank whose backward reached no parameter sends its packs only in step(); waiting for
                 # them here without bound would deadlock with a collective it runs before step().
-                self.finish_round(patience=BACKWARD_PATIENCE)
+                self.finish_round(patience=max(BACKWARD_PATIENCE, 20 * self._slowest_wait))
 
     def _launch(self, pack: Pack) -> None:
         gather(pack, self.scale, self.sparse_as_dense)
@@ -301,10 +312,14 @@ class GradientEngine:
                 or gradients were changed while the round was pending.
             ValueError: the ranks unfroze different parameters.
         """
+        start = time.perf_counter()
         if not self.wait(patience):
             # Remember the buffers' versions: changing a gradient before it is averaged is an error.
             self._pending_versions = [pack.buffer._version for _, pack in self._inflight]
+            self._patience_used = patience
             return
+        if patience is not None:
+            self._slowest_wait = max(self._slowest_wait, time.perf_counter() - start)
         touched = self._pending_versions is not None and any(
             pack.buffer._version != version for (_, pack), version in zip(self._inflight, self._pending_versions)
         )
@@ -331,7 +346,7 @@ class GradientEngine:
         if during_backward and inside_step:
             raise RuntimeError(_MIXED_ROUND)
         if touched:
-            raise RuntimeError(_TOUCHED_WHILE_PENDING.format(BACKWARD_PATIENCE))
+            raise RuntimeError(_TOUCHED_WHILE_PENDING.format(self._patience_used))
         if unfrozen:
             self._adopt_unfrozen()
         elif not self.planned:

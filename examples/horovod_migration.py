@@ -59,8 +59,7 @@ class Net(nn.Module):
 
 def load_digits(seed: int) -> Tuple[TensorDataset, TensorDataset]:
     """Train and test sets of scikit-learn's digits (80/20, the same split on every rank)."""
-    # Read scikit-learn's data file instead of importing scikit-learn: its OpenMP runtime
-    # beside torch's makes some processes abort at exit ("terminate called without an active exception").
+    # Read scikit-learn's data file: importing scikit-learn would only slow every worker's start.
     spec = importlib.util.find_spec("sklearn")
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError("the digits come with scikit-learn, which is not installed: pip install scikit-learn")

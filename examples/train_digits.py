@@ -128,10 +128,8 @@ def load_digits_split(seed: int, test_fraction: float = 0.2) -> Split:
 def _read_digits() -> Tuple[Tensor, Tensor]:
     """scikit-learn's bundled digits, read straight from its data file.
 
-    Reading the file rather than calling ``sklearn.datasets.load_digits`` keeps
-    scikit-learn's own OpenMP runtime out of the training processes: loaded beside
-    torch's, it makes about one process in five abort at exit ("terminate called
-    without an active exception"), even in a script without distopt.
+    Reading the file rather than calling ``sklearn.datasets.load_digits`` spares
+    every worker the import of scikit-learn, which only slows the start.
     """
     spec = importlib.util.find_spec("sklearn")  # finds the package without importing it
     if spec is None or not spec.submodule_search_locations:

@@ -1,8 +1,4 @@
 """Every process exits cleanly: nothing distopt sets up keeps a process group alive past shutdown()."""
-import os
-import signal
-import subprocess
-import sys
 import warnings
 import weakref
 from pathlib import Path
@@ -12,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import distopt
-from distopt._testing import run_world
+from distopt._testing import run_torchrun, run_world
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
@@ -61,17 +57,7 @@ def test_shutdown_warns_when_something_keeps_the_group_alive():
 
 @pytest.mark.timeout(RUNS * (RUN_TIMEOUT + 5) + 30)
 def test_the_job_that_aborted_at_exit_exits_zero_every_time(tmp_path):
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(SCRIPT)]
     for run in range(RUNS):
-        proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
-        try:
-            out, _ = proc.communicate(timeout=RUN_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, _ = proc.communicate()
-            pytest.fail(f"run {run + 1} did not finish in {RUN_TIMEOUT} s:\n{out}")
-        assert proc.returncode == 0, f"run {run + 1} of {RUNS} exited with {proc.returncode}:\n{out}"
+        code, out = run_torchrun(SCRIPT, [], tmp_path, RUN_TIMEOUT)
+        assert code is not None, f"run {run + 1} did not finish in {RUN_TIMEOUT} s:\n{out}"
+        assert code == 0, f"run {run + 1} of {RUNS} exited with {code}:\n{out}"

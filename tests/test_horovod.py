@@ -12,12 +12,8 @@ import hashlib
 import importlib
 import inspect
 import math
-import os
 import pkgutil
 import re
-import signal
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Sequence
@@ -30,7 +26,7 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import distopt.horovod as hvd
-from distopt._testing import run_world
+from distopt._testing import run_torchrun, run_world
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "_scripts"
@@ -785,19 +781,10 @@ def _mentions_distopt(node: ast.AST) -> bool:
 
 def _torchrun(script: Path, args: Sequence[str], cwd: Path) -> str:
     """Run ``script`` under torchrun with 2 processes; return its output. Kills the whole tree on timeout."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(script), *args]
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=TORCHRUN_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
+    code, out = run_torchrun(script, args, cwd, TORCHRUN_TIMEOUT)
+    if code is None:
         pytest.fail(f"{script.name} did not finish in {TORCHRUN_TIMEOUT} s:\n{out}")
-    assert proc.returncode == 0, f"{script.name} exited with {proc.returncode}:\n{out}"
+    assert code == 0, f"{script.name} exited with {code}:\n{out}"
     return out
 
 

@@ -18,6 +18,7 @@ from torch import nn
 import distopt
 from distopt import DistributedOptimizer
 from distopt._testing import assert_no_children, run_world
+from distopt.packs import CONTROL_FLAGS
 
 pytestmark = pytest.mark.timeout(300)  # the first test of a world pays for starting it
 
@@ -469,7 +470,8 @@ def test_compression_sends_16_bits_and_scales_the_mean_before_the_cast(compressi
     for big, small, nbytes in world_results(2, compression_worker, compression):
         assert big == pytest.approx(60000.0, rel=1e-2)
         assert small == pytest.approx(1.5, rel=1e-2)
-        assert nbytes == (1000 + 1 + 7 + 1) * 2  # both packs 16-bit on the wire, flags included
+        flags = 1 + CONTROL_FLAGS  # per pack of one member: its presence flag and the control flags
+        assert nbytes == (1000 + flags + 7 + flags) * 2  # both packs 16-bit on the wire, flags included
 
 
 # ---------------------------------------------------------------------- plan

@@ -42,8 +42,7 @@ parser.add_argument("--seed", type=int, default=42, help="random seed")
 
 
 def load_digits(seed):
-    # Read scikit-learn's data file instead of importing scikit-learn: its OpenMP runtime
-    # beside torch's makes some processes abort at exit.
+    # Read scikit-learn's data file: importing scikit-learn would only slow every worker's start.
     spec = importlib.util.find_spec("sklearn")
     data = np.loadtxt(Path(spec.submodule_search_locations[0]) / "datasets" / "data" / "digits.csv.gz", delimiter=",")
     images = torch.tensor(data[:, :-1], dtype=torch.float32) / 16.0
