@@ -125,6 +125,7 @@ class DistributedOptimizer(Optimizer):
                 f"root_rank must be a rank of the process group (0..{self.world_size - 1}), got {root_rank!r}"
             )
         self.root_rank = root_rank
+        self._names_by_id = checks.names_by_id(named_parameters, optimizer)
         # NCCL averages natively. Otherwise the mean's 1/world is applied while each gradient is
         # copied into its pack (no extra pass), and always before a 16-bit cast, which could overflow.
         native_avg = self.world_size > 1 and dist.get_backend(self.process_group) == "nccl"
@@ -145,7 +146,6 @@ class DistributedOptimizer(Optimizer):
         self._mode: Mode = SynchronousMode()
         self._retired_by: Optional[str] = None  # why this wrapper no longer reduces
         self._steps = 0
-        self._names_by_id = checks.names_by_id(named_parameters, optimizer)
         self._params: List[Tensor] = []  # every parameter this wrapper broadcasts, in tracking order
         self._track_new_params()
 
