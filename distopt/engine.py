@@ -47,8 +47,9 @@ __all__ = ["GradientEngine", "StepStats", "IDLE", "ACTIVE", "DONE", "BACKWARD_PA
 
 #: Seconds the end of backward waits at least for the other ranks' gradients before leaving the
 #: round pending (finished by synchronize(), step() or zero_grad()); it grows to 20 times the
-#: slowest wait seen, so that slow links do not leave rounds pending.
-BACKWARD_PATIENCE = 5.0
+#: slowest wait seen, so that slow links do not leave rounds pending. Long enough for a rank that
+#: saves a checkpoint or evaluates while the others start the next step.
+BACKWARD_PATIENCE = 60.0
 
 # Round states: gradients accumulate locally (IDLE), the reducing backward is
 # running (ACTIVE), gradients are averaged and final (DONE).
@@ -190,8 +191,8 @@ class GradientEngine:
         if self.state == DONE:
             return
         with self.lock:
-            self.stats = StepStats()
-            if self.state == IDLE:
+            if self.state == IDLE:  # else the round is pending: launched in backward, still in flight
+                self.stats = StepStats()
                 self._phase = _EXPLICIT if explicit else _IMPLICIT
             if not self.packs:
                 self._adopt_unfrozen_without_packs()
@@ -269,7 +270,7 @@ class GradientEngine:
         launched_before = self.launch_order.launched
         for k in self.launch_order.flush():
             self._launch(self.packs[k])
-        self.stats.packs_at_flush = self.launch_order.launched - launched_before
+        self.stats.packs_at_flush += self.launch_order.launched - launched_before
 
     def wait(self, patience: Optional[float] = None) -> bool:
         """Block until every launched all-reduce is done (their buffers may be written until then).

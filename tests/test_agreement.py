@@ -5,6 +5,7 @@ raises the same clear error on every rank within seconds. Never a hang, an
 abort, or ranks that drift apart. The checks of one world run in one launch.
 """
 import random
+import time
 import traceback
 
 import numpy as np
@@ -162,6 +163,7 @@ def _skip_step(model, x, y, skip):
 
 def skipped_batch_worker(call_synchronize, clip):
     rank, world = rank_world()
+    distopt.engine.BACKWARD_PATIENCE = 3.0  # the default minute, shortened for the test
     model = make_model()
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
 
@@ -177,6 +179,35 @@ def skipped_batch_worker(call_synchronize, clip):
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
             opt.step()
         return identical_on_all_ranks(model.parameters())
+
+    return outcome(train)
+
+
+def straggler_worker(clip):
+    """Rank 1 arrives 4 s late at one step; rank 0 gives up waiting after 1.5 s and goes on."""
+    rank, world = rank_world()
+    distopt.engine.BACKWARD_PATIENCE = 1.5
+    model, ref = make_model(), make_model()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+
+    def train():
+        packs = []
+        for step, (x, y) in enumerate(data(2 if clip else 3)):  # with clip, rank 0 stops at step 1
+            ref_opt.zero_grad()
+            loss_of(ref, x, y).backward()
+            ref_opt.step()
+            if step == 1 and rank == 1:
+                time.sleep(4)
+            opt.zero_grad()
+            loss_of(model, shard(x), shard(y)).backward()
+            if clip and step == 1:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            opt.step()
+            packs.append(opt.stats.packs)
+        if clip:
+            return packs
+        return max_diff(model.parameters(), ref.parameters()), identical_on_all_ranks(model.parameters()), packs
 
     return outcome(train)
 
@@ -319,6 +350,8 @@ def world2_checks():
         "create_graph": create_graph_worker(),
         "int16": int16_worker(),
         "threshold_types": threshold_types_worker(),
+        "straggler": straggler_worker(clip=False),
+        "straggler_clip": straggler_worker(clip=True),  # last: rank 0 raises, rank 1 goes on alone
     }
     return results
 
@@ -379,6 +412,21 @@ def test_a_skipped_batch_with_clipping_fails_on_every_rank_naming_synchronize():
 def test_a_skipped_batch_trains_identically_when_synchronize_is_called():
     for o in [r["skip_sync_clip"] for r in results(2)]:
         assert o == ("ok", True), o
+
+
+def test_a_straggler_past_the_patience_still_trains_like_one_process():
+    for o in [r["straggler"] for r in results(2)]:
+        assert o[0] == "ok", o
+        diff, identical, packs = o[1]
+        assert diff < TOL and identical and packs == [1, 1, 1], o
+
+
+def test_gradients_changed_before_the_straggler_arrived_are_an_error():
+    rank0, rank1 = [r["straggler_clip"] for r in results(2)]
+    assert rank0[0] == "error" and rank0[1] == "RuntimeError", rank0
+    assert "gradients were changed (clipped, unscaled, ...) after backward() returned but before" in rank0[2]
+    assert "Call opt.synchronize() after backward() and before touching gradients" in rank0[2]
+    assert rank1[0] == "ok", rank1  # its gradients were complete when it clipped them
 
 
 def test_a_skipped_batch_without_synchronize_fails_alike_at_world_3():
