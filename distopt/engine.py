@@ -276,7 +276,8 @@ class GradientEngine:
         """Block until every launched all-reduce is done (their buffers may be written until then).
 
         Args:
-            patience: give up after this many seconds (gloo; NCCL's wait does not block the host).
+            patience: give up after this many seconds. CUDA packs (NCCL) ignore it: their plain
+                wait only orders the streams, while a wait with a timeout would block the host.
 
         Returns:
             False if it gave up: the all-reduces go on, and a later wait finishes them.
@@ -286,8 +287,8 @@ class GradientEngine:
         start = time.perf_counter()
         try:
             with torch.profiler.record_function("distopt.wait"):
-                for work, _ in self._inflight:
-                    if patience is None:
+                for work, pack in self._inflight:
+                    if patience is None or pack.buffer.is_cuda:
                         work.wait()
                         continue
                     left = max(patience - (time.perf_counter() - start), 0.001)
