@@ -159,7 +159,7 @@ def check_agreement(
     """Raise the same ``ValueError`` on every rank if the ranks' settings or parameters differ.
 
     One gather of every rank's ``settings`` (whatever shapes the collectives)
-    and of each parameter's name, shape and dtype, in order.
+    and of each parameter's name, shape, dtype and ``requires_grad``, in order.
 
     Args:
         settings: name -> value of every setting that must match.
