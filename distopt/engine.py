@@ -364,15 +364,12 @@ class GradientEngine:
                 f"different ranks made different parameters trainable ({detail}); set requires_grad alike on "
                 "every rank, at the same step"
             )
-        now = [i for i, p in enumerate(self.frozen) if p.requires_grad]
-        params = [self.frozen[i] for i in now]
-        names = [self.frozen_names[i] for i in now]
-        self.frozen = [p for i, p in enumerate(self.frozen) if i not in now]
-        self.frozen_names = [n for i, n in enumerate(self.frozen_names) if i not in now]
-        self._hook(params, names)  # re-plans; the gradients move into the new packs
+        params = [p for p in self.frozen if p.requires_grad]
+        self.frozen_names = [n for p, n in zip(self.frozen, self.frozen_names) if not p.requires_grad]
+        self.frozen = [p for p in self.frozen if not p.requires_grad]
+        self._hook(params, mine)  # re-plans; the gradients move into the new packs
         # The old parameters' gradients are averaged already; averaging them again changes
         # nothing but rounding, and keeps one plan for every parameter.
-        self._fired = bytearray(b"\x01" * len(self.params))
         self.state = ACTIVE
         self._flush()
         self.finish_round()
