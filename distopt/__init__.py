@@ -26,11 +26,15 @@ from .collectives import (
     synchronized,
 )
 from .launching import LaunchError, LaunchTimeoutError, WorkerFailedError, init, launch, launcher, shutdown
+from .joining import join
 from .optimizer import DistributedOptimizer, StepStats
+from .stalls import StallError
 
 __all__ = [
     "DistributedOptimizer",
     "StepStats",
+    "StallError",
+    "join",
     "optim",
     "get_rank",
     "get_world_size",

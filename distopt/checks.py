@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import numbers
 import weakref
+from datetime import timedelta
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
@@ -23,6 +24,7 @@ __all__ = [
     "REDUCE_OPS",
     "check_arguments",
     "byte_count",
+    "seconds",
     "names_by_id",
     "positions",
     "claim",
@@ -86,6 +88,24 @@ def byte_count(value: Any, name: str, hint: str) -> int:
     if isinstance(value, numbers.Real) and not isinstance(value, bool) and float(value).is_integer() and value >= 0:
         return int(value)
     raise ValueError(f"{name} must be a number of bytes >= 0, a whole one ({hint}), got {value!r}")
+
+
+def seconds(value: Any, name: str) -> Optional[float]:
+    """``value`` (seconds, a ``timedelta`` or None) as positive float seconds or None.
+
+    Raises:
+        TypeError: not a number, a timedelta or None.
+        ValueError: not positive.
+    """
+    if value is None:
+        return None
+    if isinstance(value, timedelta):
+        value = value.total_seconds()
+    elif isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be seconds (a number), a datetime.timedelta or None, got {value!r}")
+    if not value > 0:
+        raise ValueError(f"{name} must be positive, got {value!r}; pass None to turn it off")
+    return float(value)
 
 
 def names_by_id(named_parameters: Optional[Iterable[Tuple[str, Tensor]]], optimizer: Optimizer) -> Dict[int, str]:

@@ -17,9 +17,13 @@ The wait at the end of backward is bounded (:data:`BACKWARD_PATIENCE`): a rank
 whose backward reached no parameter sends its packs only in ``step()``, and an
 unbounded wait would deadlock with any collective that rank runs first. The
 round then stays pending until ``synchronize()``, ``step()`` or ``zero_grad()``.
-Once a round is back, control flags in every pack tell every rank alike whether
-the ranks reduced at different points (an error on every rank) or unfroze
-parameters (tracked at once, on every rank together).
+Once a round is back, the control flags in every pack (:mod:`distopt.control`)
+tell every rank alike whether the ranks reduced at different points (an error on
+every rank), unfroze parameters (tracked at once, on every rank together), or
+have joined (:mod:`distopt.joining`): a rank that has joined runs
+:meth:`GradientEngine.shadow_round`, sending zeros, and the contributors' mean
+is rescaled to count only them. Waits are watched by the stall inspector
+(:mod:`distopt.stalls`).
 
 The engine knows nothing of steps or optimizers; a mode (:mod:`distopt.modes`)
 decides what happens at ``step()``.
@@ -30,7 +34,6 @@ import threading
 import time
 import weakref
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -38,10 +41,12 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.autograd import Variable
 
-from . import collectives
-from .packing import LaunchOrder, plan_packs
-from .packs import CONTROL_FLAGS, Pack, adopt_current_grads, build_packs, gather, metas
+from . import collectives, replanning, stalls, waiting
+from .control import CONTROL_FLAGS, Control, Totals
+from .packing import LaunchOrder
+from .packs import Pack, adopt_current_grads, build_packs, gather, gather_nothing
 from .private_groups import PrivateGroup
+from .stalls import Progress
 
 __all__ = ["GradientEngine", "StepStats", "IDLE", "ACTIVE", "DONE", "BACKWARD_PATIENCE"]
 
@@ -55,10 +60,7 @@ BACKWARD_PATIENCE = 60.0
 # running (ACTIVE), gradients are averaged and final (DONE).
 IDLE, ACTIVE, DONE = range(3)
 
-# Where a rank launched its packs this round. Every pack's tail carries, after one
-# presence flag per member, three control flags that every rank reads alike once
-# the round is back: "launched during backward", "launched only inside step()"
-# and "a parameter frozen when it was tracked is trainable now".
+# Where a rank launched its packs this round (see :mod:`distopt.control`).
 _BACKWARD, _EXPLICIT, _IMPLICIT = range(3)
 
 
@@ -92,12 +94,26 @@ class GradientEngine:
         sparse_as_dense: densify sparse gradients instead of raising.
         backward_passes_per_step: passes accumulated before the reducing one.
         root_rank: the rank whose observed gradient order becomes the plan.
+        world_size: ranks in the channel.
+        mean: gradients are averaged (not summed) over the ranks.
+        progress: where this rank is, for the stall inspector (None in a single process).
     """
 
     def __init__(self, *, channel: Optional[PrivateGroup], scale: Optional[float], op: Any,
                  pack_threshold: int, wire_dtype: Optional[torch.dtype], sparse_as_dense: bool,
-                 backward_passes_per_step: int, root_rank: int) -> None:
+                 backward_passes_per_step: int, root_rank: int, world_size: int = 1, mean: bool = True,
+                 progress: Optional[Progress] = None) -> None:
         self.channel = channel
+        self.world_size = world_size
+        self.mean = mean
+        self.progress = progress
+        # Join (see distopt.joining): whether this rank is in a join block, has joined (sends zeros),
+        # and how the last round with contributors went.
+        self.in_join = False
+        self.divide_by_world = False
+        self.joined = False
+        self.contributors = world_size  # ranks that contributed to the last round
+        self.contributed_last = True  # this rank contributed to the last round that had contributors
         self.scale = scale
         self.op = op
         self.pack_threshold = pack_threshold
@@ -129,16 +145,16 @@ class GradientEngine:
         frozen = [(p, n) for p, n in zip(params, names) if not p.requires_grad]
         self.frozen.extend(p for p, _ in frozen)
         self.frozen_names.extend(n for _, n in frozen)
-        self._hook([p for p, _ in trainable], [n for _, n in trainable])
+        self.hook([p for p, _ in trainable], [n for _, n in trainable])
 
-    def _hook(self, params: Sequence[Tensor], names: Sequence[str]) -> None:
+    def hook(self, params: Sequence[Tensor], names: Sequence[str]) -> None:
         ref = weakref.ref(self)
         for index, p in enumerate(params, len(self.params)):
             self.handles.append(p.register_post_accumulate_grad_hook(_make_hook(ref, index)))
         self.params.extend(params)
         self.names.extend(names)
         # Reverse registration order is the usual arrival order; the root's observed order replaces it later.
-        self._build_packs(list(reversed(range(len(self.params)))))
+        self.build_packs(list(reversed(range(len(self.params)))))
         self.planned = False
         self.reset_round()
 
@@ -147,10 +163,12 @@ class GradientEngine:
         for handle in self.handles:
             handle.remove()
         self.handles.clear()
+        if self.progress is not None:
+            stalls.retire(self.progress)
         if self.channel is not None:
             self.channel.destroy()
 
-    def _build_packs(self, order: Sequence[int]) -> None:
+    def build_packs(self, order: Sequence[int]) -> None:
         packs = build_packs(self.params, self.names, order, self.pack_threshold, self.wire_dtype)
         if self.packs:  # a re-plan: gradients move from the old buffers to the new ones
             adopt_current_grads(packs)
@@ -170,9 +188,9 @@ class GradientEngine:
         self._pass_open = False
         self._pass_counts = False
         self._pass_reduces = False
-        self._inflight: List[Tuple[Any, Pack]] = []
+        self.inflight: List[Tuple[Any, Pack, int]] = []  # (work, pack, collective number)
         self._fired = bytearray(len(self.params))
-        self._arrivals: List[int] = []
+        self.arrivals: List[int] = []
         self._phase = _BACKWARD
         self._pending_versions: Optional[List[int]] = None
         self._patience_used = 0.0
@@ -180,6 +198,8 @@ class GradientEngine:
         self.launch_order.reset()
         for pack in self.packs:
             pack.absent.clear()
+        if self.progress is not None:
+            self.progress.phase = "before backward"
 
     def synchronize(self, explicit: bool) -> None:
         """Reduce whatever is not reduced yet this round and wait for it; a no-op once DONE.
@@ -195,9 +215,9 @@ class GradientEngine:
                 self.stats = StepStats()
                 self._phase = _EXPLICIT if explicit else _IMPLICIT
             if not self.packs:
-                self._adopt_unfrozen_without_packs()
+                self.control_round()
                 return
-            self._flush()
+            self.flush()
             self.finish_round()
 
     def on_grad_ready(self, index: int) -> None:
@@ -213,7 +233,7 @@ class GradientEngine:
                 )
             self._fired[index] = 1
             if not self.planned:
-                self._arrivals.append(index)
+                self.arrivals.append(index)
             for ready in self.launch_order.ready(self.pack_of[index]):
                 self._launch(self.packs[ready])
 
@@ -232,6 +252,8 @@ class GradientEngine:
         if self._pass_reduces:
             self.state = ACTIVE
             self.stats = StepStats()
+        if self.progress is not None:
+            self.progress.phase = "in backward" if self._pass_reduces else "in backward (accumulating locally)"
         Variable._execution_engine.queue_callback(self._on_backward_end)
 
     def _on_backward_end(self) -> None:
@@ -239,33 +261,49 @@ class GradientEngine:
             self._pass_open = False
             self._passes += self._pass_counts
             if self._pass_reduces:
-                self._flush()
+                self.flush()
                 # A rank whose backward reached no parameter sends its packs only in step(); waiting for
                 # them here without bound would deadlock with a collective it runs before step().
                 self.finish_round(patience=max(BACKWARD_PATIENCE, 20 * self._slowest_wait))
 
-    def _launch(self, pack: Pack) -> None:
-        gather(pack, self.scale, self.sparse_as_dense)
+    def _control_flags(self) -> Tensor:
         if self._control is None:
-            unfrozen = any(p.requires_grad for p in self.frozen)
-            self._control = torch.tensor(
-                [float(self._phase == _BACKWARD), float(self._phase == _IMPLICIT), float(unfrozen)]
-            )
-        pack.flags.fill_(1)
-        for j in pack.absent:
-            pack.flags[j] = 0
-        pack.flags[-CONTROL_FLAGS:].copy_(self._control)
+            self._control = Control(
+                during_backward=not self.joined and self._phase == _BACKWARD,
+                inside_step=not self.joined and self._phase == _IMPLICIT,
+                unfrozen=not self.joined and any(p.requires_grad for p in self.frozen),
+                contributing=not self.joined,
+                in_join=self.in_join,
+                divide_by_world=self.divide_by_world,
+            ).tensor()
+        return self._control
+
+    def _launch(self, pack: Pack) -> None:
+        if self.joined:
+            gather_nothing(pack)
+        else:
+            gather(pack, self.scale, self.sparse_as_dense)
+            pack.flags.fill_(1)
+            for j in pack.absent:
+                pack.flags[j] = 0
+        pack.flags[-CONTROL_FLAGS:].copy_(self._control_flags())
         buffer = pack.buffer
         if pack.wire is not None:
             pack.wire.copy_(buffer)
             buffer = pack.wire
         with torch.profiler.record_function("distopt.all_reduce"):
             work = dist.all_reduce(buffer, op=self.op, group=self.channel.group, async_op=True)
-        self._inflight.append((work, pack))
+        self.inflight.append((work, pack, self.progress.issue() if self.progress is not None else 0))
         self.stats.packs += 1
         self.stats.bytes += buffer.numel() * buffer.element_size()
 
-    def _flush(self) -> None:
+    def reduce_again(self) -> None:
+        """Send every pack once more and wait (after a re-plan, inside a finished round)."""
+        self.state = ACTIVE
+        self.flush()
+        self.finish_round()
+
+    def flush(self) -> None:
         """Launch every pack not launched yet, sending zeros for members without a gradient."""
         launched_before = self.launch_order.launched
         for k in self.launch_order.flush():
@@ -281,22 +319,20 @@ class GradientEngine:
 
         Returns:
             False if it gave up: the all-reduces go on, and a later wait finishes them.
+
+        Raises:
+            StallError: a pack took longer than the stall timeout.
+            RuntimeError: a peer went away; the error says which and how.
         """
-        if not self._inflight:
+        if not self.inflight:
             return True
         start = time.perf_counter()
         try:
             with torch.profiler.record_function("distopt.wait"):
-                for work, pack in self._inflight:
-                    if patience is None or pack.buffer.is_cuda:
-                        work.wait()
-                        continue
-                    left = max(patience - (time.perf_counter() - start), 0.001)
-                    try:
-                        work.wait(timeout=timedelta(seconds=left))
-                    except RuntimeError as exc:
-                        if "timed out" not in str(exc).lower():
-                            raise
+                for k, (work, pack, seq) in enumerate(self.inflight):
+                    what = f"pack {k + 1}/{len(self.packs)} of the gradient all-reduce"
+                    deadline = None if patience is None else start + patience
+                    if not waiting.wait_for(work, pack.buffer.is_cuda, self.progress, seq, what, deadline):
                         return False
             return True
         finally:
@@ -310,28 +346,31 @@ class GradientEngine:
                 the next ``synchronize()``, ``step()`` or ``zero_grad()``.
 
         Raises:
-            RuntimeError: some ranks reduced during backward and others only inside step(),
+            RuntimeError: the ranks are not in step (see :meth:`distopt.control.Totals.check`),
                 or gradients were changed while the round was pending.
             ValueError: the ranks unfroze different parameters.
         """
         start = time.perf_counter()
         if not self.wait(patience):
             # Remember the buffers' versions: changing a gradient before it is averaged is an error.
-            self._pending_versions = [pack.buffer._version for _, pack in self._inflight]
+            self._pending_versions = [pack.buffer._version for _, pack, _ in self.inflight]
             self._patience_used = patience
             return
         if patience is not None:
             self._slowest_wait = max(self._slowest_wait, time.perf_counter() - start)
         touched = self._pending_versions is not None and any(
-            pack.buffer._version != version for (_, pack), version in zip(self._inflight, self._pending_versions)
+            pack.buffer._version != version for (_, pack, _), version in zip(self.inflight, self._pending_versions)
         )
         self._pending_versions = None
-        control = None
-        for _, pack in self._inflight:
+        totals = None
+        for _, pack, _ in self.inflight:
             if pack.wire is not None:
                 pack.buffer.copy_(pack.wire)
-            if control is None:
-                control = pack.flags[-CONTROL_FLAGS:].tolist()
+            if totals is None:
+                totals = self._totals(pack.flags[-CONTROL_FLAGS:].tolist())
+            factor = totals.rescale(self.world_size, self.mean)
+            if factor != 1.0:
+                pack.data.mul_(factor)
             if pack.absent:
                 present = pack.flags.tolist()
                 for j in pack.absent:
@@ -339,68 +378,43 @@ class GradientEngine:
                     index = pack.spec.members[j]
                     self.params[index].grad = pack.views[j] if present[j] else None
                 pack.absent.clear()
-        self._inflight = []
+        self.inflight = []
         self.state = DONE
         self._passes = self.backward_passes_per_step
-        if control is None:
+        if self.progress is not None:
+            self.progress.phase = "after backward, before step()"
+        if totals is None:
             return
-        during_backward, inside_step, unfrozen = control
-        if during_backward and inside_step:
-            raise RuntimeError(_MIXED_ROUND)
+        totals.check(self.world_size)
         if touched:
             raise RuntimeError(_TOUCHED_WHILE_PENDING.format(self._patience_used))
-        if unfrozen:
-            self._adopt_unfrozen()
+        self._settle(totals)
+
+    def _totals(self, flags: List[float]) -> Totals:
+        totals = Totals.read(flags, self.world_size, averaged=self.op == dist.ReduceOp.AVG)
+        if totals.contributing:
+            self.contributors = totals.contributing
+            self.contributed_last = not self.joined
+        else:
+            self.contributors = 0
+        return totals
+
+    def _settle(self, totals: Totals) -> None:
+        if totals.unfrozen:
+            replanning.adopt_unfrozen(self)
         elif not self.planned:
-            self._fix_plan()
+            replanning.fix_plan(self)
 
-    def _adopt_unfrozen(self) -> None:
-        """Track the parameters every rank unfroze, and reduce this round again with them."""
-        mine = [n for p, n in zip(self.frozen, self.frozen_names) if p.requires_grad]
-        everyone = collectives.all_gather_object(mine, group=self.channel.group)
-        if any(theirs != everyone[0] for theirs in everyone):
-            detail = "; ".join(f"rank {r}: {theirs}" for r, theirs in enumerate(everyone))
-            raise ValueError(
-                f"different ranks made different parameters trainable ({detail}); set requires_grad alike on "
-                "every rank, at the same step"
-            )
-        params = [p for p in self.frozen if p.requires_grad]
-        self.frozen_names = [n for p, n in zip(self.frozen, self.frozen_names) if not p.requires_grad]
-        self.frozen = [p for p in self.frozen if not p.requires_grad]
-        self._hook(params, mine)  # re-plans; the gradients move into the new packs
-        # The old parameters' gradients are averaged already; averaging them again changes
-        # nothing but rounding, and keeps one plan for every parameter.
-        self.state = ACTIVE
-        self._flush()
-        self.finish_round()
-
-    def _adopt_unfrozen_without_packs(self) -> None:
-        # With nothing trainable at construction there are no packs to carry the flag.
-        flag = torch.tensor([float(any(p.requires_grad for p in self.frozen))])
-        collectives.all_reduce(flag, op="max", group=self.channel.group)
+    def control_round(self) -> None:
+        """A round without packs (nothing trainable yet): only the control flags travel."""
+        flags = self._control_flags().clone()
+        with stalls.inspected(self.progress, "the control flags (no trainable parameter yet)"):
+            collectives.all_reduce(flags, op="sum", group=self.channel.group)
         self.state = DONE
-        if flag.item():
-            self._adopt_unfrozen()
-
-    def _fix_plan(self) -> None:
-        """Adopt the root's observed gradient order as the plan on every rank.
-
-        The message starts with how many arrivals the root saw: a round without
-        any (gradients set by hand) leaves the plan open for the next round.
-        """
-        seen = set(self._arrivals)
-        order = self._arrivals + [i for i in reversed(range(len(self.params))) if i not in seen]
-        message = torch.tensor([len(self._arrivals)] + order, dtype=torch.int64)
-        collectives.broadcast(message, src=self.root_rank, group=self.channel.group)
-        observed, *root_order = message.tolist()
-        if not observed:
-            return
-        # Only which packs exist, and their order, matter to matching; keeping the buffers when
-        # those are unchanged also spares a second set of buffers at the peak.
-        plan = plan_packs(root_order, metas(self.params), self.pack_threshold)
-        if [set(spec.members) for spec in plan] != [set(pack.spec.members) for pack in self.packs]:
-            self._build_packs(root_order)
-        self.planned = True
+        totals = self._totals(flags.tolist())
+        totals.check(self.world_size)
+        if totals.unfrozen:
+            replanning.adopt_unfrozen(self)
 
 
 _TOUCHED_WHILE_PENDING = (
@@ -408,17 +422,6 @@ _TOUCHED_WHILE_PENDING = (
     "gradients had arrived (distopt waited {:g} s for them at the end of backward, then went on); the ranks "
     "would apply different updates. Call opt.synchronize() after backward() and before touching gradients"
 )
-_MIXED_ROUND = (
-    "ranks averaged their gradients at different points: some during backward(), others only inside step(), "
-    "because their backward passes gave no gradient to any parameter this optimizer holds (a skipped batch "
-    "with a constant loss, a detached loss) or were fewer than backward_passes_per_step. Code between "
-    "backward() and step() (clipping, GradScaler, logging) would see different gradients on different ranks "
-    "and the ranks would drift apart. Call opt.synchronize() right after backward() on every rank (it "
-    "averages at once everywhere), or keep every rank's loss connected to the parameters "
-    "(e.g. loss = model(x).sum() * 0.0)"
-)
-
-
 def _make_hook(ref: "weakref.ReferenceType[GradientEngine]", index: int) -> Callable[[Tensor], None]:
     # A weak reference, so a dropped optimizer is collected and its hooks go quiet.
     def hook(param: Tensor) -> None:

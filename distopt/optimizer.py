@@ -9,7 +9,8 @@ cross-rank checks are in :mod:`distopt.checks`.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
+from datetime import timedelta
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -17,10 +18,12 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
-from . import checks, collectives, private_groups
+from . import checks, collectives, joining, private_groups, stalls
 from .collectives.groups import check_member
 from .engine import IDLE, GradientEngine, StepStats
+from .forwarding import InnerOptimizerSurface
 from .modes import Mode, SynchronousMode
+from .stalls import Progress
 
 __all__ = ["DistributedOptimizer", "StepStats", "DEFAULT_PACK_THRESHOLD"]
 
@@ -28,7 +31,21 @@ __all__ = ["DistributedOptimizer", "StepStats", "DEFAULT_PACK_THRESHOLD"]
 DEFAULT_PACK_THRESHOLD = 10 * 2**20
 
 
-class DistributedOptimizer(Optimizer):
+def _create_channel(parent: Optional[ProcessGroup], limit: Optional[timedelta]) -> private_groups.PrivateGroup:
+    try:
+        return private_groups.create(parent, limit)
+    except RuntimeError as exc:  # torch's wording ("wait timeout after 1500ms, keys: /0//1//cpu//0/1") names no rank
+        if not any(word in str(exc).lower() for word in ("timeout", "timed out")):
+            raise
+        seconds = (limit or private_groups.timeout_of(parent) or timedelta(0)).total_seconds()
+        raise stalls.StallError(
+            f"rank {dist.get_rank()} waited more than {seconds:g} s for the other ranks to build their "
+            "DistributedOptimizer: every rank must build it, at the same point of the script (is a rank stuck, "
+            "or did it fail before reaching it?)"
+        ) from exc
+
+
+class DistributedOptimizer(InnerOptimizerSurface):
     r"""Wrap an optimizer so that every ``step()`` applies gradients averaged over all ranks.
 
     During the reducing backward pass a hook on each parameter moves its ready
@@ -74,6 +91,12 @@ class DistributedOptimizer(Optimizer):
         compression: ``"fp16"`` or ``"bf16"`` sends float32/float64 packs as 16-bit
             on the wire (mean scaling applied before the cast) (default: None).
         sparse_as_dense: turn sparse gradients dense instead of raising (default: False).
+        stall_warning: seconds a rank waits for the others in one of the wrapper's
+            collectives before a warning names the ranks that have not arrived and
+            where each was last seen; None for no warning (default: 60).
+        stall_timeout: seconds after which every rank still waiting raises
+            :class:`distopt.StallError` with that text; None waits as long as the
+            process group's own timeout (default: None).
 
     Raises:
         TypeError: if ``optimizer`` is not a ``torch.optim.Optimizer``.
@@ -102,6 +125,8 @@ class DistributedOptimizer(Optimizer):
         root_rank: int = 0,
         compression: Optional[str] = None,
         sparse_as_dense: bool = False,
+        stall_warning: Union[float, timedelta, None] = 60.0,
+        stall_timeout: Union[float, timedelta, None] = None,
     ) -> None:
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("optimizer is already a DistributedOptimizer; wrap the plain torch.optim optimizer once")
@@ -113,6 +138,8 @@ class DistributedOptimizer(Optimizer):
         self.bcast_period = int(bcast_period)
         self.compression = None if compression in (None, "none") else compression
         self.sparse_as_dense = sparse_as_dense
+        self.stall_warning = checks.seconds(stall_warning, "stall_warning")
+        self.stall_timeout = checks.seconds(stall_timeout, "stall_timeout")
         # None stays None (the default group, looked up per call): holding the default group would
         # keep it alive past destroy_process_group() into interpreter exit.
         self.process_group = process_group
@@ -131,8 +158,17 @@ class DistributedOptimizer(Optimizer):
         native_avg = self.world_size > 1 and dist.get_backend(self.process_group) == "nccl"
         mean = reduce_op == "mean"
         scale = 1.0 / self.world_size if mean and (self.compression or not native_avg) else None
-        # The wrapper's own traffic travels on a private group, so it never pairs with the user's collectives.
-        channel = private_groups.create(process_group) if self.world_size > 1 else None
+        # The wrapper's own traffic travels on a private group, so it never pairs with the user's
+        # collectives; its timeout is the stall timeout, so that blocking collectives honour it too.
+        channel = progress = None
+        if self.world_size > 1:
+            limit = None if self.stall_timeout is None else timedelta(seconds=self.stall_timeout)
+            channel = _create_channel(process_group, limit)
+            timeout = private_groups.timeout_of(channel.group)
+            progress = Progress(channel.group.group_name, dist.get_process_group_ranks(channel.group),
+                                dist.get_rank(), self.stall_warning, self.stall_timeout,
+                                None if timeout is None else timeout.total_seconds())
+            stalls.watch(progress)
         self._engine = GradientEngine(
             channel=channel,
             scale=scale,
@@ -142,6 +178,9 @@ class DistributedOptimizer(Optimizer):
             sparse_as_dense=self.sparse_as_dense,
             backward_passes_per_step=int(backward_passes_per_step),
             root_rank=root_rank,
+            world_size=self.world_size,
+            mean=mean,
+            progress=progress,
         )
         self._mode: Mode = SynchronousMode()
         self._retired_by: Optional[str] = None  # why this wrapper no longer reduces
@@ -163,20 +202,6 @@ class DistributedOptimizer(Optimizer):
         """What the last reduction round did (packs, bytes on the wire, time waited)."""
         return self._engine.stats
 
-    # ------------------------------------------------------------------ torch.optim.Optimizer surface
-
-    @property
-    def param_groups(self) -> List[Dict[str, Any]]:  # type: ignore[override]
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> Dict[Any, Any]:  # type: ignore[override]
-        return self.optimizer.state
-
-    @property
-    def defaults(self) -> Dict[str, Any]:  # type: ignore[override]
-        return self.optimizer.defaults
-
     def __repr__(self) -> str:
         return (
             f"DistributedOptimizer({self.optimizer!r}, reduce_op={self.reduce_op!r}, "
@@ -188,38 +213,6 @@ class DistributedOptimizer(Optimizer):
             "a DistributedOptimizer cannot be pickled (it holds hooks and a process group); "
             "save opt.state_dict() instead"
         )
-
-    def state_dict(self) -> Dict[str, Any]:
-        """The inner optimizer's state dict: loads into a plain optimizer and back."""
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Load an inner-optimizer state dict (from this wrapper or a plain optimizer)."""
-        self.optimizer.load_state_dict(state_dict)
-
-    def register_step_pre_hook(self, hook: Callable[..., Any]) -> Any:
-        """Register on the inner optimizer: it runs with averaged gradients."""
-        return self.optimizer.register_step_pre_hook(hook)
-
-    def register_step_post_hook(self, hook: Callable[..., Any]) -> Any:
-        """Registered on the inner optimizer, whose machinery runs it."""
-        return self.optimizer.register_step_post_hook(hook)
-
-    def register_state_dict_pre_hook(self, hook: Callable[..., Any], prepend: bool = False) -> Any:
-        """Registered on the inner optimizer, whose machinery runs it."""
-        return self.optimizer.register_state_dict_pre_hook(hook, prepend)
-
-    def register_state_dict_post_hook(self, hook: Callable[..., Any], prepend: bool = False) -> Any:
-        """Registered on the inner optimizer, whose machinery runs it."""
-        return self.optimizer.register_state_dict_post_hook(hook, prepend)
-
-    def register_load_state_dict_pre_hook(self, hook: Callable[..., Any], prepend: bool = False) -> Any:
-        """Registered on the inner optimizer, whose machinery runs it."""
-        return self.optimizer.register_load_state_dict_pre_hook(hook, prepend)
-
-    def register_load_state_dict_post_hook(self, hook: Callable[..., Any], prepend: bool = False) -> Any:
-        """Registered on the inner optimizer, whose machinery runs it."""
-        return self.optimizer.register_load_state_dict_post_hook(hook, prepend)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """Add a parameter group to the inner optimizer and start averaging its gradients.
@@ -250,10 +243,16 @@ class DistributedOptimizer(Optimizer):
             Whatever the inner optimizer's ``step`` returns.
         """
         self._check_not_retired("step()")
+        engine = self._engine
+        if engine.progress is not None:
+            engine.progress.phase = "inside step()"
         loss = self._mode.step(self, closure)
-        self._engine.reset_round()
+        engine.reset_round()
         self._steps += 1
-        if self.bcast_period > 0 and self._steps % self.bcast_period == 0:
+        if engine.progress is not None:
+            engine.progress.step = self._steps
+        # While a rank has joined it cannot take part in a broadcast; the join block's end settles the state.
+        if self.bcast_period > 0 and self._steps % self.bcast_period == 0 and engine.contributors == self.world_size:
             self.broadcast_parameters()
         return loss
 
@@ -297,11 +296,51 @@ class DistributedOptimizer(Optimizer):
         finally:
             engine.sync_enabled = previous
 
+    @contextlib.contextmanager
+    def join(self, divide_by_world: bool = False) -> Iterator[None]:
+        """Context around a training loop in which ranks may run different numbers of steps.
+
+        A rank whose loop ends first waits at the end of the block, taking part in
+        the other ranks' gradient reductions with zeros, until every rank has
+        finished; then all leave the block together, with the same parameters and
+        optimizer state, bitwise (the ranks that stopped early receive those of a
+        rank that ran the longest). While no rank has finished, nothing extra is
+        communicated: whether a rank has joined travels in flags inside the packs.
+
+        Every rank must enter the block; several optimizers stepped in one loop
+        join together, with :func:`distopt.join`. Inside the block, once a rank has finished, the
+        others must not run collectives of their own (a metric's all-reduce, a
+        barrier, ``add_param_group``, ``broadcast_parameters()``): the finished rank
+        cannot take part in them. Move them after the block. ``bcast_period``
+        broadcasts are skipped while a rank has joined. An LR scheduler or a
+        ``GradScaler`` on a finished rank is not advanced: step them per epoch,
+        after the block, or from the optimizer's own state.
+
+        Args:
+            divide_by_world: average over all ranks, counting the finished ones as
+                zeros (DDP's and Horovod's behaviour), instead of over the ranks that
+                contributed to the step (default: False).
+
+        Raises:
+            RuntimeError: only some ranks are inside a join block, or they pass
+                different ``divide_by_world`` (raised on every rank at the next reduction).
+
+        Example::
+
+            >>> with opt.join():
+            ...     for x, y in loader:          # a different number of batches per rank
+            ...         opt.zero_grad()
+            ...         loss_fn(model(x), y).backward()
+            ...         opt.step()
+        """
+        with joining.join(self, divide_by_world=divide_by_world):
+            yield
+
     def broadcast_parameters(self) -> None:
         """Overwrite every rank's parameters with the root's (coalesced per device and dtype)."""
         self._check_not_retired("broadcast_parameters()")
         if self.world_size > 1 and self._params:
-            with torch.no_grad():
+            with torch.no_grad(), stalls.inspected(self._engine.progress, "the parameter broadcast"):
                 collectives.broadcast_parameters(self._params, src=self.root_rank, group=self._group())
 
     def broadcast_optimizer_state(self) -> None:
@@ -311,7 +350,8 @@ class DistributedOptimizer(Optimizer):
         parameters and moments are exactly the root's.
         """
         self._check_not_retired("broadcast_optimizer_state()")
-        collectives.broadcast_optimizer_state(self.optimizer, src=self.root_rank, group=self._group())
+        with stalls.inspected(self._engine.progress, "the optimizer-state broadcast"):
+            collectives.broadcast_optimizer_state(self.optimizer, src=self.root_rank, group=self._group())
 
     def close(self) -> None:
         """Remove the gradient hooks, destroy the private group and release the parameters."""
@@ -364,9 +404,11 @@ class DistributedOptimizer(Optimizer):
         if self.world_size == 1 or not new:
             self._engine.reset_round()
             return
-        checks.check_agreement(self._settings(), new, names, self._group(), self.root_rank)
+        progress = self._engine.progress
+        with stalls.inspected(progress, "the check that every rank built the same optimizer"):
+            checks.check_agreement(self._settings(), new, names, self._group(), self.root_rank)
         if self.bcast_period != -1:
-            with torch.no_grad():
+            with torch.no_grad(), stalls.inspected(progress, "the broadcast of the initial parameters"):
                 collectives.broadcast_parameters(new, src=self.root_rank, group=self._group())
         self._engine.track(new, names)
 

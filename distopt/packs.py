@@ -2,9 +2,9 @@
 
 A :class:`Pack` is the runtime side of one planned :class:`distopt.packing.PackSpec`:
 a persistent flat buffer holding its members' gradients, then one presence flag
-per member, then :data:`CONTROL_FLAGS` flags the engine uses to compare rounds
-across ranks. Each member's ``.grad`` becomes a view of its slice, so the
-averaged result is the gradient and nothing is copied back. :func:`gather` moves
+per member, then the control flags of :mod:`distopt.control`. Each member's
+``.grad`` becomes a view of its slice, so the averaged result is the gradient
+and nothing is copied back. :func:`gather` moves
 the gradients in (scaled by the mean's 1/world in the same pass) and says in
 plain words what went wrong when the model or the backward call changed under
 the wrapper.
@@ -17,12 +17,10 @@ from typing import List, Optional, Sequence
 import torch
 from torch import Tensor
 
+from .control import CONTROL_FLAGS
 from .packing import PackSpec, ParamMeta, plan_packs
 
-__all__ = ["CONTROL_FLAGS", "Pack", "build_packs", "adopt_current_grads", "gather", "metas"]
-
-#: Flags after the presence flags of every pack, for the engine.
-CONTROL_FLAGS = 3
+__all__ = ["Pack", "build_packs", "adopt_current_grads", "gather", "gather_nothing", "metas"]
 
 # Mean member size (elements) under which a pack is gathered with one cat: below it the
 # per-tensor dispatch cost dominates; above it one fused copy-and-scale pass per tensor wins.
@@ -96,6 +94,12 @@ def gather(pack: Pack, scale: Optional[float], sparse_as_dense: bool) -> None:
         if problem is None:
             raise
         raise RuntimeError(problem) from exc
+
+
+def gather_nothing(pack: Pack) -> None:
+    """Zeros for every member: what a rank that has joined sends."""
+    pack.buffer.zero_()
+    pack.absent[:] = range(len(pack.params))
 
 
 def _gather(pack: Pack, scale: Optional[float], sparse_as_dense: bool) -> None:

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import itertools
 import weakref
+from datetime import timedelta
 from typing import Dict, List, Optional, Set
 
+import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-__all__ = ["PrivateGroup", "create", "destroy_all"]
+__all__ = ["PrivateGroup", "create", "destroy_all", "timeout_of"]
 
 _groups: Dict[int, ProcessGroup] = {}
 _keep_until_shutdown: Set[int] = set()
@@ -69,22 +71,41 @@ def _destroy(key: int) -> None:
         dist.destroy_process_group(group)
 
 
-def create(parent: Optional[ProcessGroup]) -> PrivateGroup:
+def timeout_of(group: Optional[ProcessGroup]) -> Optional[timedelta]:
+    """The collective timeout ``group`` was created with, or None if torch does not say."""
+    try:
+        group = group if group is not None else dist.distributed_c10d._get_default_group()
+        for device in ("cpu", "cuda"):
+            if torch.device(device) in group._device_types:
+                return group._get_backend(torch.device(device)).options._timeout
+    except Exception:  # private details of torch; without them the group gets torch's default
+        pass
+    return None
+
+
+def create(parent: Optional[ProcessGroup], timeout: Optional[timedelta] = None) -> PrivateGroup:
     """Create a group with the same ranks as ``parent`` (None: the default group).
 
     Every rank of ``parent``, and only those, must call it, in the same order
     relative to their other group creations.
+
+    Args:
+        parent: the group whose ranks to take.
+        timeout: the collective timeout; default: ``parent``'s (torch would give
+            a new group its own default instead).
     """
+    timeout = timeout if timeout is not None else timeout_of(parent)
     if parent is None:
         # Every rank takes part; the group gets a fresh numbered name, so destroying it later is safe.
-        group = dist.new_group(ranks=None)
+        group = dist.new_group(ranks=None, timeout=timeout)
         local = False
     else:
         # Only the subgroup's ranks take part, so torch names the group by a hash of its ranks; a
         # destroyed group's name would be given again, with its stale addresses still in the store.
         # Such groups therefore stay until shutdown.
         ranks = dist.get_process_group_ranks(parent)
-        group = dist.new_group(ranks=ranks, backend=dist.get_backend(parent), use_local_synchronization=True)
+        group = dist.new_group(ranks=ranks, backend=dist.get_backend(parent), timeout=timeout,
+                               use_local_synchronization=True)
         local = True
     key = next(_keys)
     _groups[key] = group

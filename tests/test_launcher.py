@@ -2,6 +2,7 @@
 import contextlib
 import importlib.machinery
 import json
+import re
 import os
 import signal
 import socket
@@ -340,3 +341,64 @@ def _unpicklable_result():
 def test_a_result_that_cannot_be_pickled_names_the_rank_and_the_type():
     with pytest.raises(WorkerFailedError, match=r"rank [01]: fn returned a function, which cannot be pickled"):
         launch(_unpicklable_result, 2, timeout=60)
+
+
+# ---------------------------------------------------------------------- timeouts that hold
+
+
+def _never_called():
+    raise AssertionError("no worker should start")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("addr, error, match", [
+    ("no.such.host", ValueError, r"master_addr='no.such.host' does not resolve"),
+    ("192.0.2.1", ValueError, r"master_addr='192.0.2.1' is not an address of this machine"),
+])
+def test_a_bad_master_addr_fails_within_the_launch_timeout_naming_it(addr, error, match):
+    start = time.monotonic()
+    with pytest.raises(error, match=match):
+        launch(_never_called, 2, master_addr=addr, timeout=10)
+    assert time.monotonic() - start < 10
+
+
+@pytest.mark.timeout(60)
+def test_a_node_that_cannot_reach_the_store_fails_within_the_launch_timeout():
+    port = _free_port()  # nobody listens there
+    start = time.monotonic()
+    with pytest.raises(WorkerFailedError, match=rf"could not reach the rendezvous store at 127.0.0.1:{port} within"):
+        launch(_never_called, 1, nnodes=2, node_rank=1, master_addr="127.0.0.1", master_port=port, timeout=10)
+    assert time.monotonic() - start < 10 + 4  # the worker gives up before the launch's timeout, then is reaped
+
+
+def _wait_for_a_sleeper(sleep):
+    """Rank 1 sleeps; rank 0 runs its own all-reduce, then a wrapper's round, and reports how each failed."""
+    import torch.nn as nn
+
+    outcomes = []
+    if dist.get_rank() == 1:
+        time.sleep(sleep)
+        return outcomes
+    for what in ("all_reduce", "optimizer"):
+        start = time.monotonic()
+        try:
+            if what == "all_reduce":
+                dist.all_reduce(torch.ones(3))
+            else:
+                model = nn.Linear(3, 1)
+                distopt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        except Exception as exc:
+            outcomes.append((what, type(exc).__name__, str(exc), time.monotonic() - start))
+    return outcomes
+
+
+@pytest.mark.timeout(60)
+def test_the_collective_timeout_reaches_the_process_group_and_the_wrappers_group():
+    outcomes, _ = launch(_wait_for_a_sleeper, 2, args=(6.0,), collective_timeout=1.5, timeout=40)
+    (_, kind, text, elapsed), (_, wrapper_kind, wrapper_text, wrapper_elapsed) = outcomes
+    assert kind in ("RuntimeError", "DistBackendError") and re.search("[Tt]imed out", text), outcomes
+    assert elapsed < 1.5 + 2
+    # the wrapper's private group inherits the timeout, and its error says what was awaited
+    assert wrapper_kind == "StallError", outcomes
+    assert "rank 0 waited more than 1.5 s for the other ranks to build their DistributedOptimizer" in wrapper_text
+    assert wrapper_elapsed < 1.5 + 4

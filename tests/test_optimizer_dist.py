@@ -18,7 +18,7 @@ from torch import nn
 import distopt
 from distopt import DistributedOptimizer
 from distopt._testing import assert_no_children, run_world
-from distopt.packs import CONTROL_FLAGS
+from distopt.control import CONTROL_FLAGS
 
 pytestmark = pytest.mark.timeout(300)  # the first test of a world pays for starting it
 

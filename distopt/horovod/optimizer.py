@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+import weakref
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 from torch import Tensor
@@ -18,6 +19,14 @@ from .basics import _require_init
 from .compression import BF16Compressor, Compression, FP16Compressor, NoneCompressor, _compressor_class, _CompressorLike
 from .reduce_op import Adasum, Average, ReduceOp, Sum
 from .unsupported import _ADASUM_ADVICE, _check_process_set, global_process_set
+
+# Live optimizers, in creation order: hvd.join() joins them all.
+_live: "weakref.WeakValueDictionary[int, DistributedOptimizer]" = weakref.WeakValueDictionary()
+_created = iter(range(1 << 62))
+
+
+def _live_optimizers() -> List["DistributedOptimizer"]:
+    return [opt for _, opt in sorted(_live.items()) if opt._retired_by is None]
 
 __all__ = [
     "DistributedOptimizer",
@@ -116,7 +125,9 @@ class DistributedOptimizer(_CoreDistributedOptimizer):
     an instance of its class (``opt.optimizer`` is the inner one); it keeps the
     inner optimizer's state; parameters are broadcast from rank 0 at
     construction (``hvd.broadcast_parameters`` is still honored);
-    ``zero_grad()`` between ``backward()`` and ``step()`` is allowed.
+    ``zero_grad()`` between ``backward()`` and ``step()`` is allowed. Like
+    Horovod's, it is always ready for :func:`hvd.join() <distopt.horovod.join>`:
+    ranks that joined count as zeros in the average.
 
     Args:
         optimizer: the ``torch.optim`` optimizer to wrap.
@@ -181,6 +192,10 @@ class DistributedOptimizer(_CoreDistributedOptimizer):
             named_parameters=named,
             sparse_as_dense=sparse_as_dense,
         )
+        # Always ready for hvd.join(), with Horovod's meaning: joined ranks count as zeros in the average.
+        self._engine.in_join = True
+        self._engine.divide_by_world = True
+        _live[next(_created)] = self
 
     def synchronize(self) -> None:
         """Finish averaging gradients now, e.g. before clipping or ``GradScaler.unscale_``.

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, List, Optional, Sequence
 
-from .. import collectives
+from .. import collectives, joining
 from .basics import _world
 from .unsupported import _check_process_set, global_process_set
 
@@ -97,23 +97,31 @@ def _grouped(handles: List[Handle]) -> Handle:
 
 
 def join(device: int = -1) -> int:
-    """Wait until every rank has called ``join()``; return the rank that arrived last.
+    """Wait until every rank has called ``join()``, taking part in the others' gradient reductions.
 
-    Unlike Horovod, a rank that joined does not take part in the other ranks'
-    later all-reduces: give every rank the same number of batches (e.g.
-    ``DistributedSampler(drop_last=True)``) so that they all join after the
-    same collectives.
+    As in Horovod, a rank that has run out of data calls ``join()`` and, until
+    every rank has, contributes zeros to the gradient all-reduces of the other
+    ranks' :class:`~distopt.horovod.DistributedOptimizer`s, which divide by
+    the full world size. Then every rank gets the parameters and optimizer state
+    of a rank that ran longest (distopt's :meth:`~distopt.DistributedOptimizer.join`).
+    Unlike Horovod, the joined rank does not stand in for other collectives
+    (``hvd.allreduce`` of a metric): call those after ``join()``.
 
     Args:
         device: ignored (Horovod's GPU for the join's zero tensors).
 
     Returns:
-        The rank that called ``join()`` last (by wall clock, so approximate across machines).
+        The last rank to join (the same on every rank).
     """
-    arrived = time.time()
+    from .optimizer import _live_optimizers
+
     group = _world()
     if group is None:
         return 0
+    optimizers = _live_optimizers()
+    if optimizers:
+        return joining.join_and_wait(optimizers)
+    arrived = time.time()
     times = collectives.all_gather_object(arrived, group=group)
     return max(range(len(times)), key=lambda r: (times[r], r))
 

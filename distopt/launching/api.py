@@ -16,13 +16,17 @@ from __future__ import annotations
 
 import functools
 import os
+import socket
+import threading
+import time
 import warnings
+from datetime import timedelta
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
-from .process_group import _as_timedelta, _check_backend, _default_backend, _under_torchrun, init
+from .process_group import _as_timedelta, _check_backend, _default_backend, _Timeout, _under_torchrun, init
 from .supervisor import _run_workers
 from .worker import _STORE_TIMEOUT, _pickle_job
 
@@ -44,8 +48,52 @@ def _check_int(value: Any, name: str, low: int, fix: str) -> int:
     return value
 
 
+def _resolve(master_addr: str, port: int, seconds: float) -> None:
+    """Fail fast, naming the address, when ``master_addr`` does not resolve (DNS can take minutes)."""
+    outcome: List[Any] = []
+
+    def lookup() -> None:
+        try:
+            outcome.append(socket.getaddrinfo(master_addr, port, type=socket.SOCK_STREAM))
+        except OSError as exc:
+            outcome.append(exc)
+
+    thread = threading.Thread(target=lookup, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if not outcome:
+        raise TimeoutError(f"master_addr={master_addr!r} did not resolve within {seconds:g} s (launch's timeout); "
+                           "pass node 0's IP address, or fix this machine's name resolution")
+    if isinstance(outcome[0], OSError):
+        raise ValueError(f"master_addr={master_addr!r} does not resolve ({outcome[0]}); pass node 0's IP address "
+                         "or a host name this machine can resolve")
+
+
+def _start_store(master_addr: str, master_port: int, seconds: float) -> Any:
+    """The rendezvous store, on this machine, at ``master_addr:master_port``, within ``seconds``."""
+    _resolve(master_addr, master_port, seconds)
+    try:  # torch's server would wait the whole timeout for a client of its own to reach a foreign address
+        family = socket.getaddrinfo(master_addr, master_port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as probe:
+            probe.bind((master_addr, 0))
+    except OSError as exc:
+        raise ValueError(
+            f"master_addr={master_addr!r} is not an address of this machine ({exc}), but node_rank=0 starts the "
+            "rendezvous store there; run node 0 on the machine with that address, or pass one of this "
+            "machine's addresses"
+        ) from None
+    try:
+        return dist.TCPStore(master_addr, master_port, None, True, timedelta(seconds=seconds),
+                             wait_for_workers=False)
+    except Exception as exc:
+        raise RuntimeError(
+            f"could not start the rendezvous store on {master_addr}:{master_port}: {exc}; "
+            "pass master_port=0 for a free port, or another port"
+        ) from exc
+
+
 def _run_in_place(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
-                  nprocs: Optional[int], backend: Optional[str]) -> List[Any]:
+                  nprocs: Optional[int], backend: Optional[str], collective_timeout: _Timeout) -> List[Any]:
     """The torchrun path: this process is already one rank of the world."""
     local_world_size = os.environ.get("LOCAL_WORLD_SIZE")
     if nprocs is not None and local_world_size is not None and int(local_world_size) != nprocs:
@@ -57,7 +105,7 @@ def _run_in_place(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[s
     # The group outlives this call: torch restarts its group numbering when the
     # default group is destroyed, so a second init on torchrun's store would meet
     # the first group's stale rendezvous keys and hang.
-    init(backend)
+    init(backend, timeout=collective_timeout)
     if isinstance(fn, _LaunchedFunction):
         fn = fn.__wrapped__
     return [fn(*args, **kwargs)]
@@ -75,6 +123,7 @@ def launch(
     nnodes: int = 1,
     node_rank: int = 0,
     timeout: Optional[float] = DEFAULT_TIMEOUT,
+    collective_timeout: _Timeout = None,
 ) -> List[Any]:
     """Run ``fn(*args, **kwargs)`` in ``nprocs`` worker processes with a process group.
 
@@ -108,7 +157,11 @@ def launch(
         master_port: port of the rendezvous store; 0 picks a free one (single node only).
         nnodes: number of nodes, each running ``launch`` with the same arguments.
         node_rank: index of this node, ``0 <= node_rank < nnodes``.
-        timeout: seconds to wait for all workers before killing them, or ``None`` to wait forever.
+        timeout: seconds for the whole launch, from starting the rendezvous store to
+            the last worker's result, before every worker is killed; ``None`` waits forever.
+        collective_timeout: the process group's collective timeout (torch's ``timeout=``),
+            in seconds or as a ``timedelta``: a collective that waits longer fails
+            (default: torch's, 30 minutes for gloo).
 
     Returns:
         The return values of this node's workers, in rank order.
@@ -117,13 +170,17 @@ def launch(
         WorkerFailedError: a worker raised, exited non-zero or was killed.
         LaunchTimeoutError: the workers did not finish within ``timeout``.
         TypeError: ``fn`` or its arguments cannot be pickled, or an argument has the wrong type.
-        ValueError: an argument is out of range (``nprocs < 1``, port 0 with ``nnodes > 1``, ...).
+        ValueError: an argument is out of range (``nprocs < 1``, port 0 with ``nnodes > 1``, ...),
+            or ``master_addr`` does not resolve or (on node 0) is not this machine's.
+        TimeoutError: ``master_addr`` did not resolve within ``timeout``.
     """
+    started = time.monotonic()
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {fn!r}")
     kwargs = {} if kwargs is None else kwargs
+    collective_wait = _as_timedelta(collective_timeout, "collective_timeout")
     if _under_torchrun() or (dist.is_available() and dist.is_initialized()):
-        return _run_in_place(fn, args, kwargs, nprocs, backend)
+        return _run_in_place(fn, args, kwargs, nprocs, backend, collective_wait)
 
     nprocs = _default_nprocs() if nprocs is None else _check_int(nprocs, "nprocs", 1, "pass nprocs=2 or more")
     _check_int(nnodes, "nnodes", 1, "pass the number of machines")
@@ -145,21 +202,21 @@ def launch(
         _check_backend(backend, nprocs)
     job = _pickle_job(fn, args, kwargs, unwrap=isinstance(fn, _LaunchedFunction))
 
+    def left() -> float:  # of the whole launch's time, for the next stage
+        limit = _STORE_TIMEOUT.total_seconds() if wait is None else wait.total_seconds()
+        return max(limit - (time.monotonic() - started), 0.001)
+
     store = None
     port = master_port
     if node_rank == 0:
-        try:
-            store = dist.TCPStore(master_addr, master_port, None, True, _STORE_TIMEOUT, wait_for_workers=False)
-        except Exception as exc:
-            raise RuntimeError(
-                f"could not start the rendezvous store on {master_addr}:{master_port}: {exc}; "
-                "pass master_port=0 for a free port, or another port"
-            ) from exc
+        store = _start_store(master_addr, master_port, left())
         port = store.port
+    else:
+        _resolve(master_addr, master_port, left())
     try:
         return _run_workers(
             job, nprocs, nnodes * nprocs, node_rank * nprocs, backend, master_addr, port,
-            None if wait is None else wait.total_seconds(),
+            None if wait is None else left(), collective_wait, None if wait is None else wait.total_seconds(),
         )
     finally:
         del store
@@ -191,6 +248,7 @@ def launcher(
     nnodes: int = 1,
     node_rank: int = 0,
     timeout: Optional[float] = DEFAULT_TIMEOUT,
+    collective_timeout: _Timeout = None,
 ) -> Any:
     """Decorator form of :func:`launch`: calling the function runs it in every worker.
 
@@ -209,12 +267,13 @@ def launcher(
         nnodes: see :func:`launch`.
         node_rank: see :func:`launch`.
         timeout: see :func:`launch`.
+        collective_timeout: see :func:`launch`.
 
     Returns:
         The wrapped function, or a decorator when ``fn`` is not given.
     """
     options = dict(nprocs=nprocs, backend=backend, master_addr=master_addr, master_port=master_port,
-                   nnodes=nnodes, node_rank=node_rank, timeout=timeout)
+                   nnodes=nnodes, node_rank=node_rank, timeout=timeout, collective_timeout=collective_timeout)
     if fn is None:
         return lambda inner: _LaunchedFunction(inner, options)
     if not callable(fn):

@@ -19,7 +19,7 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
-from .. import private_groups
+from .. import private_groups, stalls
 
 __all__ = ["init", "shutdown"]
 
@@ -144,6 +144,9 @@ def shutdown() -> None:
     """
     if not (dist.is_available() and dist.is_initialized()):
         return
+    # Before the groups go: a peer whose collective fails when ours close reads why we left.
+    stalls.mark_exit("finished")
+    stalls.stop()
     groups = private_groups.destroy_all()
     groups.append(weakref.ref(dist.distributed_c10d._get_default_group()))
     dist.destroy_process_group()

@@ -15,6 +15,7 @@ import signal
 import time
 import warnings
 from dataclasses import replace
+from datetime import timedelta
 from multiprocessing import connection
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
@@ -30,14 +31,19 @@ _TERMINATE_GRACE = 3.0
 
 
 def _run_workers(job: bytes, nprocs: int, world_size: int, first_rank: int, backend: str,
-                 master_addr: str, master_port: int, timeout: Optional[float]) -> List[Any]:
+                 master_addr: str, master_port: int, timeout: Optional[float],
+                 collective_timeout: Optional[timedelta] = None, reported_timeout: Optional[float] = None) -> List[Any]:
+    """Start the workers and supervise them for ``timeout`` seconds (the launch's ``reported_timeout``
+    less what starting the store took)."""
     ctx = mp.get_context("spawn")
+    # Workers give up on the store a little before the launch does, so their error names the store.
+    store_deadline = None if timeout is None else time.time() + timeout - min(5.0, 0.2 * timeout)
     procs: List[BaseProcess] = []
     readers: List[Connection] = []
     try:
         for local in range(nprocs):
             spec = _WorkerSpec(first_rank + local, local, world_size, nprocs, master_addr, master_port,
-                               backend, os.getpid())
+                               backend, os.getpid(), store_deadline, collective_timeout)
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=_worker_main, args=(spec, job, writer), name=f"distopt-rank{spec.rank}")
             readers.append(reader)
@@ -47,7 +53,7 @@ def _run_workers(job: bytes, nprocs: int, world_size: int, first_rank: int, back
             finally:
                 # Our copy of the write end must go, or a dead worker's pipe never reports EOF.
                 writer.close()
-        return _Supervisor(procs, readers, first_rank).wait(timeout)
+        return _Supervisor(procs, readers, first_rank).wait(timeout, reported_timeout)
     finally:
         _stop(procs)
         for reader in readers:
@@ -68,7 +74,7 @@ class _Supervisor:
         self.open_readers = {reader: i for i, reader in enumerate(readers)}
         self.live = {proc.sentinel: i for i, proc in enumerate(procs)}
 
-    def wait(self, timeout: Optional[float]) -> List[Any]:
+    def wait(self, timeout: Optional[float], reported_timeout: Optional[float] = None) -> List[Any]:
         deadline = None if timeout is None else time.monotonic() + timeout
         failures: List[WorkerFailure] = []
         while self.live and not failures:
@@ -76,7 +82,7 @@ class _Supervisor:
             if remaining is not None and remaining <= 0:
                 running = sorted(self.first_rank + i for i in self.live.values())
                 finished = sorted(set(range(self.first_rank, self.first_rank + len(self.procs))) - set(running))
-                raise LaunchTimeoutError(timeout or 0.0, running, finished)
+                raise LaunchTimeoutError(reported_timeout or timeout or 0.0, running, finished)
             # A worker that dies without a word died at some point during this wait;
             # dating it to the wait's start ranks it before the errors its death causes in peers.
             since = time.time()

@@ -20,11 +20,12 @@ import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from typing import Any, Callable, List, Mapping, Sequence
+from typing import Any, Callable, List, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
+from .. import stalls
 from .process_group import _init_process_group, _uses_cuda, shutdown
 
 __all__: List[str] = []
@@ -43,6 +44,8 @@ class _WorkerSpec:
     master_port: int
     backend: str
     parent_pid: int
+    store_deadline: Optional[float]  # time.time() by which the store must answer
+    collective_timeout: Optional[timedelta]
 
 
 def _die_with_parent(parent_pid: int) -> None:
@@ -107,9 +110,9 @@ def _worker_main(spec: _WorkerSpec, job: bytes, conn: Connection) -> None:
         # many intra-op threads as there are cores oversubscribe the CPU and slow every op.
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         torch.set_num_threads(max(1, cores // spec.local_world_size))
-        # The parent owns the rendezvous store, so port 0 never races for a port.
-        store = dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, False, _STORE_TIMEOUT)
-        _init_process_group(backend=spec.backend, store=store, rank=spec.rank, world_size=spec.world_size)
+        store = _connect(spec)
+        _init_process_group(backend=spec.backend, store=store, rank=spec.rank, world_size=spec.world_size,
+                            timeout=spec.collective_timeout)
         try:
             result = fn(*args, **kwargs)
         except SystemExit as exc:
@@ -121,8 +124,24 @@ def _worker_main(spec: _WorkerSpec, job: bytes, conn: Connection) -> None:
         shutdown()
     except BaseException as exc:
         code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
+        stalls.mark_exit(f"crashed ({type(exc).__name__}: {exc})")
         _report_and_exit(conn, traceback.format_exc(), code)
     conn.close()
+
+
+def _connect(spec: _WorkerSpec) -> Any:
+    """A client of the rendezvous store (node 0's launching process owns it, so port 0 never races)."""
+    seconds = _STORE_TIMEOUT.total_seconds()
+    if spec.store_deadline is not None:  # torch's connect loop overruns its timeout by up to as much again
+        seconds = max(min((spec.store_deadline - time.time()) / 2, seconds), 0.5)
+    try:
+        return dist.TCPStore(spec.master_addr, spec.master_port, spec.world_size, False, timedelta(seconds=seconds))
+    except Exception as exc:
+        raise RuntimeError(
+            f"rank {spec.rank} could not reach the rendezvous store at {spec.master_addr}:{spec.master_port} within "
+            f"{seconds:g} s: is node 0 running launch(..., node_rank=0) with the same master_addr and master_port, "
+            "and can this machine reach that port?"
+        ) from exc
 
 
 def _send(conn: Connection, message: Any) -> None:

@@ -1,0 +1,96 @@
+"""The control flags every pack carries, and what the ranks learn from them once a round is back.
+
+Each pack's tail holds, after one presence flag per member, :data:`CONTROL_FLAGS`
+flags that the all-reduce sums over the ranks. Every rank reads the same sums,
+so every rank draws the same conclusions at the same round, with no collective
+of their own:
+
+- where the ranks reduced: during backward, or only inside ``step()``;
+- whether a parameter frozen when it was tracked is trainable now;
+- how many ranks contributed gradients (the others have joined, see
+  :meth:`distopt.DistributedOptimizer.join`), whether they are inside a join
+  block, and whether they average over the contributors or the whole world.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List
+
+import torch
+from torch import Tensor
+
+__all__ = ["CONTROL_FLAGS", "Control", "Totals"]
+
+#: Flags after the presence flags of every pack.
+CONTROL_FLAGS = 6
+
+
+@dataclass(frozen=True)
+class Control:
+    """This rank's flags for one round."""
+
+    during_backward: bool  # launched by the hooks, during backward
+    inside_step: bool  # launched only by step(), because backward reduced nothing
+    unfrozen: bool  # a parameter frozen when it was tracked is trainable now
+    contributing: bool  # False once this rank has joined: it sends zeros
+    in_join: bool  # inside a join block (or a Horovod optimizer, always ready to join)
+    divide_by_world: bool  # joined ranks count in the average (DDP's and Horovod's way)
+
+    def tensor(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        return torch.tensor([float(f) for f in (self.during_backward, self.inside_step, self.unfrozen,
+                                                  self.contributing, self.in_join, self.divide_by_world)],
+                            dtype=dtype)
+
+
+@dataclass(frozen=True)
+class Totals:
+    """The control flags summed over the ranks: the same on every rank."""
+
+    during_backward: int
+    inside_step: int
+    unfrozen: int
+    contributing: int
+    in_join: int
+    divide_by_world: int
+
+    @classmethod
+    def read(cls, flags: List[float], world_size: int, averaged: bool) -> "Totals":
+        """Counts from the reduced flags (``averaged``: the backend divided the sum by the world)."""
+        return cls(*(int(round(v * world_size if averaged else v)) for v in flags))
+
+    def check(self, world_size: int) -> None:
+        """Raise the same error on every rank if the ranks are not in step with each other.
+
+        Raises:
+            RuntimeError: some ranks reduced during backward and others only inside ``step()``,
+                or only some ranks are inside a join block, or they average differently.
+        """
+        if self.during_backward and self.inside_step:
+            raise RuntimeError(_MIXED_ROUND)
+        if self.in_join not in (0, world_size):
+            raise RuntimeError(
+                f"{self.in_join} of {world_size} ranks are inside `with opt.join():` and the others are not; "
+                "enter the join block on every rank, around the same training loop"
+            )
+        if self.divide_by_world not in (0, world_size):
+            raise RuntimeError(
+                f"{self.divide_by_world} of {world_size} ranks called opt.join(divide_by_world=True) and the others "
+                "divide_by_world=False; pass the same value on every rank"
+            )
+
+    def rescale(self, world_size: int, mean: bool) -> float:
+        """Factor that turns a mean over the world into a mean over the contributing ranks (1: none)."""
+        if not mean or self.divide_by_world or self.contributing in (0, world_size):
+            return 1.0
+        return world_size / self.contributing
+
+
+_MIXED_ROUND = (
+    "ranks averaged their gradients at different points: some during backward(), others only inside step(), "
+    "because their backward passes gave no gradient to any parameter this optimizer holds (a skipped batch "
+    "with a constant loss, a detached loss) or were fewer than backward_passes_per_step. Code between "
+    "backward() and step() (clipping, GradScaler, logging) would see different gradients on different ranks "
+    "and the ranks would drift apart. Call opt.synchronize() right after backward() on every rank (it "
+    "averages at once everywhere), or keep every rank's loss connected to the parameters "
+    "(e.g. loss = model(x).sum() * 0.0)"
+)

@@ -1,0 +1,203 @@
+"""Uneven inputs: ranks that run out of data join, and keep the others' reductions going.
+
+Inside ``with opt.join():`` a rank whose loop ends does not leave. It runs
+shadow rounds: the same
+packs, in the same plan order, filled with zeros and with its presence and
+"contributing" flags at 0. The ranks still training see from the summed flags
+how many ranks contributed, and average over those alone (or over the world,
+with ``divide_by_world=True``). Nothing else travels while no rank has joined.
+
+When a round comes back with no contributor, every rank has joined. If some
+ranks stopped earlier than others, their parameters and optimizer state are
+behind: one rank that took part in the last contributing round sends its own
+to everyone, so every rank leaves the block with the same state, bitwise.
+
+Several optimizers trained in one loop (a GAN's two) join together
+(:func:`join`): each has its own private group, so a joined rank keeps one
+shadow round in flight per optimizer, in whatever order the others step them.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import TYPE_CHECKING, Iterator, List, Sequence
+
+import torch
+
+from . import collectives, stalls
+from .engine import StepStats
+
+if TYPE_CHECKING:
+    from .engine import GradientEngine
+    from .optimizer import DistributedOptimizer
+
+__all__ = ["join", "join_and_wait"]
+
+# Seconds between two looks at several optimizers' shadow rounds.
+_POLL = 0.0005
+
+_in_blocks: "set[int]" = set()  # ids of the wrappers inside a join block in this process
+
+
+@contextlib.contextmanager
+def join(*optimizers: "DistributedOptimizer", divide_by_world: bool = False) -> Iterator[None]:
+    """Context around a loop with uneven inputs, for one or several optimizers stepped in it.
+
+    See :meth:`distopt.DistributedOptimizer.join`; several optimizers stepped in the
+    same loop must join together, in one block.
+
+    Args:
+        *optimizers: the loop's :class:`distopt.DistributedOptimizer`s.
+        divide_by_world: count joined ranks as zeros in the average (default: False).
+
+    Raises:
+        TypeError: an argument is not a DistributedOptimizer.
+        RuntimeError: a block is nested in another block of this process.
+
+    Example::
+
+        >>> with distopt.join(gen_opt, disc_opt):
+        ...     for real in loader:              # a different number of batches per rank
+        ...         train_step(real)
+    """
+    from .optimizer import DistributedOptimizer
+
+    if not optimizers:
+        raise TypeError("join() needs the DistributedOptimizers stepped in the loop, e.g. distopt.join(opt)")
+    for opt in optimizers:
+        if not isinstance(opt, DistributedOptimizer):
+            raise TypeError(f"join() takes DistributedOptimizers, got {type(opt).__name__}")
+        opt._check_not_retired("join()")
+    if _in_blocks:
+        raise RuntimeError(
+            "join blocks cannot be nested: a rank that joins the inner one would leave the outer optimizer's "
+            "rounds without it and the others would wait for ever. Join every optimizer of the loop in one "
+            "block: `with distopt.join(opt1, opt2):`"
+        )
+    engines = [opt._engine for opt in optimizers]
+    previous = [(e.in_join, e.divide_by_world) for e in engines]
+    for engine in engines:
+        engine.in_join, engine.divide_by_world = True, bool(divide_by_world)
+    _in_blocks.update(id(opt) for opt in optimizers)
+    try:
+        yield
+        # An exception in the body propagates at once: shadowing would hide it, and the
+        # other ranks learn of it from the stall inspector when their next round fails.
+        join_and_wait(optimizers)
+    finally:
+        _in_blocks.difference_update(id(opt) for opt in optimizers)
+        for engine, (in_join, divide) in zip(engines, previous):
+            engine.in_join, engine.divide_by_world = in_join, divide
+
+
+def join_and_wait(optimizers: Sequence["DistributedOptimizer"]) -> int:
+    """Take part in the other ranks' rounds with zeros until every rank has joined.
+
+    Returns:
+        The rank (in the first wrapper's group) whose state every rank now has: the
+        highest of those that contributed to the last round with contributors, i.e.
+        the last to join.
+    """
+    optimizers = [opt for opt in optimizers if opt.world_size > 1]
+    if not optimizers:
+        return 0
+    for opt in optimizers:
+        engine = opt._engine
+        if engine.inflight:
+            engine.finish_round()  # a round this rank left pending at the end of backward
+        engine.reset_round()  # gradients accumulated but never reduced are not sent
+        if engine.progress is not None:
+            engine.progress.phase = "joined (it ran out of data and waits for the others)"
+    try:
+        if len(optimizers) == 1:
+            engine = optimizers[0]._engine
+            while True:
+                _shadow_launch(engine)
+                if not _shadow_finish(engine):
+                    break
+        else:
+            _shadow_together([opt._engine for opt in optimizers])
+    finally:
+        for opt in optimizers:
+            opt._engine.joined = False
+    return [_settle(opt) for opt in optimizers][0]
+
+
+def _shadow_launch(engine: "GradientEngine") -> None:
+    """As a rank that has joined: send zeros for the others' next round."""
+    with engine.lock:
+        engine.stats = StepStats()
+        engine.joined = True
+        if engine.packs:
+            engine.flush()
+        else:  # nothing trainable: only the control flags travel, at once
+            engine.control_round()
+
+
+def _shadow_finish(engine: "GradientEngine") -> int:
+    """Finish the shadow round; return how many ranks contributed to it (0: all have joined)."""
+    with engine.lock:
+        if engine.inflight:
+            engine.finish_round()
+        engine.reset_round()
+        return engine.contributors
+
+
+def _shadow_together(engines: List["GradientEngine"]) -> None:
+    """Keep one shadow round in flight per engine, finishing each as it comes back."""
+    for engine in engines:
+        _shadow_launch(engine)
+    active = list(engines)
+    while active:
+        progressed = False
+        for engine in list(active):
+            pending = next(((k, seq) for k, (work, _, seq) in enumerate(engine.inflight)
+                            if not work.is_completed()), None)
+            if pending is None:
+                progressed = True
+                if _shadow_finish(engine):
+                    _shadow_launch(engine)
+                else:
+                    active.remove(engine)
+            else:
+                _watch(engine, *pending)
+        if not progressed:
+            time.sleep(_POLL)
+
+
+def _watch(engine: "GradientEngine", k: int, seq: int) -> None:
+    """A shadow round waited for by polling is watched like any wait."""
+    progress = engine.progress
+    if progress is None:
+        return
+    what = f"pack {k + 1}/{len(engine.packs)} of the gradient all-reduce (joined, sending zeros)"
+    progress.begin(seq, what)
+    if progress.raise_after is not None and progress.waited() >= progress.raise_after:
+        raise stalls.stall_error(progress, seq, what)
+
+
+def _settle(owner: "DistributedOptimizer") -> int:
+    """Give every rank the state of one of the last ranks to contribute; return that rank."""
+    engine = owner._engine
+    group = owner._group()
+    mine = torch.tensor([int(engine.contributed_last), owner._steps], dtype=torch.int64)
+    with stalls.inspected(engine.progress, "the exchange at the end of the join block"):
+        everyone: List[torch.Tensor] = collectives.all_gather(mine, group=group)
+    contributed = [r for r, t in enumerate(everyone) if t[0].item()]
+    steps = [int(t[1].item()) for t in everyone]
+    last = max(contributed) if contributed else owner.root_rank
+    identical = len(contributed) == len(everyone) and len(set(steps)) == 1
+    if not identical:
+        with stalls.inspected(engine.progress, "the parameter broadcast at the end of the join block"):
+            with torch.no_grad():
+                collectives.broadcast_parameters(owner._params, src=last, group=group)
+        with stalls.inspected(engine.progress, "the optimizer-state broadcast at the end of the join block"):
+            collectives.broadcast_optimizer_state(owner.optimizer, src=last, group=group)
+    owner._steps = steps[last]
+    engine.contributors = owner.world_size
+    engine.contributed_last = True
+    engine.reset_round()
+    if engine.progress is not None:
+        engine.progress.step = owner._steps
+        engine.progress.end()
+    return last

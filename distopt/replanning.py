@@ -1,0 +1,81 @@
+"""Changing the engine's plan once a round is back, on every rank together.
+
+Two things change the plan, and both are decided from what every rank read in
+the same round, so every rank changes it at the same point:
+
+- **The root's observed order** (:func:`fix_plan`). After the first reducing
+  round, the root broadcasts the order its gradients arrived in and every rank
+  rebuilds the same packs from it, so that packs fill in arrival order.
+- **Unfrozen parameters** (:func:`adopt_unfrozen`). A parameter frozen when the
+  wrapper took it on and trainable now raised a control flag; the ranks compare
+  which they unfroze, hook them, re-plan and reduce the round again.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from . import collectives, stalls
+from .packing import plan_packs
+from .packs import metas
+
+if TYPE_CHECKING:
+    from .engine import GradientEngine
+
+__all__ = ["fix_plan", "adopt_unfrozen"]
+
+
+def fix_plan(engine: "GradientEngine") -> None:
+    """Adopt the root's observed gradient order as the plan on every rank.
+
+    The message starts with how many arrivals the root saw: a round without
+    any (gradients set by hand, or a root that has joined) leaves the plan open.
+    """
+    seen = set(engine.arrivals)
+    order = engine.arrivals + [i for i in reversed(range(len(engine.params))) if i not in seen]
+    message = torch.tensor([len(engine.arrivals)] + order, dtype=torch.int64)
+    with stalls.inspected(engine.progress, "the broadcast of the pack plan"):
+        collectives.broadcast(message, src=engine.root_rank, group=engine.channel.group)
+    observed, *root_order = message.tolist()
+    if not observed:
+        return
+    # Only which packs exist, and their order, matter to matching; keeping the buffers when
+    # those are unchanged also spares a second set of buffers at the peak.
+    plan = plan_packs(root_order, metas(engine.params), engine.pack_threshold)
+    if [set(spec.members) for spec in plan] != [set(pack.spec.members) for pack in engine.packs]:
+        engine.build_packs(root_order)
+    engine.planned = True
+
+
+def adopt_unfrozen(engine: "GradientEngine") -> None:
+    """Track the parameters every rank unfroze, and reduce this round again with them.
+
+    A rank that has joined sends None and follows the others.
+
+    Raises:
+        ValueError: the ranks unfroze different parameters.
+    """
+    frozen, frozen_names = engine.frozen, engine.frozen_names
+    mine = None if engine.joined else [n for p, n in zip(frozen, frozen_names) if p.requires_grad]
+    with stalls.inspected(engine.progress, "the exchange of unfrozen parameter names"):
+        everyone = collectives.all_gather_object(mine, group=engine.channel.group)
+    named = [theirs for theirs in everyone if theirs is not None]
+    if any(theirs != named[0] for theirs in named):
+        detail = "; ".join(f"rank {r}: {theirs}" for r, theirs in enumerate(everyone) if theirs is not None)
+        raise ValueError(
+            f"different ranks made different parameters trainable ({detail}); set requires_grad alike on "
+            "every rank, at the same step"
+        )
+    if mine is None:
+        for p, n in zip(frozen, frozen_names):
+            if n in named[0]:
+                p.requires_grad_(True)
+    params = [p for p in frozen if p.requires_grad]
+    names = [n for p, n in zip(frozen, frozen_names) if p.requires_grad]
+    engine.frozen_names = [n for p, n in zip(frozen, frozen_names) if not p.requires_grad]
+    engine.frozen = [p for p in frozen if not p.requires_grad]
+    engine.hook(params, names)  # re-plans; the gradients move into the new packs
+    # The old parameters' gradients are averaged already; averaging them again changes
+    # nothing but rounding, and keeps one plan for every parameter.
+    engine.reduce_again()

@@ -1,0 +1,116 @@
+"""Stalls and lost peers: the waiting ranks say who is missing and where it was, and never hang.
+
+A rank that sleeps inside its step makes the others wait; the stall warning
+names it and its step within the configured time plus a tick or two, and with
+``stall_timeout`` every waiting rank raises :class:`distopt.StallError` with
+the same text. A rank that leaves early makes the others fail with an error
+that names it and says that it finished, rather than gloo's "remote worker
+crashing".
+"""
+import logging
+import re
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import distopt
+from distopt import DistributedOptimizer, StallError
+from distopt._testing import run_world
+
+pytestmark = [pytest.mark.usefixtures("no_leftover_processes"), pytest.mark.timeout(120)]
+
+
+def make_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+class Captured(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.records = []
+
+    def emit(self, record):
+        self.records.append((time.monotonic(), record.getMessage()))
+
+
+def train(opt, model, steps):
+    x, y = torch.randn(6, 4), torch.randn(6, 2)
+    for _ in range(steps):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def sleeper_worker(sleepy, sleep, warning, timeout, steps=5):
+    """Rank ``sleepy`` sleeps inside its third step; every rank reports what it saw and when."""
+    rank = dist.get_rank()
+    captured = Captured()
+    logging.getLogger("distopt").addHandler(captured)
+    model = make_model()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), stall_warning=warning,
+                               stall_timeout=timeout)
+    if rank == sleepy:
+        opt.register_step_pre_hook(lambda *_: time.sleep(sleep) if opt._steps == 2 else None)
+    start = time.monotonic()
+    outcome = ("ok", None, None)
+    try:
+        train(opt, model, steps)
+    except StallError as exc:
+        outcome = ("StallError", str(exc), time.monotonic() - start)
+    except RuntimeError as exc:
+        outcome = ("RuntimeError", str(exc), time.monotonic() - start)
+    finally:
+        logging.getLogger("distopt").removeHandler(captured)
+    warnings = [(t - start, message) for t, message in captured.records]
+    return {"outcome": outcome, "warnings": warnings, "elapsed": time.monotonic() - start}
+
+
+def test_a_stalled_rank_is_named_with_its_step_and_phase_within_the_warning_time():
+    results = run_world(sleeper_worker, 2, 1, 7.0, 2.0, None, timeout=90)
+    waiting, sleeper = results
+    assert waiting["outcome"][0] == "ok" and sleeper["outcome"][0] == "ok", results
+    assert sleeper["warnings"] == []
+    (when, message), = waiting["warnings"]
+    assert 2.0 <= when <= 2.0 + 3.0, waiting["warnings"]
+    assert re.search(r"rank 0 has waited [23] s at step 3 for pack 1/1 of the gradient all-reduce", message), message
+    assert "rank 1 has not arrived: last seen at step 2, inside step()" in message, message
+
+
+def test_with_a_stall_timeout_every_waiting_rank_raises_the_same_stall_error():
+    results = run_world(sleeper_worker, 3, 1, 8.0, 1.0, 3.0, timeout=90)
+    waiting = [results[0], results[2]]
+    for result in waiting:
+        kind, text, when = result["outcome"]
+        assert kind == "StallError", result
+        assert 3.0 <= when <= 3.0 + 3.0, result
+    texts = {r["outcome"][1] for r in results}
+    assert len(texts) == 1, texts  # the sleeper meets the same error when it wakes
+    text = texts.pop()
+    assert "ranks 0, 2 waited more than 3 s at step 3 for pack 1/1 of the gradient all-reduce" in text, text
+    assert "rank 1 has not arrived: last seen at step 2, inside step()" in text, text
+
+
+def early_leaver_worker(steps_of):
+    rank = dist.get_rank()
+    model = make_model()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    try:
+        train(opt, model, steps_of[rank])
+    except RuntimeError as exc:
+        return ("RuntimeError", str(exc))
+    return ("ok", None)
+
+
+def test_a_rank_that_returns_early_is_named_as_finished_not_as_crashed():
+    start = time.monotonic()
+    results = run_world(early_leaver_worker, 2, [4, 3], timeout=90)
+    assert results[1] == ("ok", None)
+    kind, text = results[0]
+    assert kind == "RuntimeError"
+    assert "rank 1 is gone: it finished after step 3" in text, text
+    assert "with opt.join()" in text, text
+    assert time.monotonic() - start < 30
