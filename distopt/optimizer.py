@@ -164,11 +164,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
         if self.world_size > 1:
             limit = None if self.stall_timeout is None else timedelta(seconds=self.stall_timeout)
             channel = _create_channel(process_group, limit)
-            timeout = private_groups.timeout_of(channel.group)
-            progress = Progress(channel.group.group_name, dist.get_process_group_ranks(channel.group),
-                                dist.get_rank(), self.stall_warning, self.stall_timeout,
-                                None if timeout is None else timeout.total_seconds())
-            stalls.watch(progress)
+            progress = self._watch(channel)
         self._engine = GradientEngine(
             channel=channel,
             scale=scale,
@@ -368,6 +364,14 @@ class DistributedOptimizer(InnerOptimizerSurface):
     def _group(self) -> Optional[ProcessGroup]:
         channel = self._engine.channel
         return channel.group if channel is not None else self.process_group
+
+    def _watch(self, channel: private_groups.PrivateGroup) -> Optional[Progress]:
+        """This wrapper's position on ``channel``, published by the stall inspector."""
+        timeout = private_groups.timeout_of(channel.group)
+        progress = Progress(channel.group.group_name, dist.get_process_group_ranks(channel.group), dist.get_rank(),
+                            self.stall_warning, self.stall_timeout, None if timeout is None else timeout.total_seconds())
+        stalls.watch(progress)
+        return progress
 
     def _settings(self) -> Dict[str, Any]:
         """Every setting that decides which collectives run; they must match on every rank."""

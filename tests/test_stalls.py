@@ -10,6 +10,7 @@ crashing".
 import logging
 import re
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from torch import nn
 
 import distopt
 from distopt import DistributedOptimizer, StallError
-from distopt._testing import run_world
+from distopt._testing import run_torchrun, run_world
 
 pytestmark = [pytest.mark.usefixtures("no_leftover_processes"), pytest.mark.timeout(120)]
 
@@ -114,3 +115,19 @@ def test_a_rank_that_returns_early_is_named_as_finished_not_as_crashed():
     assert "rank 1 is gone: it finished after step 3" in text, text
     assert "with opt.join()" in text, text
     assert time.monotonic() - start < 30
+
+
+SCRIPT = Path(__file__).resolve().parent / "_scripts" / "leave_early.py"
+
+
+@pytest.mark.parametrize("init", ["distopt", "plain"])
+@pytest.mark.parametrize("how, told", [
+    ("finish", "rank 1 is gone: it finished after step 3"),
+    ("crash", "rank 1 is gone: it crashed (ZeroDivisionError: a bad batch) after step 2"),
+])
+def test_under_torchrun_the_survivor_is_told_whether_the_peer_finished_or_crashed(how, told, init, tmp_path):
+    code, out = run_torchrun(SCRIPT, [how, init], cwd=tmp_path, timeout=90)
+    assert code not in (None, 0), out
+    seen = [line for line in out.splitlines() if "RANK0 SAW:" in line]
+    assert seen, out
+    assert told in seen[0], seen[0]

@@ -39,6 +39,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="time distopt over a range of pack thresholds and plot step time against them")
     p.add_argument("--json", nargs="?", const="-", metavar="PATH",
                    help="write the figures as JSON to PATH, or alone: print JSON instead of the table")
+    p.add_argument("--modes", default="", metavar="NAMES",
+                   help="optional modes to add, comma-separated: distopt+join (the cost of join() while ranks are "
+                        "even), distopt-noinspect (the stall inspector off, to measure its cost)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory probes (one fresh launch per mode)")
     p.add_argument("--no-world1", action="store_true", help="skip the world-size-1 section")
     p.add_argument("--seed", type=int, default=0, help="seed of model initialisation and data (default 0)")
@@ -60,6 +63,7 @@ def _config_from_args(args: argparse.Namespace) -> BenchConfig:
         rounds=args.rounds,
         warmup=args.warmup,
         thresholds=tuple(thresholds),
+        extra_modes=tuple(m.strip() for m in args.modes.split(",") if m.strip()),
         memory=not args.no_memory,
         world1=not args.no_world1,
         seed=args.seed,

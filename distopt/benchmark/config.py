@@ -22,6 +22,7 @@ class BenchConfig:
         rounds: interleaving rounds the timed steps are spread over.
         warmup: untimed steps per mode after it is built.
         thresholds: extra distopt pack thresholds in bytes, one mode each.
+        extra_modes: optional modes to run too (``distopt+join``, ``distopt-noinspect``).
         memory: whether to probe peak memory (one fresh launch per mode).
         world1: whether to run the world-size-1 section.
         seed: seeds model initialisation and data.
@@ -29,7 +30,7 @@ class BenchConfig:
 
     Raises:
         ValueError: if a workload is unknown, ``world``, ``iters``, ``rounds`` or
-            ``warmup`` is below 1, or a threshold is negative.
+            ``warmup`` is below 1, a threshold is negative or an extra mode unknown.
     """
 
     workloads: Tuple[str, ...] = ("mlp", "wide", "transformer")
@@ -39,6 +40,7 @@ class BenchConfig:
     rounds: int = 10
     warmup: int = 3
     thresholds: Tuple[int, ...] = ()
+    extra_modes: Tuple[str, ...] = ()
     memory: bool = True
     world1: bool = True
     seed: int = 0
@@ -54,6 +56,12 @@ class BenchConfig:
         if self.warmup < 1:
             # DDP rebuilds its buckets after the first step; that step must not be timed.
             raise ValueError(f"warmup={self.warmup!r} must be at least 1")
+        from .modes import MODES  # modes imports this module
+
+        optional = sorted(name for name, spec in MODES.items() if spec.optional)
+        unknown = [m for m in self.extra_modes if m not in optional]
+        if unknown:
+            raise ValueError(f"extra modes {unknown!r} are unknown; choose from {optional}")
         bad = [t for t in self.thresholds if t < 0]
         if bad:
             raise ValueError(f"thresholds={bad!r} must be non-negative byte counts")

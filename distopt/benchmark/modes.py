@@ -64,12 +64,14 @@ class ModeSpec:
         distributed_only: needs a process group, so the world-size-1 section leaves it out.
         memory_probe: gets a peak-memory probe (one fresh launch per workload).
         variants: also runs as ``<name>@<bytes>``.
+        optional: runs only when asked for (``--modes``), not by default.
     """
 
     wrap: Wrap
     distributed_only: bool = False
     memory_probe: bool = True
     variants: bool = False
+    optional: bool = False
 
 
 def wrap_ddp(model: nn.Module, device: torch.device) -> nn.parallel.DistributedDataParallel:
@@ -102,6 +104,27 @@ def _distopt(model: nn.Module, sgd: torch.optim.Optimizer, device: torch.device,
     return model, DistributedOptimizer(sgd, **kwargs)
 
 
+class _Uninspected(DistributedOptimizer):
+    """distopt without the stall inspector, only to measure what the inspector costs."""
+
+    def _watch(self, channel: Any) -> None:
+        return None
+
+
+def _distopt_join(model: nn.Module, sgd: torch.optim.Optimizer, device: torch.device,
+                  variant: Optional[int]) -> Tuple[nn.Module, Any]:
+    opt = DistributedOptimizer(sgd)
+    # What `with opt.join():` sets for the steps inside it while no rank has joined; the block
+    # itself cannot stay open across the benchmark's interleaved modes.
+    opt._engine.in_join = True
+    return model, opt
+
+
+def _distopt_uninspected(model: nn.Module, sgd: torch.optim.Optimizer, device: torch.device,
+                         variant: Optional[int]) -> Tuple[nn.Module, Any]:
+    return model, _Uninspected(sgd)
+
+
 #: Training modes by name, in run order.
 MODES: Dict[str, ModeSpec] = {
     # The bare inner optimizer, no communication. The floor.
@@ -110,6 +133,10 @@ MODES: Dict[str, ModeSpec] = {
     "ddp": ModeSpec(_ddp, distributed_only=True),
     # distopt.DistributedOptimizer with its defaults; distopt@<bytes> sets pack_threshold.
     "distopt": ModeSpec(_distopt, variants=True),
+    # distopt inside a join block (no rank has joined): the cost of join() while ranks are even.
+    "distopt+join": ModeSpec(_distopt_join, distributed_only=True, memory_probe=False, optional=True),
+    # distopt with the stall inspector off: what the inspector costs.
+    "distopt-noinspect": ModeSpec(_distopt_uninspected, distributed_only=True, memory_probe=False, optional=True),
 }
 
 
@@ -123,7 +150,8 @@ def mode_names(cfg: BenchConfig, distributed: bool) -> List[str]:
     Returns:
         Mode names for :func:`build_mode`.
     """
-    names = [name for name, spec in MODES.items() if distributed or not spec.distributed_only]
+    names = [name for name, spec in MODES.items() if (distributed or not spec.distributed_only)
+             and (not spec.optional or name in cfg.extra_modes)]
     names += [f"distopt@{t}" for t in cfg.thresholds]
     return names
 
