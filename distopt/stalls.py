@@ -88,6 +88,7 @@ class Progress:
     since: float = 0.0
     state: str = "running"
     warned: int = 0
+    last_wait: int = 0
     cuda_works: Deque[Tuple[int, str, float, Any]] = field(default_factory=lambda: deque(maxlen=64))
 
     def issue(self) -> int:
@@ -98,9 +99,9 @@ class Progress:
     def begin(self, seq: int, what: str) -> None:
         """Start (or resume) waiting for collective ``seq``."""
         if seq != self.waiting:
-            if seq != getattr(self, "_last_wait", 0):  # a resumed wait keeps its start
+            if seq != self.last_wait:  # a resumed wait (a round left pending) keeps its start
                 self.since = time.monotonic()
-            self._last_wait = seq
+            self.last_wait = seq
             self.what = what
             self.waiting = seq
 
@@ -260,7 +261,15 @@ def _report(progress: Progress, seq: int, what: str, store: Any, waited: Optiona
         return (f"{head}; every rank has issued it, so the data is slow to arrive (a slow or broken link, "
                 "or a rank stuck inside the transport)")
     lines = [f"rank {r} has not arrived: {_seen(positions[r], waited is not None)}" for r in missing]
-    return f"{head}; " + "; ".join(lines)
+    elsewhere = [r for r in missing if positions[r] is not None and not positions[r]["waiting"]
+                 and positions[r]["state"] == "running"
+                 and positions[r]["phase"].startswith(("before backward", "after backward"))]
+    hint = ""
+    if elsewhere:
+        hint = (". A rank between steps and not in a collective of this optimizer is busy elsewhere: "
+                "in a collective of your own (a metric's all-reduce after its data ran out: wrap the training "
+                "loop in `with opt.join():`), evaluating, or saving a checkpoint")
+    return f"{head}; " + "; ".join(lines) + hint
 
 
 def _limit(progress: Progress) -> str:

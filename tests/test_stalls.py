@@ -124,6 +124,10 @@ SCRIPT = Path(__file__).resolve().parent / "_scripts" / "leave_early.py"
 @pytest.mark.parametrize("how, told", [
     ("finish", "rank 1 is gone: it finished after step 3"),
     ("crash", "rank 1 is gone: it crashed (ZeroDivisionError: a bad batch) after step 2"),
+    ("metric", "StallError: rank 0 waited more than 5 s at step 3 for pack 1/1 of the gradient all-reduce; "
+               "rank 1 has not arrived: last seen at step 3, before backward. A rank between steps and not in a "
+               "collective of this optimizer is busy elsewhere: in a collective of your own (a metric's "
+               "all-reduce after its data ran out: wrap the training loop in `with opt.join():`)"),
 ])
 def test_under_torchrun_the_survivor_is_told_whether_the_peer_finished_or_crashed(how, told, init, tmp_path):
     code, out = run_torchrun(SCRIPT, [how, init], cwd=tmp_path, timeout=90)
