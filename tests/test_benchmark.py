@@ -54,7 +54,7 @@ def test_world_one_every_workload_json_to_stdout(tmp_path: Path) -> None:
     proc = _run(["--world", "1", "--iters", "1", "--rounds", "1", "--warmup", "1", "--json"], tmp_path)
     report = json.loads(proc.stdout)
     assert report["distributed"] == []
-    assert [w["name"] for w in report["world1"]] == ["mlp", "wide", "transformer"]
+    assert [w["name"] for w in report["world1"]] == ["mlp", "wide", "transformer", "conv", "embedding"]
     for workload in report["world1"]:
         assert set(workload["modes"]) == {"local", "distopt"}
         assert workload["modes"]["distopt"]["allreduce_calls"] == 0

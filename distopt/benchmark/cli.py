@@ -26,7 +26,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Step time of local (no communication), PyTorch DDP and distopt, "
         "interleaved in the same processes.",
     )
-    p.add_argument("--workloads", default="mlp,wide,transformer",
+    p.add_argument("--workloads", default=",".join(WORKLOADS),
                    help="comma-separated subset of: " + ", ".join(WORKLOADS))
     p.add_argument("--world", type=int, default=2, help="processes (default 2); 1 runs only the world-size-1 section")
     p.add_argument("--backend", default="gloo", help="torch.distributed backend (default gloo; nccl runs on CUDA)")
@@ -42,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", default="", metavar="NAMES",
                    help="optional modes to add, comma-separated: distopt+join (the cost of join() while ranks are "
                         "even), distopt-noinspect (the stall inspector off, to measure its cost)")
+    p.add_argument("--profile", metavar="WORKLOAD", choices=list(WORKLOADS),
+                   help="instead of timing: profile local, ddp and distopt on one workload with torch.profiler and "
+                        "print the ms per step of each phase and the top operators (rank 0)")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory probes (one fresh launch per mode)")
     p.add_argument("--no-world1", action="store_true", help="skip the world-size-1 section")
     p.add_argument("--seed", type=int, default=0, help="seed of model initialisation and data (default 0)")
@@ -85,6 +88,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as exc:
         _parser().error(str(exc))
     started = time.perf_counter()
+    if args.profile:
+        from ..launching import launch
+        from .profiling import format_profile, profile_worker
+
+        figures = launch(profile_worker, cfg.world, args=(cfg, args.profile), backend=cfg.backend)[0]
+        print(format_profile(args.profile, figures))
+        return 0
     report = run_benchmark(cfg, log=lambda line: print(f"[benchmark] {line}", file=sys.stderr, flush=True))
     if args.json == "-":
         print(json.dumps(report_to_json(report), indent=2))

@@ -33,7 +33,7 @@ class BenchConfig:
             ``warmup`` is below 1, a threshold is negative or an extra mode unknown.
     """
 
-    workloads: Tuple[str, ...] = ("mlp", "wide", "transformer")
+    workloads: Tuple[str, ...] = tuple(WORKLOADS)
     world: int = 2
     backend: str = "gloo"
     iters: int = 20

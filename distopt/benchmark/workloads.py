@@ -80,6 +80,41 @@ def _transformer_batch(gen: torch.Generator) -> Batch:
     return torch.randn(8, 32, 128, generator=gen), torch.randn(8, 32, 128, generator=gen)
 
 
+class _ConvNet(nn.Module):
+    """A small conv net with batch norm: many small parameters, buffers that are not parameters."""
+
+    def __init__(self, width: int = 32, blocks: int = 4) -> None:
+        super().__init__()
+        layers: List[nn.Module] = [nn.Conv2d(3, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU()]
+        for _ in range(blocks - 1):
+            layers += [nn.Conv2d(width, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU()]
+        self.features = nn.Sequential(*layers)
+        self.head = nn.Linear(width, 10)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.features(x).mean(dim=(2, 3)))
+
+
+def _conv_batch(gen: torch.Generator) -> Batch:
+    return torch.randn(16, 3, 32, 32, generator=gen), torch.randn(16, 10, generator=gen)
+
+
+class _EmbeddingModel(nn.Module):
+    """A 64 MiB embedding table (dense gradients) and a small head: one huge gradient, mostly zeros."""
+
+    def __init__(self, rows: int = 131072, dim: int = 128) -> None:
+        super().__init__()
+        self.table = nn.Embedding(rows, dim)
+        self.head = nn.Sequential(nn.Linear(dim, dim), nn.ReLU(), nn.Linear(dim, dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.table(x))
+
+
+def _embedding_batch(gen: torch.Generator) -> Batch:
+    return torch.randint(0, 131072, (32, 16), generator=gen), torch.randn(32, 16, 128, generator=gen)
+
+
 #: Every workload, by name.
 WORKLOADS: Dict[str, Workload] = {
     w.name: w
@@ -89,5 +124,9 @@ WORKLOADS: Dict[str, Workload] = {
         Workload("wide", "2 x Linear(4096,4096)", _wide_model, _wide_batch, nn.functional.mse_loss),
         Workload("transformer", "4-layer TransformerEncoder d=128", _TransformerModel, _transformer_batch,
                  nn.functional.mse_loss),
+        Workload("conv", "4 x Conv2d(32)+BatchNorm2d, 32x32 images", _ConvNet, _conv_batch,
+                 nn.functional.mse_loss, iters_scale=2),
+        Workload("embedding", "Embedding(131072,128) (64 MiB) + 2 x Linear(128,128)", _EmbeddingModel,
+                 _embedding_batch, nn.functional.mse_loss),
     )
 }
