@@ -25,6 +25,7 @@ __all__ = [
     "check_arguments",
     "byte_count",
     "seconds",
+    "shard_state",
     "names_by_id",
     "positions",
     "claim",
@@ -106,6 +107,22 @@ def seconds(value: Any, name: str) -> Optional[float]:
     if not value > 0:
         raise ValueError(f"{name} must be positive, got {value!r}; pass None to turn it off")
     return float(value)
+
+
+def shard_state(value: Any, optimizer: Optimizer) -> bool:
+    """``shard_state=`` checked against the optimizer it would shard.
+
+    Raises:
+        TypeError: not a bool, or an optimizer that cannot step a shard (LBFGS).
+    """
+    if not isinstance(value, bool):
+        raise TypeError(f"shard_state must be True or False, got {value!r}")
+    if value and isinstance(optimizer, torch.optim.LBFGS):
+        raise TypeError(
+            "shard_state=True cannot shard LBFGS: it keeps one history over all parameters together; "
+            "use shard_state=False"
+        )
+    return value
 
 
 def names_by_id(named_parameters: Optional[Iterable[Tuple[str, Tensor]]], optimizer: Optimizer) -> Dict[int, str]:

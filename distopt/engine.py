@@ -74,12 +74,14 @@ class StepStats:
             (the rest overlapped with backward).
         bytes: bytes put on the wire.
         wait_seconds: time spent blocked waiting for communication.
+        optimizer_state_bytes: bytes of optimizer state this rank holds (filled in by the wrapper).
     """
 
     packs: int = 0
     packs_at_flush: int = 0
     bytes: int = 0
     wait_seconds: float = 0.0
+    optimizer_state_bytes: int = 0
 
 
 class GradientEngine:

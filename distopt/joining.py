@@ -110,13 +110,14 @@ def join_and_wait(optimizers: Sequence["DistributedOptimizer"]) -> int:
             engine.progress.phase = "joined (it ran out of data and waits for the others)"
     try:
         if len(optimizers) == 1:
-            engine = optimizers[0]._engine
+            opt = optimizers[0]
             while True:
-                _shadow_launch(engine)
-                if not _shadow_finish(engine):
+                _shadow_launch(opt._engine)
+                if not _shadow_finish(opt._engine):
                     break
+                opt._mode.shadow_step(opt)
         else:
-            _shadow_together([opt._engine for opt in optimizers])
+            _shadow_together(optimizers)
     finally:
         for opt in optimizers:
             opt._engine.joined = False
@@ -143,22 +144,24 @@ def _shadow_finish(engine: "GradientEngine") -> int:
         return engine.contributors
 
 
-def _shadow_together(engines: List["GradientEngine"]) -> None:
-    """Keep one shadow round in flight per engine, finishing each as it comes back."""
-    for engine in engines:
-        _shadow_launch(engine)
-    active = list(engines)
+def _shadow_together(optimizers: Sequence["DistributedOptimizer"]) -> None:
+    """Keep one shadow round in flight per optimizer, finishing each as it comes back."""
+    for opt in optimizers:
+        _shadow_launch(opt._engine)
+    active = list(optimizers)
     while active:
         progressed = False
-        for engine in list(active):
+        for opt in list(active):
+            engine = opt._engine
             pending = next(((k, seq) for k, (work, _, seq) in enumerate(engine.inflight)
                             if not work.is_completed()), None)
             if pending is None:
                 progressed = True
                 if _shadow_finish(engine):
+                    opt._mode.shadow_step(opt)
                     _shadow_launch(engine)
                 else:
-                    active.remove(engine)
+                    active.remove(opt)
             else:
                 _watch(engine, *pending)
         if not progressed:
@@ -187,12 +190,7 @@ def _settle(owner: "DistributedOptimizer") -> int:
     steps = [int(t[1].item()) for t in everyone]
     last = max(contributed) if contributed else owner.root_rank
     identical = len(contributed) == len(everyone) and len(set(steps)) == 1
-    if not identical:
-        with stalls.inspected(engine.progress, "the parameter broadcast at the end of the join block"):
-            with torch.no_grad():
-                collectives.broadcast_parameters(owner._params, src=last, group=group)
-        with stalls.inspected(engine.progress, "the optimizer-state broadcast at the end of the join block"):
-            collectives.broadcast_optimizer_state(owner.optimizer, src=last, group=group)
+    owner._mode.settle_after_join(owner, last, identical)
     owner._steps = steps[last]
     engine.contributors = owner.world_size
     engine.contributed_last = True

@@ -22,7 +22,8 @@ from . import checks, collectives, joining, private_groups, stalls
 from .collectives.groups import check_member
 from .engine import IDLE, GradientEngine, StepStats
 from .forwarding import InnerOptimizerSurface
-from .modes import Mode, SynchronousMode
+from .modes import Mode, ShardedMode, SynchronousMode
+from .modes.sharded import state_bytes
 from .stalls import Progress
 
 __all__ = ["DistributedOptimizer", "StepStats", "DEFAULT_PACK_THRESHOLD"]
@@ -97,6 +98,8 @@ class DistributedOptimizer(InnerOptimizerSurface):
         stall_timeout: seconds after which every rank still waiting raises
             :class:`distopt.StallError` with that text; None waits as long as the
             process group's own timeout (default: None).
+        shard_state: each rank keeps the optimizer state of the parameters it owns
+            only (ZeRO-1); see :mod:`distopt.modes.sharded` (default: False).
 
     Raises:
         TypeError: if ``optimizer`` is not a ``torch.optim.Optimizer``.
@@ -127,6 +130,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
         sparse_as_dense: bool = False,
         stall_warning: Union[float, timedelta, None] = 60.0,
         stall_timeout: Union[float, timedelta, None] = None,
+        shard_state: bool = False,
     ) -> None:
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("optimizer is already a DistributedOptimizer; wrap the plain torch.optim optimizer once")
@@ -138,6 +142,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
         self.bcast_period = int(bcast_period)
         self.compression = None if compression in (None, "none") else compression
         self.sparse_as_dense = sparse_as_dense
+        self.shard_state = checks.shard_state(shard_state, optimizer)
         self.stall_warning = checks.seconds(stall_warning, "stall_warning")
         self.stall_timeout = checks.seconds(stall_timeout, "stall_timeout")
         # None stays None (the default group, looked up per call): holding the default group would
@@ -178,7 +183,8 @@ class DistributedOptimizer(InnerOptimizerSurface):
             mean=mean,
             progress=progress,
         )
-        self._mode: Mode = SynchronousMode()
+        self._mode: Mode = (ShardedMode(self.rank, self.world_size) if self.shard_state and self.world_size > 1
+                            else SynchronousMode())
         self._retired_by: Optional[str] = None  # why this wrapper no longer reduces
         self._steps = 0
         self._params: List[Tensor] = []  # every parameter this wrapper broadcasts, in tracking order
@@ -195,14 +201,29 @@ class DistributedOptimizer(InnerOptimizerSurface):
 
     @property
     def stats(self) -> StepStats:
-        """What the last reduction round did (packs, bytes on the wire, time waited)."""
-        return self._engine.stats
+        """What the last reduction round did (packs, bytes on the wire, time waited), and the
+        bytes of optimizer state this rank holds."""
+        stats = self._engine.stats
+        stats.optimizer_state_bytes = state_bytes(self.optimizer)
+        return stats
 
     def __repr__(self) -> str:
         return (
             f"DistributedOptimizer({self.optimizer!r}, reduce_op={self.reduce_op!r}, "
             f"pack_threshold={self.pack_threshold}, world_size={self.world_size})"
         )
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The inner optimizer's state dict; loads into a plain optimizer and back.
+
+        With ``shard_state=True`` it is gathered from every rank's shard, so every
+        rank must call it; it is the same dict an unsharded optimizer would give.
+        """
+        return self._mode.state_dict(self)
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load a state dict from this wrapper or a plain optimizer (with ``shard_state``, from any world size)."""
+        self._mode.load_state_dict(self, state_dict)
 
     def __getstate__(self) -> Dict[str, Any]:
         raise TypeError(
@@ -346,6 +367,11 @@ class DistributedOptimizer(InnerOptimizerSurface):
         parameters and moments are exactly the root's.
         """
         self._check_not_retired("broadcast_optimizer_state()")
+        if isinstance(self._mode, ShardedMode):
+            raise RuntimeError(
+                "broadcast_optimizer_state() with shard_state=True: each rank holds its own shard, so the root's "
+                "state is not everyone's; load a full state dict on every rank with opt.load_state_dict() instead"
+            )
         with stalls.inspected(self._engine.progress, "the optimizer-state broadcast"):
             collectives.broadcast_optimizer_state(self.optimizer, src=self.root_rank, group=self._group())
 
@@ -383,6 +409,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
             "backward_passes_per_step": self.backward_passes_per_step,
             "sparse_as_dense": self.sparse_as_dense,
             "root_rank": self.root_rank,
+            "shard_state": self.shard_state,
             "mode": type(self._mode).__name__,
         }
 
@@ -415,6 +442,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
             with torch.no_grad(), stalls.inspected(progress, "the broadcast of the initial parameters"):
                 collectives.broadcast_parameters(new, src=self.root_rank, group=self._group())
         self._engine.track(new, names)
+        self._mode.on_track(self, new)
 
     def _retire(self) -> None:
         """A newer wrapper took this one's parameters over: stop reducing, for good."""

@@ -32,7 +32,8 @@ from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
 
 import torch.distributed as dist
 
-__all__ = ["StallError", "Progress", "watch", "retire", "inspected", "translate", "stall_error", "mark_exit", "stop"]
+__all__ = ["StallError", "Progress", "watch", "retire", "inspected", "translate", "stall_error", "mark_exit", "stop",
+           "main_store"]
 
 logger = logging.getLogger("distopt")
 
@@ -281,8 +282,12 @@ def _ranks(ranks: List[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
-def _store() -> Any:
+def main_store() -> Any:
+    """The main thread's connection to the store, or None without an inspector."""
     return None if _inspector is None else _inspector.store
+
+
+_store = main_store
 
 
 def stall_error(progress: Progress, seq: int, what: str) -> StallError:

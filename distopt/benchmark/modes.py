@@ -120,6 +120,11 @@ def _distopt_join(model: nn.Module, sgd: torch.optim.Optimizer, device: torch.de
     return model, opt
 
 
+def _distopt_sharded(model: nn.Module, sgd: torch.optim.Optimizer, device: torch.device,
+                     variant: Optional[int]) -> Tuple[nn.Module, Any]:
+    return model, DistributedOptimizer(sgd, shard_state=True)
+
+
 def _distopt_uninspected(model: nn.Module, sgd: torch.optim.Optimizer, device: torch.device,
                          variant: Optional[int]) -> Tuple[nn.Module, Any]:
     return model, _Uninspected(sgd)
@@ -135,6 +140,8 @@ MODES: Dict[str, ModeSpec] = {
     "distopt": ModeSpec(_distopt, variants=True),
     # distopt inside a join block (no rank has joined): the cost of join() while ranks are even.
     "distopt+join": ModeSpec(_distopt_join, distributed_only=True, memory_probe=False, optional=True),
+    # distopt with shard_state=True: each rank keeps the momentum of the parameters it owns.
+    "distopt+shard": ModeSpec(_distopt_sharded, distributed_only=True, optional=True),
     # distopt with the stall inspector off: what the inspector costs.
     "distopt-noinspect": ModeSpec(_distopt_uninspected, distributed_only=True, memory_probe=False, optional=True),
 }
@@ -156,13 +163,17 @@ def mode_names(cfg: BenchConfig, distributed: bool) -> List[str]:
     return names
 
 
-def memory_mode_names() -> List[str]:
+def memory_mode_names(cfg: Optional[BenchConfig] = None) -> List[str]:
     """The modes whose peak memory is probed, in probe order.
+
+    Args:
+        cfg: its ``extra_modes`` add the optional modes asked for (default: none).
 
     Returns:
         Names from :data:`MODES` with ``memory_probe`` set.
     """
-    return [name for name, spec in MODES.items() if spec.memory_probe]
+    extra = () if cfg is None else cfg.extra_modes
+    return [name for name, spec in MODES.items() if spec.memory_probe and (not spec.optional or name in extra)]
 
 
 def split_mode_name(name: str) -> Tuple[str, Optional[int]]:

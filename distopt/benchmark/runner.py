@@ -52,7 +52,7 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None)
         distributed = [summarise([rank[i] for rank in per_rank], cfg.world) for i in range(len(cfg.workloads))]
         if cfg.memory:
             for result in distributed:
-                for mode in memory_mode_names():
+                for mode in memory_mode_names(cfg):
                     if mode in result.modes:
                         log(f"memory probe: {result.name}/{mode} in a fresh launch")
                         peaks = _launch(memory_worker, cfg, (cfg, result.name, mode))

@@ -18,10 +18,21 @@ training data-parallel:
 
 After :meth:`Mode.step` returns, the wrapper starts a new round, counts the step
 and re-broadcasts parameters when ``bcast_period`` says so; a mode does not.
+
+A mode may also take part in the rest of the wrapper's life: which parameters it
+was given (:meth:`Mode.on_track`), what a rank that has joined does after each
+shadow round (:meth:`Mode.shadow_step`) and at the end of the join block
+(:meth:`Mode.settle_after_join`), and the state dict (:meth:`Mode.state_dict`,
+:meth:`Mode.load_state_dict`).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
+
+import torch
+from torch import Tensor
+
+from .. import collectives, stalls
 
 if TYPE_CHECKING:  # the wrapper imports the modes, not the other way round
     from ..optimizer import DistributedOptimizer
@@ -48,3 +59,28 @@ class Mode:
             closure: re-evaluates the model and returns the loss, or None.
         """
         raise NotImplementedError
+
+    def on_track(self, owner: "DistributedOptimizer", params: List[Tensor]) -> None:
+        """The wrapper took on ``params`` (at construction or ``add_param_group``), in tracking order."""
+
+    def shadow_step(self, owner: "DistributedOptimizer") -> None:
+        """As a rank that has joined (:mod:`distopt.joining`): follow the others' step after a shadow round."""
+
+    def settle_after_join(self, owner: "DistributedOptimizer", last: int, identical: bool) -> None:
+        """At the end of a join block: unless the ranks are ``identical`` already (none stopped
+        early), give every rank rank ``last``'s parameters and optimizer state."""
+        if identical:
+            return
+        group, progress = owner._group(), owner._engine.progress
+        with torch.no_grad(), stalls.inspected(progress, "the parameter broadcast at the end of the join block"):
+            collectives.broadcast_parameters(owner._params, src=last, group=group)
+        with stalls.inspected(progress, "the optimizer-state broadcast at the end of the join block"):
+            collectives.broadcast_optimizer_state(owner.optimizer, src=last, group=group)
+
+    def state_dict(self, owner: "DistributedOptimizer") -> Dict[str, Any]:
+        """What ``owner.state_dict()`` returns: the inner optimizer's, by default."""
+        return owner.optimizer.state_dict()
+
+    def load_state_dict(self, owner: "DistributedOptimizer", state_dict: Dict[str, Any]) -> None:
+        """Load what :meth:`state_dict` returned (or a plain optimizer's state dict)."""
+        owner.optimizer.load_state_dict(state_dict)

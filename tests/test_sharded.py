@@ -1,0 +1,341 @@
+"""``shard_state=True``: each rank keeps 1/N of the optimizer state, and trains exactly like the unsharded wrapper.
+
+The checks of one world run in one launch; each compares, inside the worker, a
+sharded wrapper with an unsharded one on the same data (float64, 1e-10), or a
+checkpoint's round trip with an uninterrupted run.
+"""
+import math
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import distopt
+from distopt import DistributedOptimizer
+from distopt._testing import run_world
+from distopt.ownership import assign_owners
+
+pytestmark = [pytest.mark.usefixtures("no_leftover_processes"), pytest.mark.timeout(300)]
+
+TOL = 1e-10
+STEPS = 20
+
+
+# ---------------------------------------------------------------------- ownership, without processes
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 10_000), max_size=40), st.integers(1, 8))
+def test_every_rank_owns_at_most_its_share_plus_the_largest_parameter(sizes, world):
+    owners, loads = assign_owners(sizes, world)
+    assert len(owners) == len(sizes) and all(0 <= r < world for r in owners)
+    for r in range(world):
+        assert loads[r] == sum(n for n, o in zip(sizes, owners) if o == r)
+        assert loads[r] <= sum(sizes) / world + max(sizes, default=0)
+    assert assign_owners(sizes, world) == (owners, loads)  # the same on every rank
+
+
+def test_parameters_added_later_keep_the_earlier_owners():
+    owners, loads = assign_owners([40, 10, 30, 20], 2)
+    more, _ = assign_owners([25], 2, loads)
+    assert owners == [0, 0, 1, 1] and more == [0]
+
+
+def test_ownership_rejects_bad_input_naming_it():
+    with pytest.raises(ValueError, match="world_size must be at least 1"):
+        assign_owners([1], 0)
+    with pytest.raises(ValueError, match="loads has 1 entries for world_size=2"):
+        assign_owners([1], 2, [0])
+
+
+# ---------------------------------------------------------------------- a whole-tensor optimizer
+
+
+class Lamb(torch.optim.Optimizer):
+    """A small LAMB: Adam's direction scaled by a per-tensor trust ratio, which needs the whole tensor."""
+
+    def __init__(self, params, lr=0.01, betas=(0.9, 0.999), eps=1e-8):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["m"] = torch.zeros_like(p)
+                    state["v"] = torch.zeros_like(p)
+                state["step"] += 1
+                state["m"].mul_(b1).add_(p.grad, alpha=1 - b1)
+                state["v"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                update = state["m"] / (state["v"].sqrt() + group["eps"])
+                trust = p.norm() / update.norm().clamp_min(1e-12)
+                p.add_(update, alpha=-group["lr"] * float(trust))
+
+
+OPTIMIZERS = {
+    "momentum": lambda groups: torch.optim.SGD(groups, lr=0.05, momentum=0.9),
+    "adam": lambda groups: torch.optim.Adam(groups, lr=0.01),
+    "adamw": lambda groups: torch.optim.AdamW(groups, lr=0.01, weight_decay=0.1),
+    "lamb": lambda groups: Lamb(groups, lr=0.01),
+}
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(4, 16)
+        self.b = nn.Linear(16, 16)
+        self.c = nn.Linear(16, 2)
+        self.frozen = nn.Linear(4, 4)
+        self.frozen.requires_grad_(False)
+        self.unused = nn.Linear(3, 3)
+        self.double()
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def param_groups(model):
+    return [
+        {"params": list(model.a.parameters()) + list(model.frozen.parameters())},
+        {"params": list(model.b.parameters()) + list(model.c.parameters()) + list(model.unused.parameters()),
+         "lr": 0.02},
+    ]
+
+
+def batch(step):
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(6, 4, generator=g, dtype=torch.float64), torch.randn(6, 2, generator=g, dtype=torch.float64)
+
+
+def train(model, opt, steps, start=0, scheduler=None):
+    for step in range(start, start + steps):
+        x, y = batch(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.synchronize()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # clipping after synchronize()
+        opt.step()
+        if scheduler is not None:
+            scheduler.step()
+
+
+def state_bytes(states):
+    return sum(v.numel() * v.element_size() for state in states for v in state.values() if torch.is_tensor(v))
+
+
+def parity(name):
+    """Sharded and unsharded wrappers over 20 steps: parameters equal, state held 1/N."""
+    plain_model, sharded_model = Net(), Net()
+    plain = DistributedOptimizer(OPTIMIZERS[name](param_groups(plain_model)), pack_threshold=256)
+    sharded = DistributedOptimizer(OPTIMIZERS[name](param_groups(sharded_model)), pack_threshold=256,
+                                   shard_state=True)
+    sched_a = torch.optim.lr_scheduler.StepLR(plain.optimizer, 5, 0.5)
+    sched_b = torch.optim.lr_scheduler.StepLR(sharded.optimizer, 5, 0.5)
+    train(plain_model, plain, STEPS, scheduler=sched_a)
+    train(sharded_model, sharded, STEPS, scheduler=sched_b)
+    diff = max((a - b).abs().max().item() for a, b in zip(plain_model.parameters(), sharded_model.parameters()))
+    mine = [p.detach().clone() for p in sharded_model.parameters()]
+    identical = all(all(torch.equal(a, b) for a, b in zip(mine, other)) for other in distopt.all_gather_object(mine))
+    full, held = state_bytes(plain.optimizer.state.values()), sharded.stats.optimizer_state_bytes
+    largest = max(state_bytes([plain.optimizer.state.get(p, {})]) for p in plain_model.parameters())
+    plain.close()
+    sharded.close()
+    return {"diff": diff, "identical": identical, "held": held, "full": full, "largest": largest}
+
+
+def tensors_of(state_dict):
+    return [(k, name, v) for k, st in sorted(state_dict["state"].items()) for name, v in sorted(st.items())
+            if torch.is_tensor(v)]
+
+
+def full_state_dict_and_features(path):
+    """Accumulation, no_sync, compression, bcast_period, GradScaler, add_param_group: sharded == unsharded,
+    and the gathered state dict equals the unsharded one."""
+    models = [Net(), Net()]
+    opts = [DistributedOptimizer(torch.optim.Adam(param_groups(m)[:1], lr=0.01), pack_threshold=256,
+                                 backward_passes_per_step=2, compression="bf16", bcast_period=3, shard_state=s)
+            for m, s in zip(models, (False, True))]
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**4) for _ in models]
+    for step in range(8):
+        if step == 4:  # the second group arrives mid-training, on every rank
+            for m, o in zip(models, opts):
+                o.add_param_group(param_groups(m)[1])
+        x, y = batch(step)
+        for m, o, scaler in zip(models, opts, scalers):
+            o.zero_grad()
+            with o.no_sync():
+                scaler.scale(nn.functional.mse_loss(m(x[:3]), y[:3])).backward()
+            scaler.scale(nn.functional.mse_loss(m(x[3:]), y[3:])).backward()
+            scaler.unscale_(o)
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            scaler.step(o)
+            scaler.update()
+    diff = max((a - b).abs().max().item() for a, b in zip(models[0].parameters(), models[1].parameters()))
+    plain_sd, sharded_sd = opts[0].state_dict(), opts[1].state_dict()
+    same_layout = ([(k, n) for k, n, _ in tensors_of(plain_sd)] == [(k, n) for k, n, _ in tensors_of(sharded_sd)]
+                   and plain_sd["param_groups"] == sharded_sd["param_groups"])
+    state_diff = max((a - b).abs().max().item() for (_, _, a), (_, _, b) in zip(tensors_of(plain_sd),
+                                                                               tensors_of(sharded_sd)))
+    if dist.get_rank() == 0:
+        torch.save({"model": models[1].state_dict(), "optimizer": sharded_sd}, path)
+    dist.barrier()
+    for o in opts:
+        o.close()
+    return {"diff": diff, "same_layout": same_layout, "state_diff": state_diff}
+
+
+def resume(path, shard_state):
+    """Load the checkpoint into a wrapper (sharded or not, any world size) and train 5 more steps."""
+    checkpoint = torch.load(path)
+    model = Net()
+    model.load_state_dict(checkpoint["model"])
+    opt = DistributedOptimizer(torch.optim.Adam(param_groups(model), lr=0.01), pack_threshold=256,
+                               shard_state=shard_state)
+    opt.load_state_dict(checkpoint["optimizer"])
+    held = opt.stats.optimizer_state_bytes
+    train(model, opt, 5, start=100)
+    out = [p.detach().clone() for p in model.parameters()]
+    opt.close()
+    return out, held
+
+
+def state_dict_on_one_rank():
+    model = Net()
+    opt = DistributedOptimizer(torch.optim.Adam(param_groups(model), lr=0.01), shard_state=True, stall_warning=2.0)
+    train(model, opt, 2)
+    outcome = None
+    if dist.get_rank() == 0:
+        try:
+            opt.state_dict()
+        except RuntimeError as exc:
+            outcome = str(exc)
+    dist.barrier()  # rank 1 was elsewhere; now both gather, and it works
+    complete = len(opt.state_dict()["state"])
+    opt.close()
+    return outcome, complete
+
+
+def join_sharded(counts):
+    """Uneven batches inside join(), with a per-step LR scheduler: sharded equals unsharded, ranks identical."""
+    rank = dist.get_rank()
+    out = []
+    for shard in (False, True):
+        model = Net()
+        opt = DistributedOptimizer(torch.optim.Adam(param_groups(model), lr=0.01), pack_threshold=256,
+                                   shard_state=shard)
+        scheduler = torch.optim.lr_scheduler.StepLR(opt.optimizer, 2, 0.5)
+        with opt.join():
+            train(model, opt, counts[rank], scheduler=scheduler)
+        out.append([p.detach().clone() for p in model.parameters()])
+        opt.close()
+    diff = max((a - b).abs().max().item() for a, b in zip(*out))
+    identical = all(all(torch.equal(a, b) for a, b in zip(out[1], o)) for o in distopt.all_gather_object(out[1]))
+    return {"diff": diff, "identical": identical}
+
+
+def run_checks(checks):
+    results = []
+    for fn, args in checks:
+        try:
+            results.append(("ok", fn(*args)))
+        except Exception:
+            results.append(("error", traceback.format_exc()))
+    return results
+
+
+CASES = {}
+for _world in (2, 3):
+    for _name in OPTIMIZERS:
+        CASES[f"{_name}, world {_world}"] = (_world, parity, (_name,))
+
+CASES["features"] = (2, full_state_dict_and_features, ("{tmp}/ckpt2.pt",))
+CASES["state_dict on one rank"] = (2, state_dict_on_one_rank, ())
+CASES["join"] = (3, join_sharded, ([5, 2, 4],))
+
+_RESULTS = {}
+
+
+def results(case, tmp_path_factory):
+    world = CASES[case][0]
+    if world not in _RESULTS:
+        tmp = tmp_path_factory.mktemp("sharded")
+        names = [n for n, c in CASES.items() if c[0] == world]
+        checks = [(CASES[n][1], tuple(a.format(tmp=tmp) if isinstance(a, str) else a for a in CASES[n][2]))
+                  for n in names]
+        per_rank = run_world(run_checks, world, checks, timeout=240)
+        _RESULTS["tmp", world] = tmp
+        _RESULTS[world] = {n: [rank[k] for rank in per_rank] for k, n in enumerate(names)}
+    outcome = _RESULTS[world][case]
+    for status, value in outcome:
+        if status == "error":
+            pytest.fail(f"the check raised on a rank:\n{value}")
+    return [value for _, value in outcome]
+
+
+@pytest.mark.parametrize("case", [n for n, c in CASES.items() if c[1] is parity])
+def test_sharded_state_trains_exactly_like_the_unsharded_wrapper_and_holds_a_share(case, tmp_path_factory):
+    world = CASES[case][0]
+    for r in results(case, tmp_path_factory):
+        assert r["diff"] < TOL, r
+        assert r["identical"], r
+        assert r["held"] <= r["full"] / world + r["largest"], r
+        assert r["held"] < r["full"], r
+
+
+def test_accumulation_no_sync_compression_bcast_scaler_and_new_groups_keep_working(tmp_path_factory):
+    for r in results("features", tmp_path_factory):
+        assert r["diff"] < TOL and r["state_diff"] < TOL and r["same_layout"], r
+
+
+def test_the_gathered_checkpoint_loads_into_a_plain_optimizer_as_it_is(tmp_path_factory):
+    results("features", tmp_path_factory)
+    checkpoint = torch.load(_RESULTS["tmp", 2] / "ckpt2.pt")
+    model = Net()
+    plain = torch.optim.Adam(param_groups(model), lr=0.01)
+    plain.load_state_dict(checkpoint["optimizer"])
+    assert [(k, n) for k, n, _ in tensors_of(plain.state_dict())] == \
+        [(k, n) for k, n, _ in tensors_of(checkpoint["optimizer"])]
+    assert len(plain.state) == sum(1 for p in model.parameters() if p.requires_grad) - 2  # `unused` has none
+
+
+@pytest.mark.parametrize("world", [3, 2])
+def test_a_checkpoint_saved_sharded_resumes_exactly_sharded_or_not_at_another_world_size(world, tmp_path_factory):
+    results("features", tmp_path_factory)
+    path = _RESULTS["tmp", 2] / "ckpt2.pt"
+    sharded = run_world(resume, world, str(path), True, timeout=120)
+    unsharded = run_world(resume, world, str(path), False, timeout=120)
+    for (a, held_a), (b, held_b) in zip(sharded, unsharded):
+        assert max((x - y).abs().max().item() for x, y in zip(a, b)) < TOL
+        assert held_a < held_b  # the loaded state kept only this rank's shard
+
+
+def test_state_dict_on_one_rank_only_is_a_clear_error_not_a_hang(tmp_path_factory):
+    (error, complete_0), (none, complete_1) = results("state_dict on one rank", tmp_path_factory)
+    assert none is None
+    assert "ranks [1] did not call it within 2 s" in error and "call opt.state_dict() on every rank" in error, error
+    assert complete_0 == complete_1 > 0
+
+
+def test_join_with_uneven_batches_and_a_scheduler_trains_like_the_unsharded_wrapper(tmp_path_factory):
+    for r in results("join", tmp_path_factory):
+        assert r["diff"] < TOL and r["identical"], r
+
+
+def test_lbfgs_cannot_be_sharded_and_says_why():
+    model = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="shard_state=True cannot shard LBFGS"):
+        DistributedOptimizer(torch.optim.LBFGS(model.parameters()), shard_state=True)
+    with pytest.raises(TypeError, match="shard_state must be True or False"):
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), shard_state="yes")
