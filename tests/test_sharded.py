@@ -190,6 +190,7 @@ def full_state_dict_and_features(path):
                                                                                tensors_of(sharded_sd)))
     if dist.get_rank() == 0:
         torch.save({"model": models[1].state_dict(), "optimizer": sharded_sd}, path)
+        torch.save({"model": models[0].state_dict(), "optimizer": plain_sd}, path.replace(".pt", "-plain.pt"))
     dist.barrier()
     for o in opts:
         o.close()
@@ -310,10 +311,11 @@ def test_the_gathered_checkpoint_loads_into_a_plain_optimizer_as_it_is(tmp_path_
     assert len(plain.state) == sum(1 for p in model.parameters() if p.requires_grad) - 2  # `unused` has none
 
 
+@pytest.mark.parametrize("saved", ["sharded", "plain"])
 @pytest.mark.parametrize("world", [3, 2])
-def test_a_checkpoint_saved_sharded_resumes_exactly_sharded_or_not_at_another_world_size(world, tmp_path_factory):
+def test_a_checkpoint_resumes_exactly_sharded_or_not_at_another_world_size(world, saved, tmp_path_factory):
     results("features", tmp_path_factory)
-    path = _RESULTS["tmp", 2] / "ckpt2.pt"
+    path = _RESULTS["tmp", 2] / ("ckpt2.pt" if saved == "sharded" else "ckpt2-plain.pt")
     sharded = run_world(resume, world, str(path), True, timeout=120)
     unsharded = run_world(resume, world, str(path), False, timeout=120)
     for (a, held_a), (b, held_b) in zip(sharded, unsharded):
