@@ -27,6 +27,7 @@ from .collectives import (
 )
 from .launching import LaunchError, LaunchTimeoutError, WorkerFailedError, init, launch, launcher, shutdown
 from .joining import join
+from .modes.sharded import merge_state_dicts
 from .optimizer import DistributedOptimizer, StepStats
 from .stalls import StallError
 
@@ -35,6 +36,7 @@ __all__ = [
     "StepStats",
     "StallError",
     "join",
+    "merge_state_dicts",
     "optim",
     "get_rank",
     "get_world_size",

@@ -221,6 +221,17 @@ class DistributedOptimizer(InnerOptimizerSurface):
         """
         return self._mode.state_dict(self)
 
+    def sharded_state_dict(self) -> Dict[str, Any]:
+        """With ``shard_state=True``: this rank's shard only, without communication (fast saves of
+        large models: one file per rank); :func:`distopt.merge_state_dicts` rebuilds the full dict.
+
+        Raises:
+            RuntimeError: the wrapper does not shard its state.
+        """
+        if not isinstance(self._mode, ShardedMode):
+            raise RuntimeError("sharded_state_dict() needs shard_state=True; use state_dict()")
+        return self._mode.sharded_state_dict(self)
+
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a state dict from this wrapper or a plain optimizer (with ``shard_state``, from any world size)."""
         self._mode.load_state_dict(self, state_dict)

@@ -188,6 +188,11 @@ def full_state_dict_and_features(path):
                    and plain_sd["param_groups"] == sharded_sd["param_groups"])
     state_diff = max((a - b).abs().max().item() for (_, _, a), (_, _, b) in zip(tensors_of(plain_sd),
                                                                                tensors_of(sharded_sd)))
+    merged = distopt.merge_state_dicts(distopt.all_gather_object(opts[1].sharded_state_dict()))
+    same_layout = same_layout and [(k, n) for k, n, _ in tensors_of(merged)] == \
+        [(k, n) for k, n, _ in tensors_of(sharded_sd)] and merged["param_groups"] == sharded_sd["param_groups"]
+    state_diff = max([state_diff] + [(a - b).abs().max().item() for (_, _, a), (_, _, b) in
+                                     zip(tensors_of(merged), tensors_of(sharded_sd))])
     if dist.get_rank() == 0:
         torch.save({"model": models[1].state_dict(), "optimizer": sharded_sd}, path)
         torch.save({"model": models[0].state_dict(), "optimizer": plain_sd}, path.replace(".pt", "-plain.pt"))
@@ -341,3 +346,8 @@ def test_lbfgs_cannot_be_sharded_and_says_why():
         DistributedOptimizer(torch.optim.LBFGS(model.parameters()), shard_state=True)
     with pytest.raises(TypeError, match="shard_state must be True or False"):
         DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), shard_state="yes")
+
+
+def test_merging_shards_needs_one_of_each_rank():
+    with pytest.raises(ValueError, match=r"needs one shard of each rank 0\.\.1 .* got ranks \[0, 0\]"):
+        distopt.merge_state_dicts([{"shard": {"rank": 0, "world_size": 2}, "state": {}, "param_groups": []}] * 2)

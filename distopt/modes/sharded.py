@@ -22,7 +22,7 @@ rank only fails with an error instead of hanging.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -37,13 +37,45 @@ from .synchronous import _synchronizing
 if TYPE_CHECKING:
     from ..optimizer import DistributedOptimizer
 
-__all__ = ["ShardedMode", "state_bytes"]
+__all__ = ["ShardedMode", "state_bytes", "merge_state_dicts"]
 
 
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of the tensors in ``optimizer``'s state (what sharding divides)."""
     return sum(v.numel() * v.element_size() for state in optimizer.state.values()
                for v in state.values() if isinstance(v, Tensor))
+
+
+def merge_state_dicts(shards: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
+    """The full state dict from every rank's ``opt.sharded_state_dict()`` (one per rank, any order).
+
+    Args:
+        shards: the per-rank dicts of one save.
+
+    Returns:
+        What ``opt.state_dict()`` would have gathered: loads into a plain optimizer, an
+        unsharded wrapper or a sharded one at any world size.
+
+    Raises:
+        ValueError: the shards are not one complete save (missing or repeated ranks).
+
+    Example::
+
+        >>> shards = [torch.load(f"ckpt/optim-{r}.pt") for r in range(world_size_at_save)]
+        >>> opt.load_state_dict(distopt.merge_state_dicts(shards))
+    """
+    if not shards:
+        raise ValueError("merge_state_dicts() needs the shards of every rank, got none")
+    world = shards[0].get("shard", {}).get("world_size")
+    ranks = sorted(shard.get("shard", {}).get("rank", -1) for shard in shards)
+    if world is None or ranks != list(range(world)):
+        last = "?" if world is None else world - 1
+        raise ValueError(f"merge_state_dicts() needs one shard of each rank 0..{last} of one save (from "
+                         f"opt.sharded_state_dict()), got ranks {ranks}")
+    state: Dict[int, Any] = {}
+    for shard in shards:
+        state.update(shard["state"])
+    return {"state": {k: state[k] for k in sorted(state)}, "param_groups": shards[0]["param_groups"]}
 
 
 class ShardedMode(Mode):
@@ -219,8 +251,16 @@ class ShardedMode(Mode):
             state.update(shard)
         return {"state": {k: state[k] for k in sorted(state)}, "param_groups": local["param_groups"]}
 
+    def sharded_state_dict(self, owner: "DistributedOptimizer") -> Dict[str, Any]:
+        """This rank's shard alone, with no communication; :func:`merge_state_dicts` joins a save's shards."""
+        local = owner.optimizer.state_dict()
+        local["shard"] = {"rank": self.rank, "world_size": self.world_size}
+        return local
+
     def load_state_dict(self, owner: "DistributedOptimizer", state_dict: Dict[str, Any]) -> None:
-        """Load a full state dict (from any world size, sharded or not) and keep this rank's shard."""
+        """Load a full state dict (from any world size, sharded or not), or this rank's own shard
+        of the same world size, and keep this rank's shard."""
+        state_dict = {k: v for k, v in state_dict.items() if k != "shard"}
         owner.optimizer.load_state_dict(state_dict)
         self._drop_foreign_state(owner)
 
