@@ -128,20 +128,28 @@ class _Inspector:
         # once more when the process ends, so that peers read how it ended.
         self.progresses: "weakref.WeakSet[Progress]" = weakref.WeakSet()
         self.retired: Deque[Progress] = deque(maxlen=16)
+        self.lock = threading.Lock()  # the main thread adds and retires while the thread iterates
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, args=(store.clone(),), name="distopt-stall-inspector",
                                        daemon=True)
         self.thread.start()
 
+    def live(self) -> List[Progress]:
+        with self.lock:
+            return list(self.progresses)
+
     def _run(self, store: Any) -> None:
         while not self.stopping.wait(TICK):
-            for progress in list(self.progresses):
+            for progress in self.live():
                 try:
                     store.set(_key(progress.group, progress.rank), progress.payload())
-                    self._check(progress, store)
                 except Exception:  # the store is gone (shutdown, the host died): nothing left to report to
                     self.stopping.set()
                     return
+                try:
+                    self._check(progress, store)
+                except Exception as exc:  # a report that failed must not end the watch
+                    logger.debug("distopt: stall check failed: %r", exc)
 
     def _check(self, progress: Progress, store: Any) -> None:
         now = time.monotonic()
@@ -172,16 +180,20 @@ def watch(progress: Progress) -> None:
         if not _registered_exit:
             atexit.register(_at_exit)
             _registered_exit = True
-    _inspector.progresses.add(progress)
+    with _inspector.lock:
+        _inspector.progresses.add(progress)
     with contextlib.suppress(Exception):
         _inspector.store.set(_key(progress.group, progress.rank), progress.payload())
 
 
 def retire(progress: Progress) -> None:
     """Stop publishing ``progress`` (its wrapper is closed) until the process ends."""
-    if _inspector is None or progress not in _inspector.progresses:
+    if _inspector is None:
         return
-    _inspector.progresses.discard(progress)
+    with _inspector.lock:
+        if progress not in _inspector.progresses:
+            return
+        _inspector.progresses.discard(progress)
     progress.phase = f"{progress.phase}; its DistributedOptimizer was closed"
     progress.cuda_works.clear()
     _inspector.retired.append(progress)
@@ -193,7 +205,7 @@ def mark_exit(state: str) -> None:
     """Publish how this process ends ("finished", "crashed (...)"), at once, for the peers' errors."""
     if _inspector is None:
         return
-    for progress in list(_inspector.progresses) + list(_inspector.retired):
+    for progress in _inspector.live() + list(_inspector.retired):
         if progress.state == "running":
             progress.state = state
         with contextlib.suppress(Exception):
