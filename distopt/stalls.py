@@ -275,7 +275,7 @@ def _report(progress: Progress, seq: int, what: str, store: Any, waited: Optiona
                 "or a rank stuck inside the transport)")
     lines = [f"rank {r} has not arrived: {_seen(positions[r], waited is not None)}" for r in missing]
     elsewhere = [r for r in missing if positions[r] is not None and not positions[r]["waiting"]
-                 and positions[r]["state"] == "running"
+                 and positions[r]["state"] == "running" and time.time() - positions[r]["t"] <= _SILENT_TICKS * TICK
                  and positions[r]["phase"].startswith(("before backward", "after backward"))]
     hint = ""
     if elsewhere:

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from .. import private_groups, stalls
+from .interface import pick_interface
 
 __all__ = ["init", "shutdown"]
 
@@ -79,7 +80,9 @@ def init(backend: Optional[str] = None, timeout: _Timeout = None) -> None:
     This is what a script started by ``torchrun`` calls. It reads ``RANK``,
     ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` (and ``LOCAL_RANK``,
     ``LOCAL_WORLD_SIZE`` if set) and, with a CUDA backend, makes GPU
-    ``LOCAL_RANK`` the current device.
+    ``LOCAL_RANK`` the current device. When ``MASTER_ADDR`` is not a loopback
+    address and neither ``GLOO_SOCKET_IFNAME`` nor ``NCCL_SOCKET_IFNAME`` is set,
+    it points both at the interface that routes to ``MASTER_ADDR`` and says so.
 
     Args:
         backend: ``"nccl"``, ``"gloo"`` or any backend string torch accepts.
@@ -115,6 +118,7 @@ def init(backend: Optional[str] = None, timeout: _Timeout = None) -> None:
         _check_backend(backend, local_rank + 1)
     if _uses_cuda(backend):
         torch.cuda.set_device(local_rank)
+    pick_interface(os.environ["MASTER_ADDR"], announce=local_rank == 0)
     _init_process_group(backend=backend, init_method="env://", timeout=wait)
     atexit.register(shutdown)
 

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from .. import stalls
+from .interface import pick_interface
 from .process_group import _init_process_group, _uses_cuda, shutdown
 
 __all__: List[str] = []
@@ -110,6 +111,7 @@ def _worker_main(spec: _WorkerSpec, job: bytes, conn: Connection) -> None:
         # many intra-op threads as there are cores oversubscribe the CPU and slow every op.
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
         torch.set_num_threads(max(1, cores // spec.local_world_size))
+        pick_interface(spec.master_addr, announce=spec.local_rank == 0)
         store = _connect(spec)
         _init_process_group(backend=spec.backend, store=store, rank=spec.rank, world_size=spec.world_size,
                             timeout=spec.collective_timeout)
