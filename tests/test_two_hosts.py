@@ -38,18 +38,18 @@ def two_hosts():
     veths = (f"dva{tag}", f"dvb{tag}")
     made = []
     try:
-        for ns, _, _ in hosts:
-            try:
+        try:
+            for ns, _, _ in hosts:
                 _ip("netns", "add", ns)
-            except subprocess.CalledProcessError as exc:
-                pytest.skip(f"cannot create a network namespace here: {exc.stderr.strip()}")
-            made.append(ns)
-        _ip("link", "add", veths[0], "type", "veth", "peer", "name", veths[1])
-        for (ns, _, address), veth in zip(hosts, veths):
-            _ip("link", "set", veth, "netns", ns)
-            _ip("-n", ns, "addr", "add", f"{address}/24", "dev", veth)
-            _ip("-n", ns, "link", "set", veth, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
+                made.append(ns)
+            _ip("link", "add", veths[0], "type", "veth", "peer", "name", veths[1])
+            for (ns, _, address), veth in zip(hosts, veths):
+                _ip("link", "set", veth, "netns", ns)
+                _ip("-n", ns, "addr", "add", f"{address}/24", "dev", veth)
+                _ip("-n", ns, "link", "set", veth, "up")
+                _ip("-n", ns, "link", "set", "lo", "up")
+        except subprocess.CalledProcessError as exc:  # a container without the privileges, say
+            pytest.skip(f"cannot build network namespaces here ({' '.join(exc.cmd)}: {exc.stderr.strip()})")
         yield hosts
     finally:
         for ns in made:  # deleting a namespace removes its end of the veth pair, and so the pair
