@@ -18,10 +18,16 @@ training data-parallel:
 
 After :meth:`Mode.step` returns, the wrapper starts a new round, counts the step
 and re-broadcasts parameters when ``bcast_period`` says so; a mode does not.
+
+A mode with state of its own (local SGD's last-sync copy and outer optimizer)
+also hooks into construction (:meth:`Mode.attach`), checkpoints
+(:meth:`Mode.state_dict`, :meth:`Mode.load_state_dict`), ``join()``
+(:meth:`Mode.leaving`, :meth:`Mode.broadcast_state`) and ``stats``
+(:meth:`Mode.extra_state_bytes`); the defaults do nothing.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, Optional
 
 if TYPE_CHECKING:  # the wrapper imports the modes, not the other way round
     from ..optimizer import DistributedOptimizer
@@ -48,3 +54,66 @@ class Mode:
             closure: re-evaluates the model and returns the loss, or None.
         """
         raise NotImplementedError
+
+    def settings(self) -> Dict[str, Any]:
+        """The mode's settings that decide which collectives run; checked to match across ranks."""
+        return {}
+
+    def attach(self, owner: "DistributedOptimizer") -> None:
+        """Called once the wrapper is built (its parameters tracked and broadcast).
+
+        Args:
+            owner: the wrapper.
+        """
+
+    def state_dict(self, owner: "DistributedOptimizer", inner: Dict[str, Any]) -> Dict[str, Any]:
+        """The wrapper's state dict: the inner optimizer's ``inner``, plus the mode's own state if any.
+
+        Args:
+            owner: the wrapper.
+            inner: the inner optimizer's state dict.
+
+        Returns:
+            What ``owner.state_dict()`` returns.
+        """
+        return inner
+
+    def load_state_dict(self, owner: "DistributedOptimizer", state_dict: Dict[str, Any]) -> Dict[str, Any]:
+        """Load the mode's own state from ``state_dict``; return what the inner optimizer loads.
+
+        Args:
+            owner: the wrapper.
+            state_dict: from ``state_dict()`` of a wrapper or of a plain optimizer.
+
+        Returns:
+            The inner optimizer's part of ``state_dict``.
+        """
+        return state_dict
+
+    def leaving(self, owner: "DistributedOptimizer") -> Optional[Callable[[], None]]:
+        """A rank joins (runs out of data): launch its last contributing round, if it owes one.
+
+        Args:
+            owner: the wrapper.
+
+        Returns:
+            None, or a function that finishes the round launched (``join()`` calls it
+            in place of finishing its first shadow round).
+        """
+        return None
+
+    def broadcast_state(self, owner: "DistributedOptimizer", src: int) -> None:
+        """At the end of a join block whose ranks ended apart: take rank ``src``'s mode state.
+
+        Args:
+            owner: the wrapper.
+            src: rank, in the wrapper's group, whose state every rank takes.
+        """
+
+    def extra_state_bytes(self, owner: "DistributedOptimizer") -> int:
+        """Bytes the mode holds besides the model and the inner optimizer (for ``stats``).
+
+        Args:
+            owner: the wrapper.
+        """
+        return 0
