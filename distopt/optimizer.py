@@ -22,7 +22,8 @@ from . import checks, collectives, joining, private_groups, stalls
 from .collectives.groups import check_member
 from .engine import IDLE, GradientEngine, StepStats
 from .forwarding import InnerOptimizerSurface
-from .modes import Mode, SynchronousMode
+from .modes import LocalSGDMode, Mode, SynchronousMode
+from .modes.local_sgd import OuterFactory
 from .stalls import Progress
 
 __all__ = ["DistributedOptimizer", "StepStats", "DEFAULT_PACK_THRESHOLD"]
@@ -97,6 +98,14 @@ class DistributedOptimizer(InnerOptimizerSurface):
         stall_timeout: seconds after which every rank still waiting raises
             :class:`distopt.StallError` with that text; None waits as long as the
             process group's own timeout (default: None).
+        sync_every: local SGD: gradients stay local, and every ``sync_every``-th step
+            the ranks average their parameters (see :mod:`distopt.modes.local_sgd`);
+            ``1`` is synchronous training (default: 1).
+        outer_optimizer: DiLoCo: builds the outer optimizer from the tensors it is
+            given, e.g. ``lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9,
+            nesterov=True)``; at each sync it steps on the mean pseudo-gradient
+            (last-sync parameters minus local ones). None averages (default: None).
+        local_warmup: synchronous steps before local SGD starts (default: 0).
 
     Raises:
         TypeError: if ``optimizer`` is not a ``torch.optim.Optimizer``.
@@ -127,11 +136,15 @@ class DistributedOptimizer(InnerOptimizerSurface):
         sparse_as_dense: bool = False,
         stall_warning: Union[float, timedelta, None] = 60.0,
         stall_timeout: Union[float, timedelta, None] = None,
+        sync_every: int = 1,
+        outer_optimizer: Optional[OuterFactory] = None,
+        local_warmup: int = 0,
     ) -> None:
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("optimizer is already a DistributedOptimizer; wrap the plain torch.optim optimizer once")
         checks.check_arguments(optimizer, reduce_op, pack_threshold, bcast_period, backward_passes_per_step,
                                compression, sparse_as_dense)
+        local = checks.check_local_sgd(sync_every, outer_optimizer, local_warmup, reduce_op, bcast_period)
         self.optimizer = optimizer
         self.reduce_op = reduce_op
         self.pack_threshold = checks.byte_count(pack_threshold, "pack_threshold", "0 sends each gradient alone")
@@ -178,11 +191,13 @@ class DistributedOptimizer(InnerOptimizerSurface):
             mean=mean,
             progress=progress,
         )
-        self._mode: Mode = SynchronousMode()
+        self._mode: Mode = (LocalSGDMode(int(sync_every), outer_optimizer, int(local_warmup)) if local
+                            else SynchronousMode())
         self._retired_by: Optional[str] = None  # why this wrapper no longer reduces
         self._steps = 0
         self._params: List[Tensor] = []  # every parameter this wrapper broadcasts, in tracking order
         self._track_new_params()
+        self._mode.attach(self)
 
     @property
     def backward_passes_per_step(self) -> int:
@@ -195,8 +210,10 @@ class DistributedOptimizer(InnerOptimizerSurface):
 
     @property
     def stats(self) -> StepStats:
-        """What the last reduction round did (packs, bytes on the wire, time waited)."""
-        return self._engine.stats
+        """What the last reduction round (or step) did, and the extra memory the mode holds."""
+        stats = self._engine.stats
+        stats.extra_state_bytes = self._mode.extra_state_bytes(self)
+        return stats
 
     def __repr__(self) -> str:
         return (
@@ -209,6 +226,18 @@ class DistributedOptimizer(InnerOptimizerSurface):
             "a DistributedOptimizer cannot be pickled (it holds hooks and a process group); "
             "save opt.state_dict() instead"
         )
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The inner optimizer's state dict; local SGD adds its own state under an extra key.
+
+        The extra key (``"distopt_local_sgd"``: step count, last-sync parameters, outer
+        optimizer state) is ignored by a plain ``torch.optim`` optimizer's ``load_state_dict``.
+        """
+        return self._mode.state_dict(self, self.optimizer.state_dict())
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load a state dict from :meth:`state_dict` or from a plain optimizer of the same parameters."""
+        self.optimizer.load_state_dict(self._mode.load_state_dict(self, state_dict))
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """Add a parameter group to the inner optimizer and start averaging its gradients.
@@ -271,7 +300,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
         after it, does not reduce a second time.
         """
         self._check_not_retired("synchronize()")
-        if self.world_size > 1:
+        if self.world_size > 1 and self._mode.reduces_in_backward:  # local SGD keeps gradients local
             self._engine.synchronize(explicit=True)
 
     def _reduce_for_step(self) -> None:
@@ -384,6 +413,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
             "sparse_as_dense": self.sparse_as_dense,
             "root_rank": self.root_rank,
             "mode": type(self._mode).__name__,
+            **self._mode.settings(),
         }
 
     def _track_new_params(self) -> None:

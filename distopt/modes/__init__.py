@@ -6,6 +6,7 @@ The synchronous mode (average every gradient in backward, then step) is the defa
 each further mode is a module of its own here.
 """
 from .base import Mode
+from .local_sgd import LocalSGDMode
 from .synchronous import SynchronousMode
 
-__all__ = ["Mode", "SynchronousMode"]
+__all__ = ["Mode", "SynchronousMode", "LocalSGDMode"]
