@@ -41,6 +41,7 @@ from .synchronous import SynchronousMode
 
 if TYPE_CHECKING:
     from ..optimizer import DistributedOptimizer
+    from ..packs import Pack
 
 __all__ = ["LocalSGDMode", "STATE_KEY", "OuterFactory"]
 
@@ -186,7 +187,7 @@ class LocalSGDMode(Mode):
         engine = owner._engine
         scale = engine.scale
 
-        def fill(pack: Any) -> None:
+        def fill(pack: "Pack") -> None:
             for p, view in zip(pack.params, pack.views):
                 if p.grad is view:  # left by a synchronous round: .grad stays this rank's own gradient
                     p.grad = view.clone()
