@@ -16,7 +16,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..optimizer import DistributedOptimizer
 from .config import BenchConfig
 from .modes import Mode, bare_allreduce_mode, build_mode, mode_names, train_step_fn, wrap_ddp
 from .process import current_device, fresh_model, make_batch, worker_setup
