@@ -23,6 +23,7 @@ __all__ = [
     "COMPRESSIONS",
     "REDUCE_OPS",
     "check_arguments",
+    "check_local_sgd",
     "byte_count",
     "seconds",
     "shard_state",
@@ -76,6 +77,47 @@ def check_arguments(
         raise ValueError(f"compression must be None, 'fp16' or 'bf16', got {compression!r}")
     if not isinstance(sparse_as_dense, bool):
         raise TypeError(f"sparse_as_dense must be True or False, got {sparse_as_dense!r}")
+
+
+def check_local_sgd(sync_every: Any, outer_optimizer: Any, local_warmup: Any, reduce_op: Any,
+                    bcast_period: Any) -> bool:
+    """Check the local-SGD arguments; return whether they ask for local SGD (or DiLoCo).
+
+    Raises:
+        TypeError: ``sync_every``/``local_warmup`` not an int, ``outer_optimizer`` not a callable.
+        ValueError: out of range, or combined with ``reduce_op="sum"`` or ``bcast_period > 0``.
+    """
+    for name, value, least, meaning in (("sync_every", sync_every, 1, "1 averages gradients every step"),
+                                        ("local_warmup", local_warmup, 0, "0 starts local at once")):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an int, got {value!r}; pass e.g. {name}={least + 4}")
+        if value < least:
+            raise ValueError(f"{name} must be an int >= {least} ({meaning}), got {value!r}")
+    if isinstance(outer_optimizer, Optimizer) or (outer_optimizer is not None and not callable(outer_optimizer)):
+        raise TypeError(
+            f"outer_optimizer must be a function that builds the outer optimizer from the tensors it is given, "
+            f"got {type(outer_optimizer).__name__}; pass e.g. "
+            "outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)"
+        )
+    local = sync_every > 1 or outer_optimizer is not None
+    if not local:
+        if local_warmup:
+            raise ValueError(
+                f"local_warmup={local_warmup!r} needs local SGD: pass sync_every > 1 (or an outer_optimizer), "
+                "or drop local_warmup (with sync_every=1 every step is synchronous)"
+            )
+        return False
+    if reduce_op != "mean":
+        raise ValueError(
+            f"reduce_op={reduce_op!r} cannot be combined with sync_every={sync_every!r} or an outer_optimizer: "
+            "local SGD averages the ranks' parameters; use reduce_op='mean'"
+        )
+    if isinstance(bcast_period, int) and bcast_period > 0:
+        raise ValueError(
+            f"bcast_period={bcast_period!r} cannot be combined with sync_every={sync_every!r} or an "
+            "outer_optimizer: every sync leaves the ranks identical already; use bcast_period=0"
+        )
+    return True
 
 
 def byte_count(value: Any, name: str, hint: str) -> int:

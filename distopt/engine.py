@@ -26,7 +26,10 @@ is rescaled to count only them. Waits are watched by the stall inspector
 (:mod:`distopt.stalls`).
 
 The engine knows nothing of steps or optimizers; a mode (:mod:`distopt.modes`)
-decides what happens at ``step()``.
+decides what happens at ``step()``. A mode that keeps gradients local (local SGD,
+:mod:`distopt.modes.local_sgd`) sets :attr:`GradientEngine.local`, so backward
+never reduces, and sends its own values through the same packs, plan and flags
+with :meth:`GradientEngine.launch_exchange` and :meth:`GradientEngine.finish_exchange`.
 """
 from __future__ import annotations
 
@@ -60,8 +63,9 @@ BACKWARD_PATIENCE = 60.0
 # running (ACTIVE), gradients are averaged and final (DONE).
 IDLE, ACTIVE, DONE = range(3)
 
-# Where a rank launched its packs this round (see :mod:`distopt.control`).
-_BACKWARD, _EXPLICIT, _IMPLICIT = range(3)
+# Where a rank launched its packs this round (see :mod:`distopt.control`); an exchange is
+# no gradient round, so it raises neither the "during backward" nor the "inside step" flag.
+_BACKWARD, _EXPLICIT, _IMPLICIT, _EXCHANGE = range(4)
 
 
 @dataclass
@@ -75,6 +79,9 @@ class StepStats:
         bytes: bytes put on the wire.
         wait_seconds: time spent blocked waiting for communication.
         optimizer_state_bytes: bytes of optimizer state this rank holds (filled in by the wrapper).
+        extra_state_bytes: memory the mode holds besides the model and the inner
+            optimizer (local SGD: the parameters at the last sync, and the outer
+            optimizer's state); 0 in synchronous training.
     """
 
     packs: int = 0
@@ -82,6 +89,7 @@ class StepStats:
     bytes: int = 0
     wait_seconds: float = 0.0
     optimizer_state_bytes: int = 0
+    extra_state_bytes: int = 0
 
 
 class GradientEngine:
@@ -136,6 +144,10 @@ class GradientEngine:
         self.launch_order = LaunchOrder([])
         self.planned = False
         self.sync_enabled = True  # False inside no_sync()
+        # True while a local-SGD mode keeps gradients local: backward passes never reduce.
+        self.local = False
+        # While an exchange runs: writes what to send into a pack, instead of its gradients.
+        self.exchange_fill: Optional[Callable[[Pack], None]] = None
         self.lock = threading.Lock()
         self.reset_round()
 
@@ -249,7 +261,7 @@ class GradientEngine:
                 f"torch.utils.checkpoint also runs nested backward passes: use use_reentrant=False)"
             )
         self._pass_open = True
-        self._pass_counts = self.sync_enabled  # no_sync passes do not count
+        self._pass_counts = self.sync_enabled and not self.local  # no_sync and local passes do not count
         self._pass_reduces = self._pass_counts and self._passes == self.backward_passes_per_step - 1
         if self._pass_reduces:
             self.state = ACTIVE
@@ -284,7 +296,10 @@ class GradientEngine:
         if self.joined:
             gather_nothing(pack)
         else:
-            gather(pack, self.scale, self.sparse_as_dense)
+            if self.exchange_fill is not None:
+                self.exchange_fill(pack)
+            else:
+                gather(pack, self.scale, self.sparse_as_dense)
             pack.flags.fill_(1)
             for j in pack.absent:
                 pack.flags[j] = 0
@@ -298,6 +313,40 @@ class GradientEngine:
         self.inflight.append((work, pack, self.progress.issue() if self.progress is not None else 0))
         self.stats.packs += 1
         self.stats.bytes += buffer.numel() * buffer.element_size()
+
+    def launch_exchange(self, fill: Callable[[Pack], None]) -> None:
+        """Start a round that sends what ``fill`` writes into each pack's member views instead of gradients.
+
+        Local SGD sends its pseudo-gradients this way: the same packs, plan order and
+        control flags as a gradient round, so a rank that has joined shadows it like
+        any round, and the contributors' mean is rescaled to count only them.
+        ``fill`` must apply :attr:`scale` itself. Finish with :meth:`finish_exchange`.
+
+        Args:
+            fill: called with each pack, in plan order, as it launches.
+        """
+        with self.lock:
+            self.stats = StepStats()
+            self._phase = _EXCHANGE
+            self.exchange_fill = fill
+            self.state = ACTIVE
+            if not self.planned:
+                # No backward saw an arrival order: offer the current one, so the plan is
+                # fixed once (one broadcast) rather than re-offered at every exchange.
+                self.arrivals = [i for pack in self.packs for i in pack.spec.members]
+            if self.packs:
+                self.flush()
+
+    def finish_exchange(self) -> None:
+        """Wait for the exchange :meth:`launch_exchange` started; each pack's ``data`` then holds the mean."""
+        with self.lock:
+            try:
+                if self.packs:
+                    self.finish_round()
+                else:  # nothing trainable: only the control flags travel, as a joined rank's shadow does
+                    self.control_round()
+            finally:
+                self.exchange_fill = None
 
     def reduce_again(self) -> None:
         """Send every pack once more and wait (after a re-plan, inside a finished round)."""
@@ -332,7 +381,8 @@ class GradientEngine:
         try:
             with torch.profiler.record_function("distopt.wait"):
                 for k, (work, pack, seq) in enumerate(self.inflight):
-                    what = f"pack {k + 1}/{len(self.packs)} of the gradient all-reduce"
+                    kind = "parameter exchange (local SGD)" if self._phase == _EXCHANGE else "gradient all-reduce"
+                    what = f"pack {k + 1}/{len(self.packs)} of the {kind}"
                     deadline = None if patience is None else start + patience
                     if not waiting.wait_for(work, pack.buffer.is_cuda, self.progress, seq, what, deadline):
                         return False

@@ -12,6 +12,12 @@ ranks stopped earlier than others, their parameters and optimizer state are
 behind: one rank that took part in the last contributing round sends its own
 to everyone, so every rank leaves the block with the same state, bitwise.
 
+In local SGD (``sync_every > 1``, :mod:`distopt.modes.local_sgd`) a rank that
+joins with local steps not yet averaged first sends them, as a contributor, in
+one last exchange (:meth:`distopt.modes.Mode.leaving`); it then shadows the
+others' exchanges like their gradient rounds. At the end, the mode's own state
+(the last-sync copy, the outer optimizer) is settled with the rest.
+
 Several optimizers trained in one loop (a GAN's two) join together
 (:func:`join`): each has its own private group, so a joined rank keeps one
 shadow round in flight per optimizer, in whatever order the others step them.
@@ -20,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import TYPE_CHECKING, Iterator, List, Sequence
+from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Sequence
 
 import torch
 
@@ -108,16 +114,22 @@ def join_and_wait(optimizers: Sequence["DistributedOptimizer"]) -> int:
         engine.reset_round()  # gradients accumulated but never reduced are not sent
         if engine.progress is not None:
             engine.progress.phase = "joined (it ran out of data and waits for the others)"
+    # A mode's last contributing round (local steps not averaged yet), launched already; the
+    # shadow rounds take its place until it is back.
+    finals = {id(opt._engine): opt._mode.leaving(opt) for opt in optimizers}
     try:
         if len(optimizers) == 1:
             opt = optimizers[0]
+            final = finals[id(opt._engine)]
             while True:
-                _shadow_launch(opt._engine)
-                if not _shadow_finish(opt._engine):
+                if final is None:
+                    _shadow_launch(opt._engine)
+                if not _shadow_finish(opt._engine, final):
                     break
+                final = None
                 opt._mode.shadow_step(opt)
         else:
-            _shadow_together(optimizers)
+            _shadow_together(optimizers, finals)
     finally:
         for opt in optimizers:
             opt._engine.joined = False
@@ -135,8 +147,10 @@ def _shadow_launch(engine: "GradientEngine") -> None:
             engine.control_round()
 
 
-def _shadow_finish(engine: "GradientEngine") -> int:
-    """Finish the shadow round; return how many ranks contributed to it (0: all have joined)."""
+def _shadow_finish(engine: "GradientEngine", final: Optional[Callable[[], None]] = None) -> int:
+    """Finish the shadow round (or ``final``, the mode's last round); return how many ranks contributed to it."""
+    if final is not None:
+        final()  # takes the engine's lock itself
     with engine.lock:
         if engine.inflight:
             engine.finish_round()
@@ -144,10 +158,12 @@ def _shadow_finish(engine: "GradientEngine") -> int:
         return engine.contributors
 
 
-def _shadow_together(optimizers: Sequence["DistributedOptimizer"]) -> None:
+def _shadow_together(optimizers: Sequence["DistributedOptimizer"],
+                     finals: Dict[int, Optional[Callable[[], None]]]) -> None:
     """Keep one shadow round in flight per optimizer, finishing each as it comes back."""
     for opt in optimizers:
-        _shadow_launch(opt._engine)
+        if finals[id(opt._engine)] is None:
+            _shadow_launch(opt._engine)
     active = list(optimizers)
     while active:
         progressed = False
@@ -157,7 +173,7 @@ def _shadow_together(optimizers: Sequence["DistributedOptimizer"]) -> None:
                             if not work.is_completed()), None)
             if pending is None:
                 progressed = True
-                if _shadow_finish(engine):
+                if _shadow_finish(engine, finals.pop(id(engine), None)):
                     opt._mode.shadow_step(opt)
                     _shadow_launch(engine)
                 else:
@@ -192,6 +208,8 @@ def _settle(owner: "DistributedOptimizer") -> int:
     identical = len(contributed) == len(everyone) and len(set(steps)) == 1
     owner._mode.settle_after_join(owner, last, identical)
     owner._steps = steps[last]
+    if not identical:
+        owner._mode.broadcast_state(owner, last)  # after the step count, which decides its phase
     engine.contributors = owner.world_size
     engine.contributed_last = True
     engine.reset_round()

@@ -22,7 +22,8 @@ from . import checks, collectives, joining, private_groups, stalls
 from .collectives.groups import check_member
 from .engine import IDLE, GradientEngine, StepStats
 from .forwarding import InnerOptimizerSurface
-from .modes import Mode, ShardedMode, SynchronousMode
+from .modes import LocalSGDMode, Mode, ShardedMode, SynchronousMode
+from .modes.local_sgd import OuterFactory
 from .modes.sharded import state_bytes
 from .stalls import Progress
 
@@ -100,6 +101,14 @@ class DistributedOptimizer(InnerOptimizerSurface):
             process group's own timeout (default: None).
         shard_state: each rank keeps the optimizer state of the parameters it owns
             only (ZeRO-1); see :mod:`distopt.modes.sharded` (default: False).
+        sync_every: local SGD: gradients stay local, and every ``sync_every``-th step
+            the ranks average their parameters (see :mod:`distopt.modes.local_sgd`);
+            ``1`` is synchronous training (default: 1).
+        outer_optimizer: DiLoCo: builds the outer optimizer from the tensors it is
+            given, e.g. ``lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9,
+            nesterov=True)``; at each sync it steps on the mean pseudo-gradient
+            (last-sync parameters minus local ones). None averages (default: None).
+        local_warmup: synchronous steps before local SGD starts (default: 0).
 
     Raises:
         TypeError: if ``optimizer`` is not a ``torch.optim.Optimizer``.
@@ -131,11 +140,15 @@ class DistributedOptimizer(InnerOptimizerSurface):
         stall_warning: Union[float, timedelta, None] = 60.0,
         stall_timeout: Union[float, timedelta, None] = None,
         shard_state: bool = False,
+        sync_every: int = 1,
+        outer_optimizer: Optional[OuterFactory] = None,
+        local_warmup: int = 0,
     ) -> None:
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("optimizer is already a DistributedOptimizer; wrap the plain torch.optim optimizer once")
         checks.check_arguments(optimizer, reduce_op, pack_threshold, bcast_period, backward_passes_per_step,
                                compression, sparse_as_dense)
+        local = checks.check_local_sgd(sync_every, outer_optimizer, local_warmup, reduce_op, bcast_period)
         self.optimizer = optimizer
         self.reduce_op = reduce_op
         self.pack_threshold = checks.byte_count(pack_threshold, "pack_threshold", "0 sends each gradient alone")
@@ -143,6 +156,11 @@ class DistributedOptimizer(InnerOptimizerSurface):
         self.compression = None if compression in (None, "none") else compression
         self.sparse_as_dense = sparse_as_dense
         self.shard_state = checks.shard_state(shard_state, optimizer)
+        if self.shard_state and local:
+            raise ValueError(
+                f"shard_state=True with sync_every={sync_every!r} / outer_optimizer: local SGD steps every parameter "
+                "on every rank, so there is no state to shard; use one or the other"
+            )
         self.stall_warning = checks.seconds(stall_warning, "stall_warning")
         self.stall_timeout = checks.seconds(stall_timeout, "stall_timeout")
         # None stays None (the default group, looked up per call): holding the default group would
@@ -183,12 +201,17 @@ class DistributedOptimizer(InnerOptimizerSurface):
             mean=mean,
             progress=progress,
         )
-        self._mode: Mode = (ShardedMode(self.rank, self.world_size) if self.shard_state and self.world_size > 1
-                            else SynchronousMode())
+        if local:
+            self._mode: Mode = LocalSGDMode(int(sync_every), outer_optimizer, int(local_warmup))
+        elif self.shard_state and self.world_size > 1:
+            self._mode = ShardedMode(self.rank, self.world_size)
+        else:
+            self._mode = SynchronousMode()
         self._retired_by: Optional[str] = None  # why this wrapper no longer reduces
         self._steps = 0
         self._params: List[Tensor] = []  # every parameter this wrapper broadcasts, in tracking order
         self._track_new_params()
+        self._mode.attach(self)
 
     @property
     def backward_passes_per_step(self) -> int:
@@ -201,10 +224,11 @@ class DistributedOptimizer(InnerOptimizerSurface):
 
     @property
     def stats(self) -> StepStats:
-        """What the last reduction round did (packs, bytes on the wire, time waited), and the
-        bytes of optimizer state this rank holds."""
+        """What the last reduction round (or step) did (packs, bytes on the wire, time waited), the
+        bytes of optimizer state this rank holds, and the extra memory the mode holds."""
         stats = self._engine.stats
         stats.optimizer_state_bytes = state_bytes(self.optimizer)
+        stats.extra_state_bytes = self._mode.extra_state_bytes(self)
         return stats
 
     def __repr__(self) -> str:
@@ -218,6 +242,9 @@ class DistributedOptimizer(InnerOptimizerSurface):
 
         With ``shard_state=True`` it is gathered from every rank's shard, so every
         rank must call it; it is the same dict an unsharded optimizer would give.
+        Local SGD adds its own state (step count, last-sync parameters, outer
+        optimizer state) under the key ``"distopt_local_sgd"``, which a plain
+        ``torch.optim`` optimizer's ``load_state_dict`` ignores.
         """
         return self._mode.state_dict(self)
 
@@ -303,7 +330,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
         after it, does not reduce a second time.
         """
         self._check_not_retired("synchronize()")
-        if self.world_size > 1:
+        if self.world_size > 1 and self._mode.reduces_in_backward:  # local SGD keeps gradients local
             self._engine.synchronize(explicit=True)
 
     def _reduce_for_step(self) -> None:
@@ -422,6 +449,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
             "root_rank": self.root_rank,
             "shard_state": self.shard_state,
             "mode": type(self._mode).__name__,
+            **self._mode.settings(),
         }
 
     def _track_new_params(self) -> None:

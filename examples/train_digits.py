@@ -13,16 +13,26 @@ Usage::
     python examples/train_digits.py --epochs 20 --nprocs 4 --plot digits.png
     python examples/train_digits.py --compression bf16     # 16-bit gradients on the wire
     python examples/train_digits.py --nprocs 1             # this process only, no process group
+    python examples/train_digits.py --sync-every 16        # local SGD: average parameters every 16 steps
+    python examples/train_digits.py --sync-every 16 --outer-lr 0.7   # DiLoCo: outer Nesterov SGD
+    python examples/train_digits.py --sync-every 16 --curves runs.json --label H16 --plot runs.png
     torchrun --nproc-per-node 2 examples/train_digits.py   # the same script, started by torchrun
 
 Rank 0 shows a progress bar and prints one line per epoch: mean training
 loss, test accuracy, optimizer steps per second and bytes all-reduced per step.
+With ``--sync-every H`` the ranks train alone between syncs, so an epoch's test
+accuracy is that of each rank's own replica on its shard; the loop runs inside
+``opt.join()``, whose end averages the steps not synced yet, and the final
+accuracy is that of the common model.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import hashlib
 import importlib.util
+import json
 import math
 import os
 import re
@@ -30,7 +40,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional, Sequence, Tuple
+from typing import Iterable, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -76,7 +86,7 @@ class EpochMetrics:
         test_loss: mean loss on the test set.
         test_accuracy: fraction of test digits classified correctly.
         steps_per_second: optimizer steps per second of training time on rank 0.
-        bytes_per_step: bytes all-reduced per step on rank 0.
+        bytes_per_step: bytes all-reduced per step on rank 0 (averaged over the epoch's steps).
     """
 
     epoch: int
@@ -97,6 +107,8 @@ class TrainResult:
         history: per-epoch metrics.
         seconds: wall time of the training loop.
         identical: whether all ranks ended with bitwise-identical parameters.
+        test_accuracy: of the final model (after the last sync, in local SGD).
+        bytes_per_step: bytes all-reduced per training step, over the whole run.
     """
 
     rank: int
@@ -104,6 +116,8 @@ class TrainResult:
     history: List[EpochMetrics] = field(default_factory=list)
     seconds: float = 0.0
     identical: bool = False
+    test_accuracy: float = math.nan
+    bytes_per_step: float = 0.0
 
 
 def load_digits_split(seed: int, test_fraction: float = 0.2) -> Split:
@@ -165,16 +179,29 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="re-broadcast parameters from rank 0 every N steps; 0: only at start (default 0)")
     p.add_argument("--compression", choices=("none", "fp16", "bf16"), default="none",
                    help="16-bit gradients on the wire (default none)")
+    p.add_argument("--sync-every", type=int, default=1, metavar="H",
+                   help="local SGD: average parameters every H steps, gradients stay local in between "
+                        "(default 1: synchronous)")
+    p.add_argument("--outer-lr", type=float, default=None,
+                   help="DiLoCo: outer Nesterov SGD with this lr on the averaged pseudo-gradient "
+                        "(default: plain parameter averaging)")
+    p.add_argument("--outer-momentum", type=float, default=0.9, help="momentum of the outer SGD (default 0.9)")
     p.add_argument("--seed", type=int, default=0, help="seed of the data split, model and shuffling (default 0)")
-    p.add_argument("--plot", metavar="PATH", help="write a PNG of loss and test accuracy per epoch")
+    p.add_argument("--plot", metavar="PATH",
+                   help="write a PNG of loss and test accuracy per epoch (of every run in --curves, if given)")
+    p.add_argument("--curves", metavar="JSON", help="append this run's per-epoch metrics to this file")
+    p.add_argument("--label", default=None, help="this run's name in --curves (default: from the flags)")
     args = p.parse_args(argv)
-    for name in ("epochs", "batch_size"):
+    for name in ("epochs", "batch_size", "sync_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     if args.nprocs is not None and args.nprocs < 1:
         p.error(f"--nprocs must be at least 1, got {args.nprocs}")
     if args.lr is None:
         args.lr = _DEFAULT_LR[args.optimizer]
+    if args.label is None:
+        args.label = "synchronous" if args.sync_every == 1 and args.outer_lr is None else (
+            f"{'DiLoCo' if args.outer_lr is not None else 'local SGD'} H={args.sync_every}")
     return args
 
 
@@ -184,13 +211,23 @@ def _make_optimizer(model: nn.Module, args: argparse.Namespace) -> distopt.Distr
     else:
         cls = torch.optim.AdamW if args.optimizer == "adamw" else torch.optim.Adam
         inner = cls(model.parameters(), lr=args.lr)
+    outer = None
+    if args.outer_lr is not None:
+        outer = functools.partial(_outer_sgd, lr=args.outer_lr, momentum=args.outer_momentum)
     return distopt.DistributedOptimizer(
         inner,
         pack_threshold=args.pack_threshold,
         bcast_period=args.bcast_period,
         compression=None if args.compression == "none" else args.compression,
         named_parameters=model.named_parameters(),
+        sync_every=args.sync_every,
+        outer_optimizer=outer,
     )
+
+
+def _outer_sgd(params: Iterable[Tensor], lr: float, momentum: float) -> torch.optim.Optimizer:
+    """DiLoCo's outer optimizer: Nesterov SGD (plain SGD without momentum)."""
+    return torch.optim.SGD(params, lr=lr, momentum=momentum, nesterov=momentum > 0)
 
 
 def _sum_over_ranks(values: Sequence[float], device: torch.device) -> List[float]:
@@ -270,25 +307,38 @@ def train(args: argparse.Namespace, data: Split) -> TrainResult:
     if rank == 0:
         _print_header(model, args, world, len(y_train), len(y_test))
     result = TrainResult(rank, world)
+    local = args.sync_every > 1 or args.outer_lr is not None
+    total_steps = total_bytes = 0
     start = time.perf_counter()
-    for epoch in range(1, args.epochs + 1):
-        sampler.set_epoch(epoch)
-        loss_sum, samples, steps, reduced, seconds = _train_epoch(model, opt, loader, epoch, args, rank, device)
-        test_loss, correct, count = _evaluate(model, x_shard, y_shard)
-        loss_sum, samples, test_loss, correct, count = _sum_over_ranks(
-            [loss_sum, samples, test_loss, correct, count], device
-        )
-        metrics = EpochMetrics(epoch, loss_sum / samples, test_loss / count, correct / count,
-                               steps / seconds, reduced / steps)
-        result.history.append(metrics)
-        if rank == 0:
-            _print_epoch(metrics, args.epochs)
+    # Local SGD: the end of the join block averages the steps taken since the last sync (every
+    # rank runs as many steps here, so no rank waits; the metric all-reduces stay legal).
+    with opt.join() if local else contextlib.nullcontext():
+        for epoch in range(1, args.epochs + 1):
+            sampler.set_epoch(epoch)
+            loss_sum, samples, steps, reduced, seconds = _train_epoch(model, opt, loader, epoch, args, rank, device)
+            total_steps, total_bytes = total_steps + steps, total_bytes + reduced
+            test_loss, correct, count = _evaluate(model, x_shard, y_shard)
+            loss_sum, samples, test_loss, correct, count = _sum_over_ranks(
+                [loss_sum, samples, test_loss, correct, count], device
+            )
+            metrics = EpochMetrics(epoch, loss_sum / samples, test_loss / count, correct / count,
+                                   steps / seconds, reduced / steps)
+            result.history.append(metrics)
+            if rank == 0:
+                _print_epoch(metrics, args.epochs)
     result.seconds = time.perf_counter() - start
+    result.bytes_per_step = total_bytes / max(total_steps, 1)
+    result.test_accuracy = result.history[-1].test_accuracy if result.history else math.nan
+    if local:  # the common model, after the last sync
+        _, correct, count = _sum_over_ranks(list(_evaluate(model, x_shard, y_shard)), device)
+        result.test_accuracy = correct / count
     result.identical = _all_identical(model)
     if rank == 0:
         _print_footer(result)
+        if args.curves:
+            _append_curves(args.curves, args.label, result)
         if args.plot:
-            _plot(result.history, args.plot)
+            _plot(_read_curves(args.curves) if args.curves else {args.label: result.history}, args.plot)
     opt.close()
     return result
 
@@ -305,7 +355,8 @@ def _print_header(model: nn.Module, args: argparse.Namespace, world: int, n_trai
     backend = dist.get_backend() if dist.is_initialized() else "no process group"
     print(f"DigitsCNN ({params} parameters) on {n_train} train / {n_test} test digits; {world} rank(s), {backend}; "
           f"global batch {args.batch_size * world}; {args.optimizer} lr {args.lr:g}; "
-          f"pack_threshold {_format_bytes(args.pack_threshold)}; compression {args.compression}", flush=True)
+          f"pack_threshold {_format_bytes(args.pack_threshold)}; compression {args.compression}; "
+          f"{args.label}", flush=True)
 
 
 def _print_epoch(metrics: EpochMetrics, epochs: int) -> None:
@@ -315,26 +366,42 @@ def _print_epoch(metrics: EpochMetrics, epochs: int) -> None:
 
 
 def _print_footer(result: TrainResult) -> None:
-    final = result.history[-1].test_accuracy if result.history else math.nan
     verdict = "bitwise identical" if result.identical else "DIFFERENT (replicas diverged)"
-    print(f"final test accuracy {100 * final:.2f}% after {len(result.history)} epochs in {result.seconds:.1f} s; "
+    print(f"final test accuracy {100 * result.test_accuracy:.2f}% after {len(result.history)} epochs in "
+          f"{result.seconds:.1f} s ({_format_bytes(result.bytes_per_step)} all-reduced per step); "
           f"parameters on all {result.world_size} rank(s): {verdict}", flush=True)
 
 
-def _plot(history: Sequence[EpochMetrics], path: str) -> None:
+def _append_curves(path: str, label: str, result: TrainResult) -> None:
+    """Add this run to the JSON file of runs that ``--plot`` compares (replacing a run of the same label)."""
+    runs = [r for r in (json.loads(Path(path).read_text()) if Path(path).exists() else []) if r["label"] != label]
+    runs.append({"label": label, "final_test_accuracy": result.test_accuracy,
+                 "bytes_per_step": result.bytes_per_step, "history": [vars(m) for m in result.history]})
+    Path(path).write_text(json.dumps(runs, indent=1))
+
+
+def _read_curves(path: str) -> "dict[str, List[EpochMetrics]]":
+    return {r["label"]: [EpochMetrics(**m) for m in r["history"]] for r in json.loads(Path(path).read_text())}
+
+
+def _plot(runs: "dict[str, Sequence[EpochMetrics]]", path: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    epochs = [m.epoch for m in history]
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(10, 4))
-    ax_loss.plot(epochs, [m.loss for m in history], "o-", label="train")
-    ax_loss.plot(epochs, [m.test_loss for m in history], "s--", label="test")
+    for label, history in runs.items():
+        epochs = [m.epoch for m in history]
+        line = ax_loss.plot(epochs, [m.loss for m in history], "o-", label=f"{label} train")[0]
+        if len(runs) == 1:  # one run: its test loss too; several: one line each stays readable
+            ax_loss.plot(epochs, [m.test_loss for m in history], "s--", label=f"{label} test")
+        ax_acc.plot(epochs, [100 * m.test_accuracy for m in history], "o-", color=line.get_color(), label=label)
     ax_loss.set(xlabel="epoch", ylabel="cross-entropy loss", title="loss")
-    ax_loss.legend()
-    ax_acc.plot(epochs, [100 * m.test_accuracy for m in history], "o-")
+    ax_loss.legend(fontsize="small")
     ax_acc.set(xlabel="epoch", ylabel="test accuracy (%)", title="test accuracy")
+    if len(runs) > 1:
+        ax_acc.legend(fontsize="small")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

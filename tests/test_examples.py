@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import subprocess
 import sys
@@ -55,6 +56,19 @@ def test_compressed_small_packs(tmp_path: Path) -> None:
     assert "compression bf16" in proc.stdout
 
 
+def test_diloco_every_4_steps_with_curves_and_plot(tmp_path: Path) -> None:
+    plot, curves = tmp_path / "runs.png", tmp_path / "runs.json"
+    proc = _run([sys.executable, str(SCRIPT), "--epochs", "1", "--sync-every", "4", "--outer-lr", "0.7",
+                 "--curves", str(curves), "--plot", str(plot)], tmp_path)
+    _check_one_epoch(proc, ranks=2)  # the join block's end syncs the steps after the last sync
+    assert "DiLoCo H=4" in proc.stdout
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (run,) = json.loads(curves.read_text())
+    assert run["label"] == "DiLoCo H=4" and len(run["history"]) == 1
+    # 23 steps, a sync every 4th: 5 of the ~150 KiB rounds synchronous training sends at every step
+    assert 0 < run["bytes_per_step"] < 0.25 * 150 * 1024
+
+
 def test_single_process_without_process_group(tmp_path: Path) -> None:
     proc = _run([sys.executable, str(SCRIPT), "--epochs", "1", "--nprocs", "1"], tmp_path)
     _check_one_epoch(proc, ranks=1)
@@ -87,6 +101,7 @@ def _load_example() -> ModuleType:
         (["--nprocs", "0"], "--nprocs must be at least 1"),
         (["--pack-threshold", "ten"], "is not a byte count"),
         (["--compression", "int8"], "invalid choice"),
+        (["--sync-every", "0"], "--sync-every must be at least 1"),
     ],
 )
 def test_bad_flags_are_rejected(argv: List[str], message: str, capsys: pytest.CaptureFixture) -> None:

@@ -48,11 +48,15 @@ Wrap = Callable[[nn.Module, torch.optim.Optimizer, torch.device, Optional[int]],
 
 @dataclass
 class Mode:
-    """One timed thing: ``run_step`` runs one step; ``stats_source`` is the distopt optimizer, if any."""
+    """One timed thing: ``run_step`` runs one step; ``stats_source`` is the distopt optimizer, if any.
+
+    ``count_steps`` steps are averaged for the all-reduce figures (local SGD sends every H-th step).
+    """
 
     name: str
     run_step: Callable[[], None]
     stats_source: Optional[DistributedOptimizer] = None
+    count_steps: int = 1
 
 
 @dataclass(frozen=True)
@@ -65,6 +69,8 @@ class ModeSpec:
         memory_probe: gets a peak-memory probe (one fresh launch per workload).
         variants: also runs as ``<name>@<bytes>``.
         optional: runs only when asked for (``--modes``), not by default.
+        count_steps: steps over which its all-reduce calls and bytes are averaged, for a
+            mode whose traffic varies from step to step (local SGD: its sync period).
     """
 
     wrap: Wrap
@@ -72,6 +78,7 @@ class ModeSpec:
     memory_probe: bool = True
     variants: bool = False
     optional: bool = False
+    count_steps: int = 1
 
 
 def wrap_ddp(model: nn.Module, device: torch.device) -> nn.parallel.DistributedDataParallel:
@@ -130,6 +137,11 @@ def _distopt_uninspected(model: nn.Module, sgd: torch.optim.Optimizer, device: t
     return model, _Uninspected(sgd)
 
 
+def _distopt_local4(model: nn.Module, sgd: torch.optim.Optimizer, device: torch.device,
+                    variant: Optional[int]) -> Tuple[nn.Module, Any]:
+    return model, DistributedOptimizer(sgd, sync_every=4)
+
+
 #: Training modes by name, in run order.
 MODES: Dict[str, ModeSpec] = {
     # The bare inner optimizer, no communication. The floor.
@@ -144,6 +156,9 @@ MODES: Dict[str, ModeSpec] = {
     "distopt+shard": ModeSpec(_distopt_sharded, distributed_only=True, optional=True),
     # distopt with the stall inspector off: what the inspector costs.
     "distopt-noinspect": ModeSpec(_distopt_uninspected, distributed_only=True, memory_probe=False, optional=True),
+    # local SGD: gradients stay local, parameters are averaged every 4th step (sync_every=4).
+    "distopt-local4": ModeSpec(_distopt_local4, distributed_only=True, memory_probe=False, optional=True,
+                               count_steps=4),
 }
 
 
@@ -265,7 +280,8 @@ def build_mode(name: str, workload: Workload, cfg: BenchConfig, batch: Batch, de
         sgd = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
         module, optimizer = spec.wrap(model, sgd, device, split_mode_name(name)[1])
         stats_source = optimizer if isinstance(optimizer, DistributedOptimizer) else None
-        return Mode(name, train_step_fn(name, module, optimizer, batch, workload.loss_fn, device), stats_source)
+        return Mode(name, train_step_fn(name, module, optimizer, batch, workload.loss_fn, device), stats_source,
+                    spec.count_steps)
 
 
 def bare_allreduce_mode(grad_numel: int, dtype: torch.dtype, device: torch.device) -> Mode:

@@ -20,7 +20,7 @@ def _fmt_overhead(result: WorkloadResult) -> str:
     return "n/a (ddp within 5% of local)" if result.ratio is not None else "-"
 
 
-def _fmt_mib(nbytes: Optional[int]) -> str:
+def _fmt_mib(nbytes: Optional[float]) -> str:
     return "-" if nbytes is None else f"{nbytes / 2**20:.1f}"
 
 
@@ -29,7 +29,7 @@ def _mode_table(result: WorkloadResult) -> List[str]:
     lines = [f"  {'mode':<18}{header}"]
     for mode in result.modes.values():
         spread = f"{mode.p25_ms:.2f}-{mode.p75_ms:.2f}"
-        calls = "-" if mode.allreduce_calls is None else str(mode.allreduce_calls)
+        calls = "-" if mode.allreduce_calls is None else f"{mode.allreduce_calls:g}"
         lines.append(
             f"  {display_name(mode.name):<18}{mode.median_ms:>11.2f}{spread:>17}{calls:>16}"
             f"{_fmt_mib(mode.reduced_bytes):>13}{_fmt_mib(mode.peak_mem_bytes):>14}"

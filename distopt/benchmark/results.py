@@ -24,8 +24,9 @@ class ModeResult:
         median_ms: median step time (slowest rank per step), milliseconds.
         p25_ms: 25th percentile step time.
         p75_ms: 75th percentile step time.
-        allreduce_calls: all-reduce calls per step (None when not measured).
-        reduced_bytes: bytes all-reduced per step (None when not measured).
+        allreduce_calls: all-reduce calls per step (None when not measured; a mean, so
+            possibly fractional, for a mode that communicates every few steps).
+        reduced_bytes: bytes all-reduced per step (None when not measured; a mean, likewise).
         peak_mem_bytes: peak memory growth of the mode (None when not probed).
         times_ms: every timed step, for ``--json`` consumers.
     """
@@ -34,8 +35,8 @@ class ModeResult:
     median_ms: float
     p25_ms: float
     p75_ms: float
-    allreduce_calls: Optional[int] = None
-    reduced_bytes: Optional[int] = None
+    allreduce_calls: Optional[float] = None
+    reduced_bytes: Optional[float] = None
     peak_mem_bytes: Optional[int] = None
     times_ms: List[float] = field(default_factory=list)
 

@@ -16,7 +16,6 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from ..optimizer import DistributedOptimizer
 from .config import BenchConfig
 from .modes import Mode, bare_allreduce_mode, build_mode, mode_names, train_step_fn, wrap_ddp
 from .process import current_device, fresh_model, make_batch, worker_setup
@@ -54,9 +53,17 @@ def _count_ddp_allreduces(workload: Workload, cfg: BenchConfig, batch: Batch, de
     return counter[0]
 
 
-def _distopt_counts(opt: DistributedOptimizer) -> Tuple[int, int]:
-    """``(all-reduce calls, bytes on the wire)`` of the optimizer's last step."""
-    return opt.stats.packs, opt.stats.bytes
+def _distopt_counts(mode: Mode) -> Tuple[float, float]:
+    """``(all-reduce calls, bytes on the wire)`` per step: the last step's, or the mean over ``count_steps`` more."""
+    opt = mode.stats_source
+    assert opt is not None  # only called for distopt modes
+    if mode.count_steps == 1:
+        return opt.stats.packs, opt.stats.bytes
+    calls = nbytes = 0
+    for _ in range(mode.count_steps):  # one whole period, wherever the warm-up left it
+        mode.run_step()
+        calls, nbytes = calls + opt.stats.packs, nbytes + opt.stats.bytes
+    return calls / mode.count_steps, nbytes / mode.count_steps
 
 
 def _time_interleaved(modes: Sequence[Mode], steps: int, rounds: int, distributed: bool) -> Dict[str, List[float]]:
@@ -101,7 +108,7 @@ def workload_raw(cfg: BenchConfig, workload: Workload, distributed: bool) -> Dic
     dtype = params[0].dtype
     del probe, params
 
-    counts: Dict[str, Tuple[Optional[int], Optional[int]]] = {"local": (0, 0)}
+    counts: Dict[str, Tuple[Optional[float], Optional[float]]] = {"local": (0, 0)}
     if distributed:
         counts["ddp"] = (_count_ddp_allreduces(workload, cfg, batch, device), grad_bytes)
         counts["bare_allreduce"] = (1, grad_bytes)
@@ -114,7 +121,7 @@ def workload_raw(cfg: BenchConfig, workload: Workload, distributed: bool) -> Dic
         for _ in range(cfg.warmup):
             mode.run_step()
         if mode.stats_source is not None:
-            counts[mode.name] = _distopt_counts(mode.stats_source)
+            counts[mode.name] = _distopt_counts(mode)
 
     steps = max(1, math.ceil(cfg.iters * workload.iters_scale / cfg.rounds))
     times = _time_interleaved(modes, steps, cfg.rounds, distributed)

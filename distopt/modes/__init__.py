@@ -6,7 +6,8 @@ The synchronous mode (average every gradient in backward, then step) is the defa
 each further mode is a module of its own here.
 """
 from .base import Mode
+from .local_sgd import LocalSGDMode
 from .sharded import ShardedMode
 from .synchronous import SynchronousMode
 
-__all__ = ["Mode", "ShardedMode", "SynchronousMode"]
+__all__ = ["Mode", "LocalSGDMode", "ShardedMode", "SynchronousMode"]

@@ -19,11 +19,14 @@ training data-parallel:
 After :meth:`Mode.step` returns, the wrapper starts a new round, counts the step
 and re-broadcasts parameters when ``bcast_period`` says so; a mode does not.
 
-A mode may also take part in the rest of the wrapper's life: which parameters it
-was given (:meth:`Mode.on_track`), what a rank that has joined does after each
-shadow round (:meth:`Mode.shadow_step`) and at the end of the join block
-(:meth:`Mode.settle_after_join`), and the state dict (:meth:`Mode.state_dict`,
-:meth:`Mode.load_state_dict`).
+A mode may also take part in the rest of the wrapper's life: its settings
+(:meth:`Mode.settings`, checked across ranks), construction (:meth:`Mode.attach`)
+and the parameters it was given (:meth:`Mode.on_track`), ``join()`` (the last
+round of a rank that leaves, :meth:`Mode.leaving`; what a rank that has joined does
+after each shadow round, :meth:`Mode.shadow_step`; the end of the block,
+:meth:`Mode.settle_after_join` and :meth:`Mode.broadcast_state`), checkpoints
+(:meth:`Mode.state_dict`, :meth:`Mode.load_state_dict`) and ``stats``
+(:meth:`Mode.extra_state_bytes`). The defaults do what synchronous training needs.
 """
 from __future__ import annotations
 
@@ -84,3 +87,42 @@ class Mode:
     def load_state_dict(self, owner: "DistributedOptimizer", state_dict: Dict[str, Any]) -> None:
         """Load what :meth:`state_dict` returned (or a plain optimizer's state dict)."""
         owner.optimizer.load_state_dict(state_dict)
+
+    def settings(self) -> Dict[str, Any]:
+        """The mode's settings that decide which collectives run; checked to match across ranks."""
+        return {}
+
+    def attach(self, owner: "DistributedOptimizer") -> None:
+        """Called once the wrapper is built (its parameters tracked and broadcast).
+
+        Args:
+            owner: the wrapper.
+        """
+
+    def leaving(self, owner: "DistributedOptimizer") -> Optional[Callable[[], None]]:
+        """A rank joins (runs out of data): launch its last contributing round, if it owes one.
+
+        Args:
+            owner: the wrapper.
+
+        Returns:
+            None, or a function that finishes the round launched (``join()`` calls it
+            in place of finishing its first shadow round).
+        """
+        return None
+
+    def broadcast_state(self, owner: "DistributedOptimizer", src: int) -> None:
+        """At the end of a join block whose ranks ended apart: take rank ``src``'s mode state.
+
+        Args:
+            owner: the wrapper.
+            src: rank, in the wrapper's group, whose state every rank takes.
+        """
+
+    def extra_state_bytes(self, owner: "DistributedOptimizer") -> int:
+        """Bytes the mode holds besides the model and the inner optimizer (for ``stats``).
+
+        Args:
+            owner: the wrapper.
+        """
+        return 0

@@ -1,0 +1,540 @@
+"""Local SGD and DiLoCo (``sync_every``, ``outer_optimizer``, ``local_warmup``).
+
+Every multi-process check runs on each rank of one world (one launch per world
+size) and compares against references computed inside the worker: torch's own
+``PostLocalSGDOptimizer``, distopt's synchronous mode, and :func:`simulate`, a
+single-process replay of every rank's replica and of the protocol (float64,
+1e-10). The assertions live in the tests.
+"""
+import io
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import distopt
+from distopt import DistributedOptimizer
+from distopt._testing import run_world
+from distopt.modes.local_sgd import STATE_KEY
+
+TOL = 1e-10
+ROWS = 6  # rows per rank and step
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+
+
+def batch(rank, step):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(ROWS, 4, generator=g, dtype=torch.float64), torch.randn(ROWS, 2, generator=g, dtype=torch.float64)
+
+
+def loss_of(model, x, y):
+    return nn.functional.mse_loss(model(x), y)
+
+
+INNER = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
+    "momentum": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=0.01),
+}
+OUTER = {
+    None: None,
+    "nesterov": lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True),
+    "sgd1": lambda ps: torch.optim.SGD(ps, lr=1.0),
+    "half": lambda ps: torch.optim.SGD(ps, lr=0.5),
+}
+
+
+def params_of(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def max_diff(a, b):
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+def simulate(counts, sync_every, inner="sgd", outer=None, warmup=0):
+    """Every rank's replica in one process, and the protocol between them.
+
+    Rank r runs ``counts[r]`` steps. The first ``warmup`` steps average gradients over
+    the ranks still training; then each rank steps alone and, every ``sync_every``
+    local steps (and once more when it runs out with steps not yet averaged), offers
+    its pseudo-gradient ``anchor - param``. The k-th offer of every rank meets the
+    others' k-th (collectives pair by order); the mean over those present moves the
+    anchors (minus it, or the outer optimizer steps on it) and each of them takes
+    the anchors.
+
+    Returns:
+        ``(trace, final)``: ``trace[r][t]`` is rank r's parameters after its step t;
+        ``final`` the parameters every rank ends a join block with (those of the
+        highest rank in the last round).
+    """
+    world = len(counts)
+    models = [make_model() for _ in range(world)]
+    opts = [INNER[inner](m.parameters()) for m in models]
+    anchors = params_of(models[0])
+    outer_opt = OUTER[outer](anchors) if outer else None
+    trace = [[] for _ in range(world)]
+
+    def program(r):
+        model, opt, since = models[r], opts[r], 0
+        for t in range(counts[r]):
+            opt.zero_grad()
+            loss_of(model, *batch(r, t)).backward()
+            if t < warmup:
+                mean = yield "grad", [p.grad.clone() for p in model.parameters()]
+                for p, g in zip(model.parameters(), mean):
+                    p.grad = g
+                opt.step()
+                if t == warmup - 1:
+                    with torch.no_grad():
+                        for a, p in zip(anchors, model.parameters()):
+                            a.copy_(p)
+            else:
+                opt.step()
+                since += 1
+                if since == sync_every:
+                    since = 0
+                    yield "delta", [a - p.detach() for a, p in zip(anchors, model.parameters())]
+            trace[r].append(params_of(model))
+        if since:
+            yield "delta", [a - p.detach() for a, p in zip(anchors, model.parameters())]
+
+    programs = [program(r) for r in range(world)]
+    offers = {}
+    for r, prog in enumerate(programs):
+        offer = next(prog, None)
+        if offer is not None:
+            offers[r] = offer
+    last = world - 1
+    while offers:
+        kinds = {kind for kind, _ in offers.values()}
+        assert len(kinds) == 1, "the simulation paired a gradient round with an exchange"
+        kind = kinds.pop()
+        present = sorted(offers)
+        mean = [sum(offers[r][1][i] for r in present) / len(present) for i in range(len(anchors))]
+        reply = mean
+        if kind == "delta":
+            with torch.no_grad():
+                if outer_opt is None:
+                    for a, m in zip(anchors, mean):
+                        a.sub_(m)
+                else:
+                    for a, m in zip(anchors, mean):
+                        a.grad = m
+                    outer_opt.step()
+                for r in present:
+                    for p, a in zip(models[r].parameters(), anchors):
+                        p.copy_(a)
+            reply = None
+        last = present[-1]
+        offers = {}
+        for r in present:
+            try:
+                offers[r] = programs[r].send(reply)
+            except StopIteration:
+                pass
+    return trace, params_of(models[last])
+
+
+# ---------------------------------------------------------------------- checks (run on every rank)
+
+
+def everyone_equal(tensors):
+    mine = [t.detach().clone() for t in tensors]
+    return all(len(o) == len(mine) and all(torch.equal(a, b) for a, b in zip(mine, o))
+               for o in distopt.all_gather_object(mine))
+
+
+def train_against_simulation(steps, sync_every, inner="sgd", outer=None, warmup=0, compression=None,
+                             threshold=256):
+    """Train ``steps`` steps; after each, compare with the simulation and with the other ranks."""
+    rank = dist.get_rank()
+    model = make_model(seed=rank)  # the construction broadcast aligns them
+    opt = DistributedOptimizer(INNER[inner](model.parameters()), sync_every=sync_every,
+                               outer_optimizer=OUTER[outer], local_warmup=warmup, compression=compression,
+                               pack_threshold=threshold)
+    trace, _ = simulate([steps] * dist.get_world_size(), sync_every, inner, outer, warmup)
+    diffs, identical, packs, local_grads_exact = [], [], [], True
+    for t in range(steps):
+        x, y = batch(rank, t)
+        opt.zero_grad()
+        if t >= warmup:  # between syncs .grad must be this rank's own gradient
+            expected = torch.autograd.grad(loss_of(model, x, y), list(model.parameters()))
+        loss_of(model, x, y).backward()
+        if t >= warmup:
+            local_grads_exact &= all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), expected))
+        opt.step()
+        packs.append(opt.stats.packs)
+        diffs.append(max_diff(params_of(model), trace[rank][t]))
+        identical.append(everyone_equal(model.parameters()))
+    extra = opt.stats.extra_state_bytes
+    opt.close()
+    return {"diffs": diffs, "identical": identical, "packs": packs, "local_grads_exact": local_grads_exact,
+            "extra": extra, "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+
+
+def one_step_diloco_equals_synchronous_sgd(steps):
+    """H=1 with an outer SGD at lr 1 (no momentum) against distopt's synchronous mode, step by step."""
+    rank = dist.get_rank()
+    models = [make_model(seed=rank), make_model(seed=rank)]  # the root's pair is broadcast: equal starts
+    opts = [DistributedOptimizer(INNER["sgd"](models[0].parameters())),
+            DistributedOptimizer(INNER["sgd"](models[1].parameters()), sync_every=1, outer_optimizer=OUTER["sgd1"])]
+    diffs = []
+    for t in range(steps):
+        for model, opt in zip(models, opts):
+            opt.zero_grad()
+            loss_of(model, *batch(rank, t)).backward()
+            opt.step()
+        diffs.append(max_diff(params_of(models[0]), params_of(models[1])))
+    for opt in opts:
+        opt.close()
+    return diffs
+
+
+def averaging_equals_torch_post_local_sgd(steps, sync_every):
+    """Plain averaging against torch's PostLocalSGDOptimizer + PeriodicModelAverager on the same data."""
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+    from torch.distributed.optim import PostLocalSGDOptimizer
+
+    rank = dist.get_rank()
+    theirs_model, mine_model = make_model(), make_model(seed=rank)
+    # torch's averager counts steps from 0 and averages at its warm-up step itself: warm-up H-1
+    # makes it average after every H-th step, as distopt does.
+    theirs = PostLocalSGDOptimizer(INNER["momentum"](theirs_model.parameters()),
+                                   PeriodicModelAverager(period=sync_every, warmup_steps=sync_every - 1))
+    mine = DistributedOptimizer(INNER["momentum"](mine_model.parameters()), sync_every=sync_every)
+    diffs, identical = [], []
+    for t in range(steps):
+        for model, opt in ((theirs_model, theirs), (mine_model, mine)):
+            opt.zero_grad()
+            loss_of(model, *batch(rank, t)).backward()
+            opt.step()
+        diffs.append(max_diff(params_of(mine_model), params_of(theirs_model)))
+        identical.append(everyone_equal(mine_model.parameters()))
+    mine.close()
+    return {"diffs": diffs, "identical": identical}
+
+
+def pseudo_gradient_sign(sync_every):
+    """Outer SGD at lr 0.5: the sync lands halfway between the last-sync parameters and the mean of the ranks'."""
+    rank = dist.get_rank()
+    model = make_model(seed=rank)
+    opt = DistributedOptimizer(INNER["sgd"](model.parameters()), sync_every=sync_every,
+                               outer_optimizer=OUTER["half"])
+    local = []
+    opt.register_step_post_hook(lambda *_: local.__setitem__(slice(None), params_of(model)))  # before the sync
+    anchor = params_of(model)
+    results = []
+    for t in range(3 * sync_every):
+        opt.zero_grad()
+        loss_of(model, *batch(rank, t)).backward()
+        opt.step()
+        if (t + 1) % sync_every == 0:
+            everyone = distopt.all_gather_object(local)
+            mean = [sum(ps[i] for ps in everyone) / len(everyone) for i in range(len(local))]
+            halfway = [(a + m) / 2 for a, m in zip(anchor, mean)]
+            overshoot = [a - (m - a) / 2 for a, m in zip(anchor, mean)]  # the opposite sign
+            results.append((max_diff(params_of(model), halfway), max_diff(params_of(model), overshoot)))
+            anchor = params_of(model)
+    opt.close()
+    return results
+
+
+def collectives_per_step(steps, sync_every, outer):
+    """stats.packs/bytes summed over steps: local SGD against synchronous training of the same model."""
+    rank = dist.get_rank()
+    out = {}
+    for name, kwargs in (("sync", {}), ("local", {"sync_every": sync_every, "outer_optimizer": OUTER[outer]})):
+        model = make_model()
+        # one pack per parameter: the same plan whatever order the gradients arrive in
+        opt = DistributedOptimizer(INNER["momentum"](model.parameters()), pack_threshold=0, **kwargs)
+        packs, nbytes = [], []
+        for t in range(steps):
+            opt.zero_grad()
+            loss_of(model, *batch(rank, t)).backward()
+            opt.step()
+            packs.append(opt.stats.packs)
+            nbytes.append(opt.stats.bytes)
+        out[name] = {"packs": packs, "bytes": nbytes, "plan": len(opt._engine.packs),
+                     "extra": opt.stats.extra_state_bytes}
+        opt.close()
+    out["param_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+    return out
+
+
+def checkpoint_round_trip(steps, cut, sync_every, warmup):
+    """Save every rank's model and optimizer mid-period, load into fresh ones, finish: the same bits."""
+    rank = dist.get_rank()
+
+    def build(seed):
+        model = make_model(seed)
+        return model, DistributedOptimizer(INNER["momentum"](model.parameters()), sync_every=sync_every,
+                                           outer_optimizer=OUTER["nesterov"], local_warmup=warmup)
+
+    def run(model, opt, start, stop):
+        for t in range(start, stop):
+            opt.zero_grad()
+            loss_of(model, *batch(rank, t)).backward()
+            opt.step()
+
+    model, opt = build(0)
+    run(model, opt, 0, steps)
+    straight = params_of(model)
+    opt.close()
+
+    model, opt = build(0)
+    run(model, opt, 0, cut)
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buffer)
+    saved_keys = sorted(opt.state_dict())
+    opt.close()
+    buffer.seek(0)
+    saved = torch.load(buffer)
+    model, opt = build(seed=100 + rank)  # different weights: everything must come from the checkpoint
+    model.load_state_dict(saved["model"])  # after the wrapper: its construction broadcast would overwrite it
+    opt.load_state_dict(saved["opt"])
+    run(model, opt, cut, steps)
+    resumed = params_of(model)
+    opt.close()
+    plain = torch.optim.SGD(make_model().parameters(), lr=0.05, momentum=0.9)
+    plain.load_state_dict(saved["opt"])  # the extra key is ignored by a plain torch optimizer
+    return {"bitwise": all(torch.equal(a, b) for a, b in zip(straight, resumed)), "keys": saved_keys,
+            "plain_momentum": sorted(plain.state[plain.param_groups[0]["params"][0]])}
+
+
+def train_uneven(counts, sync_every, inner="sgd", outer=None, warmup=0, compression=None):
+    """``with opt.join():`` around a loop of ``counts[rank]`` steps."""
+    rank = dist.get_rank()
+    model = make_model(seed=rank)
+    opt = DistributedOptimizer(INNER[inner](model.parameters()), sync_every=sync_every,
+                               outer_optimizer=OUTER[outer], local_warmup=warmup, compression=compression,
+                               pack_threshold=256)
+    with opt.join():
+        for t in range(counts[rank]):
+            opt.zero_grad()
+            loss_of(model, *batch(rank, t)).backward()
+            opt.step()
+    mode = opt._mode
+    anchors = [a for _, a in mode._pairs(opt)]
+    outer_state = [v for s in (mode.outer.state.values() if mode.outer else []) for v in s.values()
+                   if torch.is_tensor(v)]
+    identical = everyone_equal(list(model.parameters()) + anchors + outer_state)
+    _, final = simulate(counts, sync_every, inner, outer, warmup)
+    result = {"identical": identical, "diff": max_diff(params_of(model), final), "steps": opt._steps,
+              "since_sync": mode.since_sync, "anchors_are_params": max_diff(anchors, params_of(model))}
+    opt.close()
+    return result
+
+
+def run_checks(checks):
+    results = []
+    for fn, args, kwargs in checks:
+        try:
+            results.append(("ok", fn(*args, **kwargs)))
+        except Exception:
+            results.append(("error", traceback.format_exc()))
+    return results
+
+
+# (world, check, args, kwargs)
+CASES = {
+    "plain H=4": (2, train_against_simulation, (12, 4), {"inner": "momentum"}),
+    "diloco H=3": (2, train_against_simulation, (12, 3), {"inner": "adam", "outer": "nesterov"}),
+    "diloco H=4, world 3": (3, train_against_simulation, (12, 4), {"outer": "nesterov"}),
+    "warm-up": (2, train_against_simulation, (15, 4), {"inner": "momentum", "outer": "nesterov", "warmup": 3}),
+    "compression": (2, train_against_simulation, (12, 4), {"outer": "nesterov", "compression": "bf16"}),
+    "H=1 outer lr 1": (2, one_step_diloco_equals_synchronous_sgd, (8,), {}),
+    "torch post-local SGD": (2, averaging_equals_torch_post_local_sgd, (20, 4), {}),
+    "sign": (2, pseudo_gradient_sign, (3,), {}),
+    "collectives": (2, collectives_per_step, (16, 4, "nesterov"), {}),
+    "checkpoint": (2, checkpoint_round_trip, (14, 7, 4, 2), {}),
+    "join plain": (2, train_uneven, ([6, 11], 4), {"inner": "momentum"}),
+    "join diloco, root last": (2, train_uneven, ([11, 5], 4), {"outer": "nesterov"}),
+    "join equal counts off the period": (2, train_uneven, ([10, 10], 4), {"outer": "nesterov"}),
+    "join during warm-up": (2, train_uneven, ([2, 9], 3), {"outer": "nesterov", "warmup": 4}),
+    "join, a rank without data": (3, train_uneven, ([5, 0, 9], 2), {"outer": "nesterov"}),
+    "join compression": (2, train_uneven, ([7, 4], 3), {"compression": "bf16"}),
+}
+
+_RESULTS = {}
+
+
+def results(name):
+    world = CASES[name][0]
+    if world not in _RESULTS:
+        names = [n for n, case in CASES.items() if case[0] == world]
+        per_rank = run_world(run_checks, world, [CASES[n][1:] for n in names], timeout=280)
+        _RESULTS[world] = {n: [rank[k] for rank in per_rank] for k, n in enumerate(names)}
+    outcome = _RESULTS[world][name]
+    for status, value in outcome:
+        if status == "error":
+            pytest.fail(f"the check raised on a rank:\n{value}")
+    return [value for _, value in outcome]
+
+
+# ---------------------------------------------------------------------- the tests
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["plain H=4", "diloco H=3", "diloco H=4, world 3", "warm-up"])
+def test_training_matches_the_single_process_simulation_after_every_step(name, no_leftover_processes):
+    steps, sync_every = CASES[name][2]
+    warmup = CASES[name][3].get("warmup", 0)
+    for r in results(name):
+        assert max(r["diffs"]) < TOL, r["diffs"]
+        assert r["local_grads_exact"]
+        syncs = [t for t in range(steps) if t < warmup or (t + 1 - warmup) % sync_every == 0]
+        # (3) bitwise identical after every sync (and warm-up step), and apart in between
+        assert all(r["identical"][t] for t in syncs), r["identical"]
+        assert not any(r["identical"][t] for t in range(steps) if t not in syncs), r["identical"]
+        # communication happens exactly at those steps
+        assert [t for t in range(steps) if r["packs"][t]] == syncs
+
+
+@pytest.mark.timeout(300)
+def test_one_step_diloco_with_outer_sgd_at_lr_1_is_synchronous_sgd(no_leftover_processes):
+    for diffs in results("H=1 outer lr 1"):
+        assert max(diffs) < TOL, diffs
+
+
+@pytest.mark.timeout(300)
+def test_plain_averaging_equals_torch_post_local_sgd_optimizer(no_leftover_processes):
+    for r in results("torch post-local SGD"):
+        assert len(r["diffs"]) == 20 and max(r["diffs"]) < TOL, r["diffs"]
+        # not vacuous: the ranks train apart between the syncs, after the 4th, 8th, ... step
+        assert r["identical"] == [(t + 1) % 4 == 0 for t in range(20)]
+
+
+@pytest.mark.timeout(300)
+def test_the_pseudo_gradient_points_from_the_local_parameters_back_to_the_last_sync(no_leftover_processes):
+    for syncs in results("sign"):
+        assert len(syncs) == 3
+        for halfway, overshoot in syncs:
+            assert halfway < TOL and overshoot > 1e-4, syncs
+
+
+@pytest.mark.timeout(300)
+def test_local_sgd_sends_one_in_h_of_synchronous_training_and_reports_its_memory(no_leftover_processes):
+    for r in results("collectives"):
+        sync, local = r["sync"], r["local"]
+        assert local["plan"] == sync["plan"] > 1
+        assert all(p == sync["plan"] for p in sync["packs"])
+        assert local["packs"] == [sync["plan"] if (t + 1) % 4 == 0 else 0 for t in range(16)]
+        assert sum(local["packs"]) * 4 == sum(sync["packs"])
+        assert sum(local["bytes"]) * 4 == sum(sync["bytes"])
+        assert sync["extra"] == 0
+        assert local["extra"] == 2 * r["param_bytes"]  # the last-sync copy and the outer momentum
+
+
+@pytest.mark.timeout(300)
+def test_compressed_pseudo_gradients_keep_the_ranks_identical_at_every_sync(no_leftover_processes):
+    for r in results("compression"):
+        assert all(r["identical"][t] for t in (3, 7, 11))
+        assert 0 < max(r["diffs"]) < 2e-2, r["diffs"]  # rounded, so not exact, but close
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_taken_mid_period_resumes_bitwise(no_leftover_processes):
+    for r in results("checkpoint"):
+        assert r["bitwise"]
+        assert r["keys"] == ["distopt_local_sgd", "param_groups", "state"]
+        assert r["plain_momentum"] == ["momentum_buffer"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c[1] is train_uneven and "compression" not in n])
+def test_join_with_uneven_batches_ends_identical_and_follows_the_protocol(name, no_leftover_processes):
+    counts = CASES[name][2][0]
+    for r in results(name):
+        assert r["identical"], r
+        assert r["diff"] < TOL, r
+        assert r["steps"] == max(counts)
+        assert r["since_sync"] == 0
+        assert r["anchors_are_params"] == 0.0
+
+
+@pytest.mark.timeout(300)
+def test_join_with_compression_ends_identical(no_leftover_processes):
+    for r in results("join compression"):
+        assert r["identical"], r
+        assert r["diff"] < 2e-2, r
+
+
+# ---------------------------------------------------------------------- one process
+
+
+def test_plain_averaging_in_one_process_is_bitwise_the_inner_optimizer():
+    a, b = make_model(), make_model()
+    plain = INNER["momentum"](a.parameters())
+    wrapped = DistributedOptimizer(INNER["momentum"](b.parameters()), sync_every=4)
+    for t in range(9):
+        for model, opt in ((a, plain), (b, wrapped)):
+            opt.zero_grad()
+            loss_of(model, *batch(0, t)).backward()
+            opt.step()
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    assert wrapped.stats.extra_state_bytes == 0  # nothing to average with: no copy kept
+
+
+def test_diloco_in_one_process_takes_outer_steps_like_the_simulation():
+    model = make_model()
+    opt = DistributedOptimizer(INNER["adam"](model.parameters()), sync_every=3, outer_optimizer=OUTER["nesterov"])
+    trace, _ = simulate([10], 3, "adam", "nesterov")
+    for t in range(10):
+        opt.zero_grad()
+        loss_of(model, *batch(0, t)).backward()
+        opt.step()
+        assert max_diff(params_of(model), trace[0][t]) < TOL
+    assert opt.state_dict()[STATE_KEY]["since_sync"] == 1
+
+
+OUTER_SGD = OUTER["nesterov"]
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"sync_every": 0}, ValueError, r"sync_every must be an int >= 1 .*got 0"),
+    ({"sync_every": 2.5}, TypeError, r"sync_every must be an int, got 2.5; pass e.g. sync_every="),
+    ({"sync_every": True}, TypeError, r"sync_every must be an int, got True"),
+    ({"local_warmup": -1, "sync_every": 2}, ValueError, r"local_warmup must be an int >= 0 .*got -1"),
+    ({"local_warmup": 3}, ValueError, r"local_warmup=3 needs local SGD: pass sync_every > 1"),
+    ({"outer_optimizer": "sgd"}, TypeError, r"outer_optimizer must be a function .*got str; pass e.g. outer_"),
+    ({"sync_every": 4, "reduce_op": "sum"}, ValueError, r"reduce_op='sum' cannot be combined .*use reduce_op='mean'"),
+    ({"sync_every": 4, "bcast_period": 10}, ValueError, r"bcast_period=10 cannot be combined .*use bcast_period=0"),
+])
+def test_bad_local_sgd_arguments_name_the_argument_the_value_and_the_fix(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        DistributedOptimizer(INNER["sgd"](make_model().parameters()), **kwargs)
+
+
+def test_an_optimizer_instead_of_a_factory_or_one_over_the_model_is_refused_with_the_fix():
+    model = make_model()
+    with pytest.raises(TypeError, match=r"got SGD; pass e.g. outer_optimizer=lambda ps"):
+        DistributedOptimizer(INNER["sgd"](model.parameters()), outer_optimizer=torch.optim.SGD(model.parameters()))
+    with pytest.raises(ValueError, match=r"over the tensors it is given .*not over the model's parameters"):
+        DistributedOptimizer(INNER["sgd"](model.parameters()),
+                             outer_optimizer=lambda ps: torch.optim.SGD(model.parameters(), lr=0.7))
+    with pytest.raises(TypeError, match=r"must return a torch.optim.Optimizer, got list"):
+        DistributedOptimizer(INNER["sgd"](model.parameters()), outer_optimizer=lambda ps: list(ps))
+
+
+def test_the_arguments_reach_distopt_optim_constructors():
+    model = make_model()
+    opt = distopt.optim.Adam(model.parameters(), lr=0.01, sync_every=8, outer_optimizer=OUTER_SGD, local_warmup=2)
+    assert (opt._mode.sync_every, opt._mode.local_warmup) == (8, 2)
+    assert opt._settings()["sync_every"] == 8 and opt._settings()["outer_optimizer"] is True
+
+
+def test_a_state_dict_saved_with_an_outer_optimizer_needs_one_to_load():
+    model = make_model()
+    saved = DistributedOptimizer(INNER["sgd"](model.parameters()), outer_optimizer=OUTER_SGD).state_dict()
+    other = DistributedOptimizer(INNER["sgd"](model.parameters()), sync_every=2)
+    with pytest.raises(ValueError, match="pass the same outer_optimizer="):
+        other.load_state_dict(saved)
+    plain = DistributedOptimizer(INNER["sgd"](model.parameters()))
+    plain.load_state_dict(saved)  # synchronous: the inner part loads, the extra key is ignored
