@@ -48,6 +48,8 @@ def two_hosts():
                 _ip("-n", ns, "addr", "add", f"{address}/24", "dev", veth)
                 _ip("-n", ns, "link", "set", veth, "up")
                 _ip("-n", ns, "link", "set", "lo", "up")
+            # each host gets its own name through a UTS namespace: check that one can be made here
+            _ip("netns", "exec", hosts[0][0], "unshare", "--uts", "true")
         except subprocess.CalledProcessError as exc:  # a container without the privileges, say
             pytest.skip(f"cannot build network namespaces here ({' '.join(exc.cmd)}: {exc.stderr.strip()})")
         yield hosts
