@@ -191,6 +191,9 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="write a PNG of loss and test accuracy per epoch (of every run in --curves, if given)")
     p.add_argument("--curves", metavar="JSON", help="append this run's per-epoch metrics to this file")
     p.add_argument("--label", default=None, help="this run's name in --curves (default: from the flags)")
+    p.add_argument("--checkpoint-dir", metavar="DIR",
+                   help="save every rank's state here after each epoch (atomically), and resume from the latest "
+                        "epoch every rank has saved when the job starts again (e.g. torchrun --max-restarts)")
     args = p.parse_args(argv)
     for name in ("epochs", "batch_size", "sync_every"):
         if getattr(args, name) < 1:
@@ -307,13 +310,16 @@ def train(args: argparse.Namespace, data: Split) -> TrainResult:
     if rank == 0:
         _print_header(model, args, world, len(y_train), len(y_test))
     result = TrainResult(rank, world)
+    first_epoch = 1
+    if args.checkpoint_dir:
+        first_epoch = _resume(args.checkpoint_dir, model, opt, result, rank) + 1
     local = args.sync_every > 1 or args.outer_lr is not None
     total_steps = total_bytes = 0
     start = time.perf_counter()
     # Local SGD: the end of the join block averages the steps taken since the last sync (every
     # rank runs as many steps here, so no rank waits; the metric all-reduces stay legal).
     with opt.join() if local else contextlib.nullcontext():
-        for epoch in range(1, args.epochs + 1):
+        for epoch in range(first_epoch, args.epochs + 1):
             sampler.set_epoch(epoch)
             loss_sum, samples, steps, reduced, seconds = _train_epoch(model, opt, loader, epoch, args, rank, device)
             total_steps, total_bytes = total_steps + steps, total_bytes + reduced
@@ -326,6 +332,8 @@ def train(args: argparse.Namespace, data: Split) -> TrainResult:
             result.history.append(metrics)
             if rank == 0:
                 _print_epoch(metrics, args.epochs)
+            if args.checkpoint_dir:
+                _save(args.checkpoint_dir, epoch, model, opt, result, rank)
     result.seconds = time.perf_counter() - start
     result.bytes_per_step = total_bytes / max(total_steps, 1)
     result.test_accuracy = result.history[-1].test_accuracy if result.history else math.nan
@@ -341,6 +349,47 @@ def train(args: argparse.Namespace, data: Split) -> TrainResult:
             _plot(_read_curves(args.curves) if args.curves else {args.label: result.history}, args.plot)
     opt.close()
     return result
+
+
+def _checkpoint_path(directory: str, epoch: int, rank: int) -> Path:
+    return Path(directory) / f"epoch{epoch:04d}-rank{rank}.pt"
+
+
+def _save(directory: str, epoch: int, model: nn.Module, opt: distopt.DistributedOptimizer, result: TrainResult,
+          rank: int) -> None:
+    """This rank's state after ``epoch``, written atomically: a kill mid-write leaves the previous one."""
+    state = {"epoch": epoch, "model": model.state_dict(), "optimizer": opt.state_dict(),
+             "history": [vars(m) for m in result.history], "rng": torch.get_rng_state()}
+    path = _checkpoint_path(directory, epoch, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)  # atomic on POSIX: the name points at a whole file or at none
+    for old in Path(directory).glob(f"epoch*-rank{rank}.pt"):
+        if old != path and int(old.name[5:9]) < epoch - 1:  # keep two: the ranks may stop one epoch apart
+            old.unlink()
+
+
+def _resume(directory: str, model: nn.Module, opt: distopt.DistributedOptimizer, result: TrainResult,
+            rank: int) -> int:
+    """Load the latest epoch that every rank has saved; return it (0: start afresh)."""
+    mine = sorted(int(p.name[5:9]) for p in Path(directory).glob(f"epoch*-rank{rank}.pt"))
+    everyone = distopt.collectives.all_gather_object(mine)
+    common = set(everyone[0]).intersection(*map(set, everyone[1:])) if everyone else set()
+    if not common:
+        return 0
+    epoch = max(common)
+    state = torch.load(_checkpoint_path(directory, epoch, rank), weights_only=False)
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"])
+    result.history = [EpochMetrics(**m) for m in state["history"]]
+    if rank == 0:
+        print(f"resumed from {directory} after epoch {epoch}", flush=True)
+    return epoch
 
 
 def _format_bytes(nbytes: float) -> str:

@@ -119,3 +119,52 @@ def test_flag_defaults() -> None:
     assert args.lr == pytest.approx(3e-3)
     assert example.parse_args(["--pack-threshold", "256K"]).pack_threshold == 256 * 1024
     assert example.parse_args(["--optimizer", "sgd"]).lr == pytest.approx(0.05)
+
+
+def _final_line(out: str) -> str:
+    lines = [line for line in out.splitlines() if line.startswith("final test accuracy")]
+    assert lines, out
+    return lines[-1].split(" in ")[0]  # "final test accuracy 95.82% after 3 epochs"
+
+
+@pytest.mark.timeout(300)
+def test_a_worker_killed_mid_training_restarts_and_resumes_to_the_same_result(tmp_path: Path) -> None:
+    """torchrun --max-restarts 1: a worker killed after an epoch's checkpoint resumes from it, and the
+    job ends with the final accuracy of an uninterrupted run."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "--max-restarts", "1", str(SCRIPT), "--epochs", "4", "--optimizer", "sgd"]
+    plain = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    assert plain.returncode == 0, plain.stdout + plain.stderr
+    ckpt = tmp_path / "ckpt"
+    proc = subprocess.Popen(command + ["--checkpoint-dir", str(ckpt)], cwd=tmp_path, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=open(tmp_path / "stderr.log", "w"), start_new_session=True)
+    killed = False
+    out: List[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            out.append(line)
+            if not killed and line.startswith("epoch   2/4"):
+                # rank 1, somewhere after its epoch-2 checkpoint: in the save, the test, or epoch 3
+                worker = next(p for p in psutil.Process(proc.pid).children(recursive=True)
+                              if "train_digits.py" in " ".join(p.cmdline()) and p.environ().get("RANK") == "1")
+                time.sleep(0.05)
+                worker.send_signal(signal.SIGKILL)
+                killed = True
+        proc.wait(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    text = "".join(out)
+    assert killed and proc.returncode == 0, text
+    assert "resumed from" in text and "after epoch 2" in text, text
+    assert _final_line(text) == _final_line(plain.stdout), (text, plain.stdout)
+    assert "bitwise identical" in text
