@@ -112,3 +112,15 @@ def test_ratio_and_overhead() -> None:
         "environment": {"device": "cpu", "torch": "x", "cpu_cores": 2, "distopt_default_pack_threshold": 2**20},
         "distributed": [result], "world1": [],
     }).count("ratio distopt/ddp = 0.750") == 1
+
+
+def test_profile_prints_each_modes_phases_and_top_operators(tmp_path: Path) -> None:
+    proc = _run(["--profile", "mlp", "--iters", "4", "--rounds", "2", "--warmup", "1"], tmp_path)
+    lines = proc.stdout.splitlines()
+    header = next(line for line in lines if line.strip().startswith("phase"))
+    assert header.split() == ["phase", "local", "ddp", "distopt"]
+    backward = next(line for line in lines if line.strip().startswith("backward")).split()
+    assert all(float(v) > 0 for v in backward[1:]), proc.stdout
+    wait = next(line for line in lines if line.strip().startswith("distopt.wait")).split()
+    assert float(wait[1]) == 0.0 and float(wait[2]) == 0.0  # only distopt waits on its own packs
+    assert "top self-CPU operators, distopt:" in proc.stdout

@@ -4,7 +4,6 @@ The checks of one world run in one launch; each compares, inside the worker, a
 sharded wrapper with an unsharded one on the same data (float64, 1e-10), or a
 checkpoint's round trip with an uninterrupted run.
 """
-import math
 import traceback
 
 import pytest

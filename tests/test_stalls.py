@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-import distopt
 from distopt import DistributedOptimizer, StallError
 from distopt._testing import run_torchrun, run_world
 

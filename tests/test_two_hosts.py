@@ -105,7 +105,7 @@ def test_launch_across_two_hosts_picks_the_routed_interface_and_trains_identical
     # Horovod's view of the topology: one rank per host, two hosts
     assert (a["local_size"], a["cross_size"], a["cross_rank"]) == (1, 2, 0)
     assert (b["local_size"], b["cross_size"], b["cross_rank"]) == (1, 2, 1)
-    assert f"distopt: gloo and NCCL use interface dva" in out_a and f"({addr_a})" in out_a, out_a
+    assert "distopt: gloo and NCCL use interface dva" in out_a and f"({addr_a})" in out_a, out_a
     assert "distopt: gloo and NCCL use interface dvb" in out_b, out_b
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Tuple
 
-import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
