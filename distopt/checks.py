@@ -80,12 +80,12 @@ def check_arguments(
 
 
 def check_local_sgd(sync_every: Any, outer_optimizer: Any, local_warmup: Any, reduce_op: Any,
-                    bcast_period: Any) -> bool:
+                    bcast_period: Any, shard_state: bool = False) -> bool:
     """Check the local-SGD arguments; return whether they ask for local SGD (or DiLoCo).
 
     Raises:
         TypeError: ``sync_every``/``local_warmup`` not an int, ``outer_optimizer`` not a callable.
-        ValueError: out of range, or combined with ``reduce_op="sum"`` or ``bcast_period > 0``.
+        ValueError: out of range, or combined with ``reduce_op="sum"``, ``bcast_period > 0`` or ``shard_state``.
     """
     for name, value, least, meaning in (("sync_every", sync_every, 1, "1 averages gradients every step"),
                                         ("local_warmup", local_warmup, 0, "0 starts local at once")):
@@ -116,6 +116,11 @@ def check_local_sgd(sync_every: Any, outer_optimizer: Any, local_warmup: Any, re
         raise ValueError(
             f"bcast_period={bcast_period!r} cannot be combined with sync_every={sync_every!r} or an "
             "outer_optimizer: every sync leaves the ranks identical already; use bcast_period=0"
+        )
+    if shard_state:
+        raise ValueError(
+            f"shard_state=True with sync_every={sync_every!r} / outer_optimizer: local SGD steps every parameter "
+            "on every rank, so there is no state to shard; use one or the other"
         )
     return True
 

@@ -29,14 +29,13 @@ The engine knows nothing of steps or optimizers; a mode (:mod:`distopt.modes`)
 decides what happens at ``step()``. A mode that keeps gradients local (local SGD,
 :mod:`distopt.modes.local_sgd`) sets :attr:`GradientEngine.local`, so backward
 never reduces, and sends its own values through the same packs, plan and flags
-with :meth:`GradientEngine.launch_exchange` and :meth:`GradientEngine.finish_exchange`.
+(:mod:`distopt.exchange`).
 """
 from __future__ import annotations
 
 import threading
 import time
 import weakref
-from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
@@ -50,8 +49,9 @@ from .packing import LaunchOrder
 from .packs import Pack, adopt_current_grads, build_packs, gather, gather_nothing
 from .private_groups import PrivateGroup
 from .stalls import Progress
+from .stats import StepStats
 
-__all__ = ["GradientEngine", "StepStats", "IDLE", "ACTIVE", "DONE", "BACKWARD_PATIENCE"]
+__all__ = ["GradientEngine", "IDLE", "ACTIVE", "DONE", "PHASE_EXCHANGE", "BACKWARD_PATIENCE"]
 
 #: Seconds the end of backward waits at least for the other ranks' gradients before leaving the
 #: round pending (finished by synchronize(), step() or zero_grad()); it grows to 20 times the
@@ -63,33 +63,10 @@ BACKWARD_PATIENCE = 60.0
 # running (ACTIVE), gradients are averaged and final (DONE).
 IDLE, ACTIVE, DONE = range(3)
 
-# Where a rank launched its packs this round (see :mod:`distopt.control`); an exchange is
-# no gradient round, so it raises neither the "during backward" nor the "inside step" flag.
-_BACKWARD, _EXPLICIT, _IMPLICIT, _EXCHANGE = range(4)
-
-
-@dataclass
-class StepStats:
-    """What the last reduction round did.
-
-    Attributes:
-        packs: all-reduces launched.
-        packs_at_flush: of those, how many launched only at the end of backward
-            (the rest overlapped with backward).
-        bytes: bytes put on the wire.
-        wait_seconds: time spent blocked waiting for communication.
-        optimizer_state_bytes: bytes of optimizer state this rank holds (filled in by the wrapper).
-        extra_state_bytes: memory the mode holds besides the model and the inner
-            optimizer (local SGD: the parameters at the last sync, and the outer
-            optimizer's state); 0 in synchronous training.
-    """
-
-    packs: int = 0
-    packs_at_flush: int = 0
-    bytes: int = 0
-    wait_seconds: float = 0.0
-    optimizer_state_bytes: int = 0
-    extra_state_bytes: int = 0
+# Where a rank launched its packs this round (see :mod:`distopt.control`); an exchange
+# (:mod:`distopt.exchange`) is no gradient round, so it raises neither the "during backward"
+# nor the "inside step" flag.
+_BACKWARD, _EXPLICIT, _IMPLICIT, PHASE_EXCHANGE = range(4)
 
 
 class GradientEngine:
@@ -215,6 +192,11 @@ class GradientEngine:
         if self.progress is not None:
             self.progress.phase = "before backward"
 
+    def open_round(self, phase: int) -> None:
+        """Begin counting a round launched outside backward (``phase`` says where, for the control flags)."""
+        self.stats = StepStats()
+        self._phase = phase
+
     def synchronize(self, explicit: bool) -> None:
         """Reduce whatever is not reduced yet this round and wait for it; a no-op once DONE.
 
@@ -226,8 +208,7 @@ class GradientEngine:
             return
         with self.lock:
             if self.state == IDLE:  # else the round is pending: launched in backward, still in flight
-                self.stats = StepStats()
-                self._phase = _EXPLICIT if explicit else _IMPLICIT
+                self.open_round(_EXPLICIT if explicit else _IMPLICIT)
             if not self.packs:
                 self.control_round()
                 return
@@ -314,40 +295,6 @@ class GradientEngine:
         self.stats.packs += 1
         self.stats.bytes += buffer.numel() * buffer.element_size()
 
-    def launch_exchange(self, fill: Callable[[Pack], None]) -> None:
-        """Start a round that sends what ``fill`` writes into each pack's member views instead of gradients.
-
-        Local SGD sends its pseudo-gradients this way: the same packs, plan order and
-        control flags as a gradient round, so a rank that has joined shadows it like
-        any round, and the contributors' mean is rescaled to count only them.
-        ``fill`` must apply :attr:`scale` itself. Finish with :meth:`finish_exchange`.
-
-        Args:
-            fill: called with each pack, in plan order, as it launches.
-        """
-        with self.lock:
-            self.stats = StepStats()
-            self._phase = _EXCHANGE
-            self.exchange_fill = fill
-            self.state = ACTIVE
-            if not self.planned:
-                # No backward saw an arrival order: offer the current one, so the plan is
-                # fixed once (one broadcast) rather than re-offered at every exchange.
-                self.arrivals = [i for pack in self.packs for i in pack.spec.members]
-            if self.packs:
-                self.flush()
-
-    def finish_exchange(self) -> None:
-        """Wait for the exchange :meth:`launch_exchange` started; each pack's ``data`` then holds the mean."""
-        with self.lock:
-            try:
-                if self.packs:
-                    self.finish_round()
-                else:  # nothing trainable: only the control flags travel, as a joined rank's shadow does
-                    self.control_round()
-            finally:
-                self.exchange_fill = None
-
     def reduce_again(self) -> None:
         """Send every pack once more and wait (after a re-plan, inside a finished round)."""
         self.state = ACTIVE
@@ -379,11 +326,11 @@ class GradientEngine:
             return True
         start = time.perf_counter()
         try:
+            kind = "parameter exchange (local SGD)" if self._phase == PHASE_EXCHANGE else "gradient all-reduce"
+            deadline = None if patience is None else start + patience
             with torch.profiler.record_function("distopt.wait"):
                 for k, (work, pack, seq) in enumerate(self.inflight):
-                    kind = "parameter exchange (local SGD)" if self._phase == _EXCHANGE else "gradient all-reduce"
                     what = f"pack {k + 1}/{len(self.packs)} of the {kind}"
-                    deadline = None if patience is None else start + patience
                     if not waiting.wait_for(work, pack.buffer.is_cuda, self.progress, seq, what, deadline):
                         return False
             return True
@@ -474,6 +421,8 @@ _TOUCHED_WHILE_PENDING = (
     "gradients had arrived (distopt waited {:g} s for them at the end of backward, then went on); the ranks "
     "would apply different updates. Call opt.synchronize() after backward() and before touching gradients"
 )
+
+
 def _make_hook(ref: "weakref.ReferenceType[GradientEngine]", index: int) -> Callable[[Tensor], None]:
     # A weak reference, so a dropped optimizer is collected and its hooks go quiet.
     def hook(param: Tensor) -> None:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, Optional, Sequ
 import torch
 
 from . import collectives, stalls
-from .engine import StepStats
+from .stats import StepStats
 
 if TYPE_CHECKING:
     from .engine import GradientEngine

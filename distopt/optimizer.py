@@ -3,8 +3,9 @@
 This is the public front: the arguments, the ``torch.optim.Optimizer`` surface
 (param groups, state dicts, hooks, schedulers) and ``step``/``zero_grad``/
 ``synchronize``. The hot path lives in :class:`distopt.engine.GradientEngine`;
-what happens at ``step()`` is the mode's (:mod:`distopt.modes`); argument and
-cross-rank checks are in :mod:`distopt.checks`.
+what happens at ``step()`` is the mode's (:mod:`distopt.modes`); the channel,
+engine and mode are built in :mod:`distopt.wiring`; argument and cross-rank checks
+are in :mod:`distopt.checks`.
 """
 from __future__ import annotations
 
@@ -13,38 +14,23 @@ from datetime import timedelta
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
-from . import checks, collectives, joining, private_groups, stalls
+from . import checks, collectives, joining, stalls, wiring
 from .collectives.groups import check_member
-from .engine import IDLE, GradientEngine, StepStats
+from .engine import IDLE
 from .forwarding import InnerOptimizerSurface
-from .modes import LocalSGDMode, Mode, ShardedMode, SynchronousMode
+from .modes import Mode, ShardedMode
 from .modes.local_sgd import OuterFactory
 from .modes.sharded import state_bytes
-from .stalls import Progress
+from .stats import StepStats
 
 __all__ = ["DistributedOptimizer", "StepStats", "DEFAULT_PACK_THRESHOLD"]
 
 #: Default pack size in bytes (see the README's benchmark section for how it was chosen).
 DEFAULT_PACK_THRESHOLD = 10 * 2**20
-
-
-def _create_channel(parent: Optional[ProcessGroup], limit: Optional[timedelta]) -> private_groups.PrivateGroup:
-    try:
-        return private_groups.create(parent, limit)
-    except RuntimeError as exc:  # torch's wording ("wait timeout after 1500ms, keys: /0//1//cpu//0/1") names no rank
-        if not any(word in str(exc).lower() for word in ("timeout", "timed out")):
-            raise
-        seconds = (limit or private_groups.timeout_of(parent) or timedelta(0)).total_seconds()
-        raise stalls.StallError(
-            f"rank {dist.get_rank()} waited more than {seconds:g} s for the other ranks to build their "
-            "DistributedOptimizer: every rank must build it, at the same point of the script (is a rank stuck, "
-            "or did it fail before reaching it?)"
-        ) from exc
 
 
 class DistributedOptimizer(InnerOptimizerSurface):
@@ -148,7 +134,6 @@ class DistributedOptimizer(InnerOptimizerSurface):
             raise TypeError("optimizer is already a DistributedOptimizer; wrap the plain torch.optim optimizer once")
         checks.check_arguments(optimizer, reduce_op, pack_threshold, bcast_period, backward_passes_per_step,
                                compression, sparse_as_dense)
-        local = checks.check_local_sgd(sync_every, outer_optimizer, local_warmup, reduce_op, bcast_period)
         self.optimizer = optimizer
         self.reduce_op = reduce_op
         self.pack_threshold = checks.byte_count(pack_threshold, "pack_threshold", "0 sends each gradient alone")
@@ -156,11 +141,8 @@ class DistributedOptimizer(InnerOptimizerSurface):
         self.compression = None if compression in (None, "none") else compression
         self.sparse_as_dense = sparse_as_dense
         self.shard_state = checks.shard_state(shard_state, optimizer)
-        if self.shard_state and local:
-            raise ValueError(
-                f"shard_state=True with sync_every={sync_every!r} / outer_optimizer: local SGD steps every parameter "
-                "on every rank, so there is no state to shard; use one or the other"
-            )
+        local = checks.check_local_sgd(sync_every, outer_optimizer, local_warmup, reduce_op, bcast_period,
+                                       self.shard_state)
         self.stall_warning = checks.seconds(stall_warning, "stall_warning")
         self.stall_timeout = checks.seconds(stall_timeout, "stall_timeout")
         # None stays None (the default group, looked up per call): holding the default group would
@@ -176,37 +158,16 @@ class DistributedOptimizer(InnerOptimizerSurface):
             )
         self.root_rank = root_rank
         self._names_by_id = checks.names_by_id(named_parameters, optimizer)
-        # NCCL averages natively. Otherwise the mean's 1/world is applied while each gradient is
-        # copied into its pack (no extra pass), and always before a 16-bit cast, which could overflow.
-        native_avg = self.world_size > 1 and dist.get_backend(self.process_group) == "nccl"
-        mean = reduce_op == "mean"
-        scale = 1.0 / self.world_size if mean and (self.compression or not native_avg) else None
-        # The wrapper's own traffic travels on a private group, so it never pairs with the user's
-        # collectives; its timeout is the stall timeout, so that blocking collectives honour it too.
-        channel = progress = None
-        if self.world_size > 1:
-            limit = None if self.stall_timeout is None else timedelta(seconds=self.stall_timeout)
-            channel = _create_channel(process_group, limit)
-            progress = self._watch(channel)
-        self._engine = GradientEngine(
-            channel=channel,
-            scale=scale,
-            op=dist.ReduceOp.AVG if mean and scale is None else dist.ReduceOp.SUM,
-            pack_threshold=self.pack_threshold,
-            wire_dtype=checks.COMPRESSIONS[self.compression],
-            sparse_as_dense=self.sparse_as_dense,
-            backward_passes_per_step=int(backward_passes_per_step),
-            root_rank=root_rank,
-            world_size=self.world_size,
-            mean=mean,
-            progress=progress,
+        self._engine = wiring.build_engine(
+            process_group, self.world_size, mean=reduce_op == "mean",
+            wire_dtype=checks.COMPRESSIONS[self.compression], pack_threshold=self.pack_threshold,
+            sparse_as_dense=sparse_as_dense, backward_passes_per_step=int(backward_passes_per_step),
+            root_rank=root_rank, stall_warning=self.stall_warning, stall_timeout=self.stall_timeout,
         )
-        if local:
-            self._mode: Mode = LocalSGDMode(int(sync_every), outer_optimizer, int(local_warmup))
-        elif self.shard_state and self.world_size > 1:
-            self._mode = ShardedMode(self.rank, self.world_size)
-        else:
-            self._mode = SynchronousMode()
+        self._mode: Mode = wiring.choose_mode(
+            local=local, shard_state=self.shard_state, rank=self.rank, world_size=self.world_size,
+            sync_every=int(sync_every), outer_optimizer=outer_optimizer, local_warmup=int(local_warmup),
+        )
         self._retired_by: Optional[str] = None  # why this wrapper no longer reduces
         self._steps = 0
         self._params: List[Tensor] = []  # every parameter this wrapper broadcasts, in tracking order
@@ -428,14 +389,6 @@ class DistributedOptimizer(InnerOptimizerSurface):
     def _group(self) -> Optional[ProcessGroup]:
         channel = self._engine.channel
         return channel.group if channel is not None else self.process_group
-
-    def _watch(self, channel: private_groups.PrivateGroup) -> Optional[Progress]:
-        """This wrapper's position on ``channel``, published by the stall inspector."""
-        timeout = private_groups.timeout_of(channel.group)
-        progress = Progress(channel.group.group_name, dist.get_process_group_ranks(channel.group), dist.get_rank(),
-                            self.stall_warning, self.stall_timeout, None if timeout is None else timeout.total_seconds())
-        stalls.watch(progress)
-        return progress
 
     def _settings(self) -> Dict[str, Any]:
         """Every setting that decides which collectives run; they must match on every rank."""

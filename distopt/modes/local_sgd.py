@@ -13,7 +13,7 @@ the last sync minus the parameters now, so it points the way a gradient does):
   momentum 0.9); every rank steps it alike and takes its result.
 
 The pseudo-gradients travel through the engine's packs, in its fixed plan, one
-all-reduce per pack (:meth:`distopt.engine.GradientEngine.launch_exchange`).
+all-reduce per pack (:mod:`distopt.exchange`).
 Sending the change rather than the parameters means that ``compression``
 rounds only the change: the anchors stay exact, and every rank applies the same
 rounded mean to the same anchor, so the ranks are bitwise identical after
@@ -35,7 +35,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from .. import collectives, stalls
-from ..engine import StepStats
+from ..exchange import finish_exchange, launch_exchange
+from ..stats import StepStats
 from .base import Mode
 from .synchronous import SynchronousMode
 
@@ -199,12 +200,12 @@ class LocalSGDMode(Mode):
         if engine.progress is not None:
             engine.progress.phase = "inside step() (local SGD: averaging the pseudo-gradients)"
         with torch.no_grad():
-            engine.launch_exchange(fill)
+            launch_exchange(engine, fill)
 
     def _finish(self, owner: "DistributedOptimizer") -> None:
         engine = owner._engine
         with torch.no_grad():
-            engine.finish_exchange()
+            finish_exchange(engine)
             self._apply([(p, self._anchor_of(p), view)
                          for pack in engine.packs for p, view in zip(pack.params, pack.views)])
 

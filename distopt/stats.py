@@ -1,0 +1,30 @@
+"""What a reduction round did: :class:`StepStats`, read as ``opt.stats``."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["StepStats"]
+
+
+@dataclass
+class StepStats:
+    """What the last reduction round did.
+
+    Attributes:
+        packs: all-reduces launched.
+        packs_at_flush: of those, how many launched only at the end of backward
+            (the rest overlapped with backward).
+        bytes: bytes put on the wire.
+        wait_seconds: time spent blocked waiting for communication.
+        optimizer_state_bytes: bytes of optimizer state this rank holds (filled in by the wrapper).
+        extra_state_bytes: memory the mode holds besides the model and the inner
+            optimizer (local SGD: the parameters at the last sync, and the outer
+            optimizer's state); 0 in synchronous training.
+    """
+
+    packs: int = 0
+    packs_at_flush: int = 0
+    bytes: int = 0
+    wait_seconds: float = 0.0
+    optimizer_state_bytes: int = 0
+    extra_state_bytes: int = 0
