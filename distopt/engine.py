@@ -36,7 +36,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -46,12 +46,12 @@ from torch.autograd import Variable
 from . import collectives, replanning, stalls, waiting
 from .control import CONTROL_FLAGS, Control, Totals
 from .packing import LaunchOrder
-from .packs import Pack, adopt_current_grads, build_packs, gather, gather_nothing
+from .packs import Pack, adopt_current_grads, build_packs, gather, gather_nothing, scratch
 from .private_groups import PrivateGroup
 from .stalls import Progress
 from .stats import StepStats
 
-__all__ = ["GradientEngine", "IDLE", "ACTIVE", "DONE", "PHASE_EXCHANGE", "BACKWARD_PATIENCE"]
+__all__ = ["GradientEngine", "Sent", "IDLE", "ACTIVE", "DONE", "PHASE_EXCHANGE", "BACKWARD_PATIENCE"]
 
 #: Seconds the end of backward waits at least for the other ranks' gradients before leaving the
 #: round pending (finished by synchronize(), step() or zero_grad()); it grows to 20 times the
@@ -67,6 +67,16 @@ IDLE, ACTIVE, DONE = range(3)
 # (:mod:`distopt.exchange`) is no gradient round, so it raises neither the "during backward"
 # nor the "inside step" flag.
 _BACKWARD, _EXPLICIT, _IMPLICIT, PHASE_EXCHANGE = range(4)
+
+
+class Sent(NamedTuple):
+    """One all-reduce in flight."""
+
+    work: Any
+    pack: Pack
+    index: int  # the pack's place in the plan
+    seq: int  # the collective's number on the channel, for the stall inspector
+    carries_flags: bool  # False for a direct pack's gradient, whose flags travel apart
 
 
 class GradientEngine:
@@ -179,7 +189,7 @@ class GradientEngine:
         self._pass_open = False
         self._pass_counts = False
         self._pass_reduces = False
-        self.inflight: List[Tuple[Any, Pack, int]] = []  # (work, pack, collective number)
+        self.inflight: List[Sent] = []
         self._fired = bytearray(len(self.params))
         self.arrivals: List[int] = []
         self._phase = _BACKWARD
@@ -230,7 +240,7 @@ class GradientEngine:
             if not self.planned:
                 self.arrivals.append(index)
             for ready in self.launch_order.ready(self.pack_of[index]):
-                self._launch(self.packs[ready])
+                self._launch(ready)
 
     def _open_pass(self) -> None:
         """First hook of a backward pass: decide whether it reduces, and hook its end."""
@@ -273,11 +283,13 @@ class GradientEngine:
             ).tensor()
         return self._control
 
-    def _launch(self, pack: Pack) -> None:
+    def _launch(self, index: int) -> None:
+        pack = self.packs[index]
         if self.joined:
             gather_nothing(pack)
         else:
             if self.exchange_fill is not None:
+                scratch(pack)
                 self.exchange_fill(pack)
             else:
                 gather(pack, self.scale, self.sparse_as_dense)
@@ -285,15 +297,20 @@ class GradientEngine:
             for j in pack.absent:
                 pack.flags[j] = 0
         pack.flags[-CONTROL_FLAGS:].copy_(self._control_flags())
-        buffer = pack.buffer
         if pack.wire is not None:
-            pack.wire.copy_(buffer)
-            buffer = pack.wire
+            pack.wire.copy_(pack.buffer)
         with torch.profiler.record_function("distopt.all_reduce"):
-            work = dist.all_reduce(buffer, op=self.op, group=self.channel.group, async_op=True)
-        self.inflight.append((work, pack, self.progress.issue() if self.progress is not None else 0))
+            if pack.direct:
+                self._send(pack.data, pack, index, False)
+            self._send(pack.target if not pack.direct else pack.buffer, pack, index, True)
         self.stats.packs += 1
-        self.stats.bytes += buffer.numel() * buffer.element_size()
+
+    def _send(self, tensor: Tensor, pack: Pack, index: int, carries_flags: bool) -> None:
+        work = dist.all_reduce(tensor, op=self.op, group=self.channel.group, async_op=True)
+        seq = self.progress.issue() if self.progress is not None else 0
+        self.inflight.append(Sent(work, pack, index, seq, carries_flags))
+        self.stats.all_reduces += 1
+        self.stats.bytes += tensor.numel() * tensor.element_size()
 
     def reduce_again(self) -> None:
         """Send every pack once more and wait (after a re-plan, inside a finished round)."""
@@ -305,7 +322,7 @@ class GradientEngine:
         """Launch every pack not launched yet, sending zeros for members without a gradient."""
         launched_before = self.launch_order.launched
         for k in self.launch_order.flush():
-            self._launch(self.packs[k])
+            self._launch(k)
         self.stats.packs_at_flush += self.launch_order.launched - launched_before
 
     def wait(self, patience: Optional[float] = None) -> bool:
@@ -329,9 +346,10 @@ class GradientEngine:
             kind = "parameter exchange (local SGD)" if self._phase == PHASE_EXCHANGE else "gradient all-reduce"
             deadline = None if patience is None else start + patience
             with torch.profiler.record_function("distopt.wait"):
-                for k, (work, pack, seq) in enumerate(self.inflight):
-                    what = f"pack {k + 1}/{len(self.packs)} of the {kind}"
-                    if not waiting.wait_for(work, pack.buffer.is_cuda, self.progress, seq, what, deadline):
+                for sent in self.inflight:
+                    what = f"pack {sent.index + 1}/{len(self.packs)} of the {kind}"
+                    if not waiting.wait_for(sent.work, sent.pack.buffer.is_cuda, self.progress, sent.seq, what,
+                                            deadline):
                         return False
             return True
         finally:
@@ -352,17 +370,20 @@ class GradientEngine:
         start = time.perf_counter()
         if not self.wait(patience):
             # Remember the buffers' versions: changing a gradient before it is averaged is an error.
-            self._pending_versions = [pack.buffer._version for _, pack, _ in self.inflight]
+            self._pending_versions = [_written(sent.pack)._version for sent in self.inflight]
             self._patience_used = patience
             return
         if patience is not None:
             self._slowest_wait = max(self._slowest_wait, time.perf_counter() - start)
         touched = self._pending_versions is not None and any(
-            pack.buffer._version != version for (_, pack, _), version in zip(self.inflight, self._pending_versions)
+            _written(sent.pack)._version != version for sent, version in zip(self.inflight, self._pending_versions)
         )
         self._pending_versions = None
         totals = None
-        for _, pack, _ in self.inflight:
+        for sent in self.inflight:
+            if not sent.carries_flags:
+                continue
+            pack = sent.pack
             if pack.wire is not None:
                 pack.buffer.copy_(pack.wire)
             if totals is None:
@@ -421,6 +442,11 @@ _TOUCHED_WHILE_PENDING = (
     "gradients had arrived (distopt waited {:g} s for them at the end of backward, then went on); the ranks "
     "would apply different updates. Call opt.synchronize() after backward() and before touching gradients"
 )
+
+
+def _written(pack: Pack) -> Tensor:
+    """What the user can change through ``.grad`` while the pack is in flight."""
+    return pack.data if pack.direct else pack.buffer
 
 
 def _make_hook(ref: "weakref.ReferenceType[GradientEngine]", index: int) -> Callable[[Tensor], None]:

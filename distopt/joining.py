@@ -169,8 +169,7 @@ def _shadow_together(optimizers: Sequence["DistributedOptimizer"],
         progressed = False
         for opt in list(active):
             engine = opt._engine
-            pending = next(((k, seq) for k, (work, _, seq) in enumerate(engine.inflight)
-                            if not work.is_completed()), None)
+            pending = next(((sent.index, sent.seq) for sent in engine.inflight if not sent.work.is_completed()), None)
             if pending is None:
                 progressed = True
                 if _shadow_finish(engine, finals.pop(id(engine), None)):

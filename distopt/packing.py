@@ -73,8 +73,10 @@ def plan_packs(order: Sequence[int], metas: Sequence[ParamMeta], threshold: int)
 
     Parameters are taken in ``order``; each joins the open pack of its key, and a
     pack closes (and takes the next place in the plan) as soon as its bytes
-    reach ``threshold``. Packs still open at the end follow in the order they
-    were opened. ``threshold=0`` gives one pack per parameter.
+    reach ``threshold``. A parameter that reaches ``threshold`` by itself travels
+    alone (the open pack of its key stays open), so that it can be sent without
+    a copy. Packs still open at the end follow in the order they were opened.
+    ``threshold=0`` gives one pack per parameter.
 
     Args:
         order: every parameter index exactly once, earliest-ready first.
@@ -99,6 +101,9 @@ def plan_packs(order: Sequence[int], metas: Sequence[ParamMeta], threshold: int)
     open_bytes: Dict[Hashable, int] = {}
     for index in order:
         meta = metas[index]
+        if meta.nbytes >= threshold:
+            plan.append(_make_spec(meta.key, [index], metas))
+            continue
         members = open_packs.setdefault(meta.key, [])
         members.append(index)
         open_bytes[meta.key] = open_bytes.get(meta.key, 0) + meta.nbytes

@@ -8,6 +8,12 @@ and nothing is copied back. :func:`gather` moves
 the gradients in (scaled by the mean's 1/world in the same pass) and says in
 plain words what went wrong when the model or the backward call changed under
 the wrapper.
+
+A *direct* pack holds one large gradient (at least :data:`DIRECT_MIN_BYTES`, sent
+uncompressed). It has no buffer for it: the gradient autograd made is scaled and
+all-reduced in place, and only its presence and control flags travel in a small
+tensor of their own, in a second all-reduce. That saves a persistent copy of the
+gradient (memory) and the copy into it.
 """
 from __future__ import annotations
 
@@ -20,7 +26,12 @@ from torch import Tensor
 from .control import CONTROL_FLAGS
 from .packing import PackSpec, ParamMeta, plan_packs
 
-__all__ = ["Pack", "build_packs", "adopt_current_grads", "gather", "gather_nothing", "metas"]
+__all__ = ["Pack", "DIRECT_MIN_BYTES", "build_packs", "adopt_current_grads", "gather", "gather_nothing", "scratch",
+           "metas"]
+
+#: Bytes from which a pack of one gradient sends that gradient itself: below it, the flags'
+#: extra all-reduce would cost more than the copy saves.
+DIRECT_MIN_BYTES = 1 << 20
 
 # Mean member size (elements) under which a pack is gathered with one cat: below it the
 # per-tensor dispatch cost dominates; above it one fused copy-and-scale pass per tensor wins.
@@ -38,8 +49,8 @@ class Pack:
     """Runtime state of one planned pack: a persistent flat buffer the gradients live in."""
 
     spec: PackSpec
-    buffer: Tensor  # gradient data, one presence flag per member, then the control flags
-    data: Tensor  # the gradient part of ``buffer``
+    buffer: Tensor  # gradient data, one presence flag per member, then the control flags (direct: the flags)
+    data: Tensor  # the gradient part of ``buffer`` (direct: the gradient itself, set at each launch)
     views: List[Tensor]  # per member, shaped like its parameter; these become ``.grad``
     flags: Tensor  # presence and control flags
     params: List[Tensor]  # the members' parameters
@@ -47,6 +58,14 @@ class Pack:
     batched: bool  # small members: gather with one cat instead of one copy each
     wire: Optional[Tensor]  # 16-bit copy sent instead of ``buffer`` when compressing
     absent: List[int]  # members that had no local gradient this round
+    direct: bool = False  # one large gradient, all-reduced where autograd left it
+
+    @property
+    def target(self) -> Tensor:
+        """The tensor whose all-reduce carries the gradients (and, unless direct, the flags)."""
+        if self.direct:
+            return self.data
+        return self.buffer if self.wire is None else self.wire
 
 
 def metas(params: Sequence[Tensor]) -> List[ParamMeta]:
@@ -60,6 +79,13 @@ def build_packs(params: Sequence[Tensor], names: Sequence[str], order: Sequence[
     packs = []
     for spec in plan_packs(order, metas(params), threshold):
         device, dtype = spec.key
+        first = params[spec.members[0]]
+        if (len(spec.members) == 1 and spec.nbytes >= DIRECT_MIN_BYTES and first.is_contiguous()
+                and (wire_dtype is None or dtype not in (torch.float32, torch.float64))):
+            flags = torch.empty(1 + CONTROL_FLAGS, dtype=dtype, device=device)
+            packs.append(Pack(spec, flags, flags[:0], [], flags, [first], [names[spec.members[0]]], False, None, [],
+                              direct=True))
+            continue
         buffer = torch.empty(spec.numel + len(spec.members) + CONTROL_FLAGS, dtype=dtype, device=device)
         views = [buffer[off : off + n].view(params[i].shape) for i, off, n in zip(spec.members, spec.offsets, spec.numels)]
         wire = None
@@ -74,6 +100,11 @@ def build_packs(params: Sequence[Tensor], names: Sequence[str], order: Sequence[
 def adopt_current_grads(packs: Sequence[Pack]) -> None:
     """Move the members' current gradients into ``packs`` (after a re-plan)."""
     for pack in packs:
+        if pack.direct:  # the gradient stays where it is
+            grad = pack.params[0].grad
+            if grad is not None and grad.is_contiguous() and not grad.is_sparse:
+                _direct_data(pack, grad)
+            continue
         for p, view in zip(pack.params, pack.views):
             if p.grad is not None:
                 view.copy_(p.grad)
@@ -99,10 +130,53 @@ def gather(pack: Pack, scale: Optional[float], sparse_as_dense: bool) -> None:
 def gather_nothing(pack: Pack) -> None:
     """Zeros for every member: what a rank that has joined sends."""
     pack.buffer.zero_()
+    if pack.direct:
+        _direct_data(pack, torch.zeros_like(pack.params[0], memory_format=torch.contiguous_format))
     pack.absent[:] = range(len(pack.params))
 
 
+def scratch(pack: Pack) -> None:
+    """Give a direct pack a fresh buffer, for values other than its gradient (an exchange)."""
+    if pack.direct:
+        _direct_data(pack, torch.empty_like(pack.params[0], memory_format=torch.contiguous_format))
+
+
+def _direct_data(pack: Pack, tensor: Tensor) -> None:
+    """``tensor`` (shaped like the parameter, contiguous) is what the direct pack sends this round."""
+    pack.data = tensor.view(-1)
+    pack.views = [tensor]
+
+
+def _gather_direct(pack: Pack, scale: Optional[float], sparse_as_dense: bool) -> None:
+    param = pack.params[0]
+    grad = param.grad
+    if grad is not None and grad.is_sparse:
+        if not sparse_as_dense:
+            raise RuntimeError(_sparse_refused(pack.names[0]))
+        grad = param.grad = grad.to_dense()
+    if grad is None:
+        gather_nothing(pack)
+        pack.absent[:] = [0]
+        return
+    if grad.requires_grad:
+        raise RuntimeError(_CREATE_GRAPH)
+    if (grad.device, grad.dtype) != pack.spec.key or grad.shape != param.shape:
+        raise RuntimeError(  # _diagnose explains a converted model instead, where that is the cause
+            f"the gradient of {pack.names[0]!r} is {grad.dtype} {tuple(grad.shape)} on {grad.device}, but the "
+            f"parameter is {param.dtype} {tuple(param.shape)} on {param.device}; give every parameter a gradient "
+            "of its own dtype, shape and device"
+        )
+    if not grad.is_contiguous():  # a gradient set by hand; autograd keeps the parameter's layout
+        grad = param.grad = grad.contiguous()
+    if scale is not None:
+        grad.mul_(scale)
+    _direct_data(pack, grad)
+
+
 def _gather(pack: Pack, scale: Optional[float], sparse_as_dense: bool) -> None:
+    if pack.direct:
+        _gather_direct(pack, scale, sparse_as_dense)
+        return
     grads = [p.grad for p in pack.params]
     if pack.batched and all(g is not None and g is not v and not g.is_sparse for g, v in zip(grads, pack.views)):
         # Many small gradients: one cat and one scale beat a copy per tensor.
@@ -131,10 +205,7 @@ def _adopt_grad(param: Tensor, name: str, view: Tensor, scale: Optional[float], 
         return True
     if grad.is_sparse:
         if not sparse_as_dense:
-            raise RuntimeError(
-                f"parameter {name!r} has a sparse gradient, which distopt does not reduce; "
-                "use dense gradients (e.g. nn.Embedding(..., sparse=False)) or pass sparse_as_dense=True"
-            )
+            raise RuntimeError(_sparse_refused(name))
         grad = grad.to_dense()
     if scale is None:
         view.copy_(grad)
@@ -142,6 +213,13 @@ def _adopt_grad(param: Tensor, name: str, view: Tensor, scale: Optional[float], 
         torch.mul(grad, scale, out=view)
     param.grad = view
     return True
+
+
+def _sparse_refused(name: str) -> str:
+    return (
+        f"parameter {name!r} has a sparse gradient, which distopt does not reduce; "
+        "use dense gradients (e.g. nn.Embedding(..., sparse=False)) or pass sparse_as_dense=True"
+    )
 
 
 def _diagnose(pack: Pack) -> Optional[str]:

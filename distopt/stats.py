@@ -11,7 +11,9 @@ class StepStats:
     """What the last reduction round did.
 
     Attributes:
-        packs: all-reduces launched.
+        packs: packs launched.
+        all_reduces: all-reduces launched: one per pack, two for a pack of one large
+            gradient, which is sent where autograd left it and its flags apart.
         packs_at_flush: of those, how many launched only at the end of backward
             (the rest overlapped with backward).
         bytes: bytes put on the wire.
@@ -23,6 +25,7 @@ class StepStats:
     """
 
     packs: int = 0
+    all_reduces: int = 0
     packs_at_flush: int = 0
     bytes: int = 0
     wait_seconds: float = 0.0

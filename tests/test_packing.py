@@ -60,6 +60,19 @@ def test_a_pack_closes_as_soon_as_it_reaches_the_threshold(case):
         assert all(p.nbytes >= threshold for p in packs[:-1])
 
 
+@settings(max_examples=300, deadline=None)
+@given(param_sets())
+def test_a_parameter_at_or_above_the_threshold_travels_alone(case):
+    metas, order, threshold = case
+    plan = plan_packs(order, metas, threshold)
+    for pack in plan:
+        if len(pack.members) > 1:
+            assert all(metas[i].nbytes < threshold for i in pack.members)
+    # It takes its place in the plan when it arrives, before packs opened earlier that close later.
+    big = [i for i in order if metas[i].nbytes >= threshold]
+    assert [pack.members[0] for pack in plan if pack.members[0] in big and len(pack.members) == 1] == big
+
+
 @settings(max_examples=200, deadline=None)
 @given(param_sets())
 def test_members_keep_the_given_order_within_a_pack(case):

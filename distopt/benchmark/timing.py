@@ -58,11 +58,11 @@ def _distopt_counts(mode: Mode) -> Tuple[float, float]:
     opt = mode.stats_source
     assert opt is not None  # only called for distopt modes
     if mode.count_steps == 1:
-        return opt.stats.packs, opt.stats.bytes
+        return opt.stats.all_reduces, opt.stats.bytes
     calls = nbytes = 0
     for _ in range(mode.count_steps):  # one whole period, wherever the warm-up left it
         mode.run_step()
-        calls, nbytes = calls + opt.stats.packs, nbytes + opt.stats.bytes
+        calls, nbytes = calls + opt.stats.all_reduces, nbytes + opt.stats.bytes
     return calls / mode.count_steps, nbytes / mode.count_steps
 
 

@@ -199,27 +199,32 @@ class ShardedMode(Mode):
         inflight = []
         with torch.no_grad():
             for pack in engine.packs:
-                segments = self._segments(pack)
-                for rank, members, start, end in segments:
-                    if rank == self.rank:
+                for rank, members, segment in self._segments(pack):
+                    if rank == self.rank and not pack.direct:
                         for p, piece in members:
                             piece.copy_(p.reshape(-1))
-                    work = dist.broadcast(pack.buffer[start:end], src=dist.get_global_rank(group, rank),
-                                          group=group, async_op=True)
+                    work = dist.broadcast(segment, src=dist.get_global_rank(group, rank), group=group, async_op=True)
                     seq = engine.progress.issue() if engine.progress is not None else 0
                     inflight.append((work, pack, seq, members))
             for k, (work, pack, seq, members) in enumerate(inflight):
                 waiting.wait_for(work, pack.buffer.is_cuda, engine.progress, seq,
                                  f"segment {k + 1}/{len(inflight)} of the parameter exchange", None)
-                for p, piece in members:
-                    p.copy_(piece.view_as(p))
+                if not pack.direct:  # a direct pack's parameter was the broadcast's own tensor
+                    for p, piece in members:
+                        p.copy_(piece.view_as(p))
             for pack in engine.packs:
                 for p in pack.params:
                     p.grad = None  # the buffers hold parameters now
 
     def _segments(self, pack: Any) -> List[Any]:
-        """``[(owner, [(param, its slice)], start, end)]``: the pack's buffer laid out by owner."""
+        """``[(owner, [(param, its slice)], segment)]``: the pack's buffer laid out by owner.
+
+        A direct pack has no buffer: its one parameter is broadcast in place.
+        """
         owners = tuple(self.owner_of[id(p)] for p in pack.params)
+        if pack.direct:
+            flat = pack.params[0].detach().view(-1)
+            return [(owners[0], [(pack.params[0], flat)], flat)]
         cached = self._layouts.get(id(pack))
         if cached is None or cached[0] is not pack or cached[1] != owners:
             by_owner: Dict[int, List[Tensor]] = {}
@@ -231,7 +236,7 @@ class ShardedMode(Mode):
                 for p in by_owner[rank]:
                     members.append((p, pack.buffer[offset:offset + p.numel()]))
                     offset += p.numel()
-                layout.append((rank, members, start, offset))
+                layout.append((rank, members, pack.buffer[start:offset]))
             cached = self._layouts[id(pack)] = (pack, owners, layout)
         return cached[2]
 

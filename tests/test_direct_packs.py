@@ -1,0 +1,140 @@
+"""A pack of one large gradient sends that gradient itself (no copy into a buffer).
+
+Such a *direct* pack must train exactly as the same pack with a buffer does, in
+every mode and on every path: a parameter used on one rank only, one used on
+none, accumulation with ``no_sync``, sparse gradients made dense, uneven inputs
+under ``join()``, sharded state and local SGD / DiLoCo. Each case trains the same
+model twice in one world, once with direct packs (the size from which a pack of
+one goes direct lowered to 0 bytes) and once without, and the two must agree to
+rounding, with every rank identical. The buffered path itself is checked against
+single-process references in the other test files.
+"""
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from distopt import DistributedOptimizer, packs
+from distopt._testing import run_world
+
+WORLD_TIMEOUT = 150
+
+CASES = {
+    "plain": {},
+    "accumulate with no_sync": {"accumulate": True},
+    "sparse as dense": {"sparse": True},
+    "join, uneven inputs": {"join": True},
+    "shard_state": {"shard_state": True},
+    "local SGD": {"sync_every": 2},
+    "DiLoCo": {"sync_every": 2, "outer": True},
+    "one pack for all but the large": {"threshold": 4096},
+}
+
+
+class Net(nn.Module):
+    def __init__(self, sparse: bool) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 6, sparse=sparse)
+        self.fc1 = nn.Linear(6, 128)  # 6 KiB: alone in its pack at a 4 KiB threshold
+        self.fc2 = nn.Linear(128, 3)
+        self.rank0_only = nn.Parameter(torch.ones(128))  # used on rank 0 only: averaged with zeros
+        self.unused = nn.Parameter(torch.ones(4))  # used on no rank: keeps grad None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc1(self.embed(ids)))
+        if dist.get_rank() == 0:
+            h = h * self.rank0_only
+        return self.fc2(h)
+
+
+def _loss(model: Net, rank: int, step: int, part: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * rank + 10 * step + part)
+    ids = torch.randint(0, 10, (5,), generator=g)
+    target = torch.randn(5, 3, generator=g, dtype=torch.float64)
+    return ((model(ids) - target) ** 2).mean()
+
+
+def _train(direct: bool, *, threshold: int = 0, accumulate: bool = False, sparse: bool = False,
+           join: bool = False, shard_state: bool = False, sync_every: int = 1, outer: bool = False):
+    packs.DIRECT_MIN_BYTES = 0 if direct else 1 << 62
+    torch.manual_seed(0)
+    model = Net(sparse).double()
+    kwargs = {}
+    if outer:
+        kwargs["outer_optimizer"] = lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)
+    opt = DistributedOptimizer(
+        torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), pack_threshold=threshold,
+        named_parameters=model.named_parameters(), sparse_as_dense=sparse, shard_state=shard_state,
+        sync_every=sync_every, **kwargs,
+    )
+    rank = dist.get_rank()
+    steps = 6 - 3 * rank if join else 6
+    direct_packs = sum(pack.direct for pack in opt._engine.packs)
+    sent = []
+    with opt.join() if join else contextlib.nullcontext():
+        for step in range(steps):
+            opt.zero_grad()
+            if accumulate:
+                with opt.no_sync():
+                    _loss(model, rank, step, 1).backward()
+            _loss(model, rank, step).backward()
+            if direct and sync_every == 1 and not shard_state:
+                for pack in opt._engine.packs:  # the averaged gradient is a tensor of its own, not in a buffer
+                    grad = pack.params[0].grad
+                    if pack.direct and grad is not None and (
+                            grad is not pack.views[0] or grad.untyped_storage().nbytes() != grad.nbytes):
+                        raise AssertionError(f"{pack.names[0]}: .grad is not the direct pack's own tensor")
+            opt.step()
+            sent.append((opt.stats.packs, opt.stats.all_reduces))
+    grads_none = [name for name, p in model.named_parameters() if p.grad is None]
+    return [p.detach().clone() for p in model.parameters()], direct_packs, sent, grads_none
+
+
+def _default_plan():
+    """At the default settings: which packs of a 10 MiB weight and its bias go direct."""
+    packs.DIRECT_MIN_BYTES = 1 << 20
+    layer = nn.Linear(1024, 2560)
+    opt = DistributedOptimizer(torch.optim.SGD(layer.parameters(), lr=0.1))
+    layer(torch.ones(2, 1024)).sum().backward()
+    opt.step()
+    return [(pack.direct, [n for n in pack.names]) for pack in opt._engine.packs]
+
+
+def _both_ways():
+    out = {"default plan": _default_plan()}
+    for name, case in CASES.items():
+        out[name] = (_train(True, **case), _train(False, **case))
+    return out
+
+
+@pytest.fixture(scope="module")
+def results():
+    return run_world(_both_ways, 2, timeout=WORLD_TIMEOUT)
+
+
+@pytest.mark.timeout(WORLD_TIMEOUT + 30)
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_direct_pack_trains_exactly_as_a_buffered_one(case, results, no_leftover_processes):
+    per_rank = [r[case] for r in results]
+    for rank, (direct, buffered) in enumerate(per_rank):
+        params_direct, n_direct, sent, none_direct = direct
+        params_buffered, n_buffered, _, none_buffered = buffered
+        assert n_direct > 0 and n_buffered == 0
+        for a, b in zip(params_direct, params_buffered):
+            assert torch.allclose(a, b, rtol=0, atol=1e-12), (rank, (a - b).abs().max())
+        assert none_direct == none_buffered
+        if CASES[case].get("sync_every", 1) == 1:
+            # A direct pack's flags travel in an all-reduce of their own.
+            assert all(calls > packs_sent for packs_sent, calls in sent if packs_sent)
+    for a, b in zip(per_rank[0][0][0], per_rank[1][0][0]):
+        assert torch.equal(a, b)
+    if "shard" not in case and "local" not in case.lower() and "DiLoCo" not in case:
+        assert "unused" in per_rank[0][0][3]  # used on no rank: no gradient, as without direct packs
+
+
+@pytest.mark.timeout(WORLD_TIMEOUT + 30)
+def test_at_the_default_settings_a_gradient_of_10_mib_is_sent_where_autograd_left_it(results):
+    for per_rank in results:
+        assert per_rank["default plan"] == [(True, ["param_groups[0][0]"]), (False, ["param_groups[0][1]"])]
