@@ -46,7 +46,7 @@ from torch.autograd import Variable
 from . import collectives, replanning, stalls, waiting
 from .control import CONTROL_FLAGS, Control, Totals
 from .packing import LaunchOrder
-from .packs import Pack, adopt_current_grads, build_packs, gather, gather_nothing, scratch
+from .packs import Pack, adopt_current_grads, build_packs, gather, gather_nothing, release, scratch
 from .private_groups import PrivateGroup
 from .stalls import Progress
 from .stats import StepStats
@@ -199,6 +199,8 @@ class GradientEngine:
         self.launch_order.reset()
         for pack in self.packs:
             pack.absent.clear()
+            if pack.direct:
+                release(pack)  # else last round's gradient stays alive beside autograd's next one
         if self.progress is not None:
             self.progress.phase = "before backward"
 

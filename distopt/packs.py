@@ -27,7 +27,7 @@ from .control import CONTROL_FLAGS
 from .packing import PackSpec, ParamMeta, plan_packs
 
 __all__ = ["Pack", "DIRECT_MIN_BYTES", "build_packs", "adopt_current_grads", "gather", "gather_nothing", "scratch",
-           "metas"]
+           "release", "metas"]
 
 #: Bytes from which a pack of one gradient sends that gradient itself: below it, the flags'
 #: extra all-reduce would cost more than the copy saves.
@@ -139,6 +139,12 @@ def scratch(pack: Pack) -> None:
     """Give a direct pack a fresh buffer, for values other than its gradient (an exchange)."""
     if pack.direct:
         _direct_data(pack, torch.empty_like(pack.params[0], memory_format=torch.contiguous_format))
+
+
+def release(pack: Pack) -> None:
+    """Let go of what a direct pack sent last (the round is over; ``.grad`` keeps it if it is the gradient)."""
+    pack.data = pack.buffer[:0]
+    pack.views = []
 
 
 def _direct_data(pack: Pack, tensor: Tensor) -> None:
