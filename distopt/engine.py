@@ -46,7 +46,7 @@ from torch.autograd import Variable
 from . import collectives, replanning, stalls, waiting
 from .control import CONTROL_FLAGS, Control, Totals
 from .packing import LaunchOrder
-from .packs import Pack, adopt_current_grads, build_packs, gather, gather_nothing, release, scratch
+from .packs import Pack, adopt_current_grads, build_packs, gather, gather_early, gather_nothing, release, scratch
 from .private_groups import PrivateGroup
 from .stalls import Progress
 from .stats import StepStats
@@ -128,6 +128,7 @@ class GradientEngine:
         self.handles: List[Any] = []  # hook handles, removed by close()
         self.packs: List[Pack] = []
         self.pack_of: List[int] = []  # parameter index -> pack index
+        self.slot_of: List[int] = []  # parameter index -> its place in its pack
         self.launch_order = LaunchOrder([])
         self.planned = False
         self.sync_enabled = True  # False inside no_sync()
@@ -175,9 +176,11 @@ class GradientEngine:
             adopt_current_grads(packs)
         self.packs = packs
         self.pack_of = [0] * len(self.params)
+        self.slot_of = [0] * len(self.params)
         for k, pack in enumerate(packs):
-            for i in pack.spec.members:
+            for j, i in enumerate(pack.spec.members):
                 self.pack_of[i] = k
+                self.slot_of[i] = j
         self.launch_order = LaunchOrder([len(pack.spec.members) for pack in packs])
 
     # ------------------------------------------------------------------ the round
@@ -199,6 +202,7 @@ class GradientEngine:
         self.launch_order.reset()
         for pack in self.packs:
             pack.absent.clear()
+            pack.moved.clear()
             if pack.direct:
                 release(pack)  # else last round's gradient stays alive beside autograd's next one
         if self.progress is not None:
@@ -241,6 +245,9 @@ class GradientEngine:
             self._fired[index] = 1
             if not self.planned:
                 self.arrivals.append(index)
+            pack = self.packs[self.pack_of[index]]
+            if not pack.batched and not pack.direct:
+                gather_early(pack, self.slot_of[index], self.scale, self.sparse_as_dense)
             for ready in self.launch_order.ready(self.pack_of[index]):
                 self._launch(ready)
 

@@ -17,8 +17,8 @@ gradient (memory) and the copy into it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from dataclasses import dataclass, field
+from typing import List, Optional, Sequence, Set
 
 import torch
 from torch import Tensor
@@ -27,7 +27,7 @@ from .control import CONTROL_FLAGS
 from .packing import PackSpec, ParamMeta, plan_packs
 
 __all__ = ["Pack", "DIRECT_MIN_BYTES", "build_packs", "adopt_current_grads", "gather", "gather_nothing", "scratch",
-           "release", "metas"]
+           "release", "gather_early", "metas"]
 
 #: Bytes from which a pack of one gradient sends that gradient itself: below it, the flags'
 #: extra all-reduce would cost more than the copy saves.
@@ -59,6 +59,7 @@ class Pack:
     wire: Optional[Tensor]  # 16-bit copy sent instead of ``buffer`` when compressing
     absent: List[int]  # members that had no local gradient this round
     direct: bool = False  # one large gradient, all-reduced where autograd left it
+    moved: Set[int] = field(default_factory=set)  # members moved in by their hook this round
 
     @property
     def target(self) -> Tensor:
@@ -120,6 +121,22 @@ def gather(pack: Pack, scale: Optional[float], sparse_as_dense: bool) -> None:
     """
     try:
         _gather(pack, scale, sparse_as_dense)
+    except RuntimeError as exc:
+        problem = _diagnose(pack)
+        if problem is None:
+            raise
+        raise RuntimeError(problem) from exc
+
+
+def gather_early(pack: Pack, j: int, scale: Optional[float], sparse_as_dense: bool) -> None:
+    """Move member ``j``'s gradient in as soon as it is ready, so autograd's copy is freed at once.
+
+    For packs of larger members only (``not pack.batched``): tiny ones are moved in
+    together, with one ``cat``, when the pack launches.
+    """
+    try:
+        if _adopt_grad(pack.params[j], pack.names[j], pack.views[j], scale, sparse_as_dense):
+            pack.moved.add(j)
     except RuntimeError as exc:
         problem = _diagnose(pack)
         if problem is None:
@@ -193,6 +210,8 @@ def _gather(pack: Pack, scale: Optional[float], sparse_as_dense: bool) -> None:
             p.grad = view
         return
     for j, (param, view) in enumerate(zip(pack.params, pack.views)):
+        if j in pack.moved:
+            continue
         if not _adopt_grad(param, pack.names[j], view, scale, sparse_as_dense):
             view.zero_()
             pack.absent.append(j)

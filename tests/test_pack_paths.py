@@ -1,13 +1,15 @@
-"""A pack of one large gradient sends that gradient itself (no copy into a buffer).
+"""Every way a gradient can travel trains alike.
 
-Such a *direct* pack must train exactly as the same pack with a buffer does, in
-every mode and on every path: a parameter used on one rank only, one used on
-none, accumulation with ``no_sync``, sparse gradients made dense, uneven inputs
-under ``join()``, sharded state and local SGD / DiLoCo. Each case trains the same
-model twice in one world, once with direct packs (the size from which a pack of
-one goes direct lowered to 0 bytes) and once without, and the two must agree to
-rounding, with every rank identical. The buffered path itself is checked against
-single-process references in the other test files.
+A gradient reaches the wire in one of three ways: moved into its pack's buffer
+with the other tiny ones in one ``cat`` when the pack launches; moved into the
+buffer by its own hook the moment it is ready (larger members, so autograd's copy
+is freed at once); or, alone in a *direct* pack, all-reduced where autograd left
+it. Each case trains the same model once per way in one world, and all must
+agree to rounding, with every rank identical, in every mode and on every path: a
+parameter used on one rank only, one used on none, accumulation with
+``no_sync``, sparse gradients made dense, uneven inputs under ``join()``, sharded
+state and local SGD / DiLoCo. The first way is checked against single-process
+references in the other test files.
 """
 import contextlib
 
@@ -56,9 +58,18 @@ def _loss(model: Net, rank: int, step: int, part: int = 0) -> torch.Tensor:
     return ((model(ids) - target) ** 2).mean()
 
 
-def _train(direct: bool, *, threshold: int = 0, accumulate: bool = False, sparse: bool = False,
+#: (direct packs from this many bytes, tiny members below this mean size moved at launch)
+WAYS = {
+    "moved at launch": (1 << 62, 1 << 62),
+    "moved by hooks": (1 << 62, 0),
+    "direct": (0, 0),
+}
+
+
+def _train(way: str, *, threshold: int = 0, accumulate: bool = False, sparse: bool = False,
            join: bool = False, shard_state: bool = False, sync_every: int = 1, outer: bool = False):
-    packs.DIRECT_MIN_BYTES = 0 if direct else 1 << 62
+    packs.DIRECT_MIN_BYTES, packs._BATCH_GATHER_BELOW = WAYS[way]
+    direct = way == "direct"
     torch.manual_seed(0)
     model = Net(sparse).double()
     kwargs = {}
@@ -71,7 +82,7 @@ def _train(direct: bool, *, threshold: int = 0, accumulate: bool = False, sparse
     )
     rank = dist.get_rank()
     steps = 6 - 3 * rank if join else 6
-    direct_packs = sum(pack.direct for pack in opt._engine.packs)
+    kinds = sorted({"direct" if p.direct else "batched" if p.batched else "hooks" for p in opt._engine.packs})
     sent = []
     with opt.join() if join else contextlib.nullcontext():
         for step in range(steps):
@@ -89,12 +100,12 @@ def _train(direct: bool, *, threshold: int = 0, accumulate: bool = False, sparse
             opt.step()
             sent.append((opt.stats.packs, opt.stats.all_reduces))
     grads_none = [name for name, p in model.named_parameters() if p.grad is None]
-    return [p.detach().clone() for p in model.parameters()], direct_packs, sent, grads_none
+    return [p.detach().clone() for p in model.parameters()], kinds, sent, grads_none
 
 
 def _default_plan():
     """At the default settings: which packs of a 10 MiB weight and its bias go direct."""
-    packs.DIRECT_MIN_BYTES = 1 << 20
+    packs.DIRECT_MIN_BYTES, packs._BATCH_GATHER_BELOW = 1 << 20, 1 << 12
     layer = nn.Linear(1024, 2560)
     opt = DistributedOptimizer(torch.optim.SGD(layer.parameters(), lr=0.1))
     layer(torch.ones(2, 1024)).sum().backward()
@@ -102,36 +113,39 @@ def _default_plan():
     return [(pack.direct, [n for n in pack.names]) for pack in opt._engine.packs]
 
 
-def _both_ways():
+def _every_way():
     out = {"default plan": _default_plan()}
     for name, case in CASES.items():
-        out[name] = (_train(True, **case), _train(False, **case))
+        out[name] = {way: _train(way, **case) for way in WAYS}
     return out
 
 
 @pytest.fixture(scope="module")
 def results():
-    return run_world(_both_ways, 2, timeout=WORLD_TIMEOUT)
+    return run_world(_every_way, 2, timeout=WORLD_TIMEOUT)
 
 
 @pytest.mark.timeout(WORLD_TIMEOUT + 30)
+@pytest.mark.parametrize("way", [w for w in WAYS if w != "moved at launch"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_direct_pack_trains_exactly_as_a_buffered_one(case, results, no_leftover_processes):
+def test_every_way_a_gradient_travels_trains_alike(case, way, results, no_leftover_processes):
     per_rank = [r[case] for r in results]
-    for rank, (direct, buffered) in enumerate(per_rank):
-        params_direct, n_direct, sent, none_direct = direct
-        params_buffered, n_buffered, _, none_buffered = buffered
-        assert n_direct > 0 and n_buffered == 0
-        for a, b in zip(params_direct, params_buffered):
+    for rank, ways in enumerate(per_rank):
+        params, kinds, sent, grads_none = ways[way]
+        ref_params, ref_kinds, _, ref_none = ways["moved at launch"]
+        assert ref_kinds == ["batched"]
+        assert kinds == (["direct", "hooks"] if way == "direct" and "large" in case
+                         else ["direct"] if way == "direct" else ["hooks"])
+        for a, b in zip(params, ref_params):
             assert torch.allclose(a, b, rtol=0, atol=1e-12), (rank, (a - b).abs().max())
-        assert none_direct == none_buffered
-        if CASES[case].get("sync_every", 1) == 1:
+        assert grads_none == ref_none
+        if way == "direct" and CASES[case].get("sync_every", 1) == 1:
             # A direct pack's flags travel in an all-reduce of their own.
             assert all(calls > packs_sent for packs_sent, calls in sent if packs_sent)
-    for a, b in zip(per_rank[0][0][0], per_rank[1][0][0]):
+    for a, b in zip(per_rank[0][way][0], per_rank[1][way][0]):
         assert torch.equal(a, b)
     if "shard" not in case and "local" not in case.lower() and "DiLoCo" not in case:
-        assert "unused" in per_rank[0][0][3]  # used on no rank: no gradient, as without direct packs
+        assert "unused" in per_rank[0][way][3]  # used on no rank: no gradient, whichever way
 
 
 @pytest.mark.timeout(WORLD_TIMEOUT + 30)
