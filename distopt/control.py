@@ -14,7 +14,7 @@ of their own:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List
+from typing import Any, List
 
 import torch
 from torch import Tensor
@@ -54,9 +54,12 @@ class Totals:
     divide_by_world: int
 
     @classmethod
-    def read(cls, flags: List[float], world_size: int, averaged: bool) -> "Totals":
-        """Counts from the reduced flags (``averaged``: the backend divided the sum by the world)."""
-        return cls(*(int(round(v * world_size if averaged else v)) for v in flags))
+    def read(cls, flags: List[Any], world_size: int, averaged: bool) -> "Totals":
+        """Counts from the reduced flags (``averaged``: the backend divided the sum by the world).
+
+        The flags have their pack's dtype: floats, or complex numbers with the count in the real part.
+        """
+        return cls(*(int(round(v.real * world_size if averaged else v.real)) for v in flags))
 
     def check(self, world_size: int) -> None:
         """Raise the same error on every rank if the ranks are not in step with each other.

@@ -113,8 +113,29 @@ def _default_plan():
     return [(pack.direct, [n for n in pack.names]) for pack in opt._engine.packs]
 
 
+def _complex_gradient_error(way: str) -> float:
+    """A complex parameter's averaged gradient against the mean of the ranks' own (computed here)."""
+    packs.DIRECT_MIN_BYTES, packs._BATCH_GATHER_BELOW = WAYS[way]
+    torch.manual_seed(0)
+    param = nn.Parameter(torch.randn(4, 3, dtype=torch.complex128))
+    opt = DistributedOptimizer(torch.optim.SGD([param], lr=0.1), pack_threshold=0)
+
+    def loss(p: torch.Tensor, rank: int) -> torch.Tensor:
+        x = torch.randn(3, 2, dtype=torch.complex128, generator=torch.Generator().manual_seed(rank))
+        return (p @ x).abs().sum()
+
+    expected = (_plain_grad(param, loss, 0) + _plain_grad(param, loss, 1)) / 2
+    loss(param, dist.get_rank()).backward()
+    return (param.grad - expected).abs().max().item()
+
+
+def _plain_grad(param: nn.Parameter, loss, rank: int) -> torch.Tensor:
+    copy = param.detach().clone().requires_grad_()
+    return torch.autograd.grad(loss(copy, rank), copy)[0]
+
+
 def _every_way():
-    out = {"default plan": _default_plan()}
+    out = {"default plan": _default_plan(), "complex": {way: _complex_gradient_error(way) for way in WAYS}}
     for name, case in CASES.items():
         out[name] = {way: _train(way, **case) for way in WAYS}
     return out
@@ -152,3 +173,9 @@ def test_every_way_a_gradient_travels_trains_alike(case, way, results, no_leftov
 def test_at_the_default_settings_a_gradient_of_10_mib_is_sent_where_autograd_left_it(results):
     for per_rank in results:
         assert per_rank["default plan"] == [(True, ["param_groups[0][0]"]), (False, ["param_groups[0][1]"])]
+
+
+@pytest.mark.timeout(WORLD_TIMEOUT + 30)
+def test_a_complex_gradient_is_averaged_whichever_way_it_travels(results):
+    for per_rank in results:
+        assert all(error < 1e-12 for error in per_rank["complex"].values()), per_rank["complex"]
