@@ -6,8 +6,8 @@ buffer (scaled in the same pass) and ``.grad`` becomes a view of its slice.
 Packs launch one asynchronous all-reduce each, strictly in the order of a plan
 every rank holds identically (:class:`distopt.packing.LaunchOrder`). At the end
 of the reducing backward pass (an autograd engine callback) the rest is flushed
-and everything is awaited in :meth:`GradientEngine.finish_round`, the one place
-that waits.
+and everything is awaited in ``finish_round``, the one place that waits
+(:mod:`distopt.round_end`, a mixin of the engine).
 
 A *round* is what happens between two ``step()``/``zero_grad()`` calls: backward
 passes accumulate locally (``IDLE``), the reducing pass runs (``ACTIVE``), and
@@ -20,9 +20,8 @@ round then stays pending until ``synchronize()``, ``step()`` or ``zero_grad()``.
 Once a round is back, the control flags in every pack (:mod:`distopt.control`)
 tell every rank alike whether the ranks reduced at different points (an error on
 every rank), unfroze parameters (tracked at once, on every rank together), or
-have joined (:mod:`distopt.joining`): a rank that has joined runs
-:meth:`GradientEngine.shadow_round`, sending zeros, and the contributors' mean
-is rescaled to count only them. Waits are watched by the stall inspector
+have joined (:mod:`distopt.joining`): a rank that has joined runs shadow
+rounds, sending zeros, and the contributors' mean is rescaled to count only them. Waits are watched by the stall inspector
 (:mod:`distopt.stalls`).
 
 The engine knows nothing of steps or optimizers; a mode (:mod:`distopt.modes`)
@@ -33,26 +32,26 @@ never reduces, and sends its own values through the same packs, plan and flags
 """
 from __future__ import annotations
 
-import contextlib
 import threading
-import time
 import weakref
-from typing import Any, Callable, List, NamedTuple, Optional, Sequence
+from typing import Any, Callable, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.autograd import Variable
 
-from . import collectives, replanning, stalls, waiting
-from .control import CONTROL_FLAGS, Control, Totals
+from . import stalls
+from .control import CONTROL_FLAGS, Control
 from .packing import LaunchOrder
 from .packs import Pack, adopt_current_grads, build_packs, gather, gather_early, gather_nothing, release, scratch
 from .private_groups import PrivateGroup
+from .round_end import RoundEnd
+from .rounds import ACTIVE, DONE, IDLE, PHASE_BACKWARD, PHASE_EXPLICIT, PHASE_IMPLICIT, Sent, labelled
 from .stalls import Progress
 from .stats import StepStats
 
-__all__ = ["GradientEngine", "Sent", "IDLE", "ACTIVE", "DONE", "PHASE_EXCHANGE", "BACKWARD_PATIENCE"]
+__all__ = ["GradientEngine", "BACKWARD_PATIENCE"]
 
 #: Seconds the end of backward waits at least for the other ranks' gradients before leaving the
 #: round pending (finished by synchronize(), step() or zero_grad()); it grows to 20 times the
@@ -60,27 +59,7 @@ __all__ = ["GradientEngine", "Sent", "IDLE", "ACTIVE", "DONE", "PHASE_EXCHANGE",
 #: saves a checkpoint or evaluates while the others start the next step.
 BACKWARD_PATIENCE = 60.0
 
-# Round states: gradients accumulate locally (IDLE), the reducing backward is
-# running (ACTIVE), gradients are averaged and final (DONE).
-IDLE, ACTIVE, DONE = range(3)
-
-# Where a rank launched its packs this round (see :mod:`distopt.control`); an exchange
-# (:mod:`distopt.exchange`) is no gradient round, so it raises neither the "during backward"
-# nor the "inside step" flag.
-_BACKWARD, _EXPLICIT, _IMPLICIT, PHASE_EXCHANGE = range(4)
-
-
-class Sent(NamedTuple):
-    """One all-reduce in flight."""
-
-    work: Any
-    pack: Pack
-    index: int  # the pack's place in the plan
-    seq: int  # the collective's number on the channel, for the stall inspector
-    carries_flags: bool  # False for a direct pack's gradient, whose flags travel apart
-
-
-class GradientEngine:
+class GradientEngine(RoundEnd):
     """Averages the gradients of the parameters it tracks, during backward.
 
     Args:
@@ -196,7 +175,7 @@ class GradientEngine:
         self.inflight: List[Sent] = []
         self._fired = bytearray(len(self.params))
         self.arrivals: List[int] = []
-        self._phase = _BACKWARD
+        self._phase = PHASE_BACKWARD
         self._pending_versions: Optional[List[int]] = None
         self._patience_used = 0.0
         self._control: Optional[Tensor] = None  # this rank's control flags, set at its first launch
@@ -225,7 +204,7 @@ class GradientEngine:
             return
         with self.lock:
             if self.state == IDLE:  # else the round is pending: launched in backward, still in flight
-                self.open_round(_EXPLICIT if explicit else _IMPLICIT)
+                self.open_round(PHASE_EXPLICIT if explicit else PHASE_IMPLICIT)
             if not self.packs:
                 self.control_round()
                 return
@@ -284,8 +263,8 @@ class GradientEngine:
     def _control_flags(self) -> Tensor:
         if self._control is None:
             self._control = Control(
-                during_backward=not self.joined and self._phase == _BACKWARD,
-                inside_step=not self.joined and self._phase == _IMPLICIT,
+                during_backward=not self.joined and self._phase == PHASE_BACKWARD,
+                inside_step=not self.joined and self._phase == PHASE_IMPLICIT,
                 unfrozen=not self.joined and any(p.requires_grad for p in self.frozen),
                 contributing=not self.joined,
                 in_join=self.in_join,
@@ -309,7 +288,7 @@ class GradientEngine:
         pack.flags[-CONTROL_FLAGS:].copy_(self._control_flags())
         if pack.wire is not None:
             pack.wire.copy_(pack.buffer)
-        with _labelled("distopt.all_reduce"):
+        with labelled("distopt.all_reduce"):
             if pack.direct:
                 self._send(pack.data, pack, index, False)
             self._send(pack.target if not pack.direct else pack.buffer, pack, index, True)
@@ -339,134 +318,6 @@ class GradientEngine:
         for k in self.launch_order.flush():
             self._launch(k)
         self.stats.packs_at_flush += self.launch_order.launched - launched_before
-
-    def wait(self, patience: Optional[float] = None) -> bool:
-        """Block until every launched all-reduce is done (their buffers may be written until then).
-
-        Args:
-            patience: give up after this many seconds. CUDA packs (NCCL) ignore it: their plain
-                wait only orders the streams, while a wait with a timeout would block the host.
-
-        Returns:
-            False if it gave up: the all-reduces go on, and a later wait finishes them.
-
-        Raises:
-            StallError: a pack took longer than the stall timeout.
-            RuntimeError: a peer went away; the error says which and how.
-        """
-        if not self.inflight:
-            return True
-        start = time.perf_counter()
-        try:
-            kind = "parameter exchange (local SGD)" if self._phase == PHASE_EXCHANGE else "gradient all-reduce"
-            deadline = None if patience is None else start + patience
-            with _labelled("distopt.wait"):
-                for sent in self.inflight:
-                    what = f"pack {sent.index + 1}/{len(self.packs)} of the {kind}"
-                    if not waiting.wait_for(sent.work, sent.pack.buffer.is_cuda, self.progress, sent.seq, what,
-                                            deadline):
-                        return False
-            return True
-        finally:
-            self.stats.wait_seconds += time.perf_counter() - start
-
-    def finish_round(self, patience: Optional[float] = None) -> None:
-        """Wait for every pack, scale, and settle which parameters end up with a gradient.
-
-        Args:
-            patience: seconds to wait before leaving the round pending, to be finished by
-                the next ``synchronize()``, ``step()`` or ``zero_grad()``.
-
-        Raises:
-            RuntimeError: the ranks are not in step (see :meth:`distopt.control.Totals.check`),
-                or gradients were changed while the round was pending.
-            ValueError: the ranks unfroze different parameters.
-        """
-        start = time.perf_counter()
-        if not self.wait(patience):
-            # Remember the buffers' versions: changing a gradient before it is averaged is an error.
-            self._pending_versions = [_written(sent.pack)._version for sent in self.inflight]
-            self._patience_used = patience
-            return
-        if patience is not None:
-            self._slowest_wait = max(self._slowest_wait, time.perf_counter() - start)
-        touched = self._pending_versions is not None and any(
-            _written(sent.pack)._version != version for sent, version in zip(self.inflight, self._pending_versions)
-        )
-        self._pending_versions = None
-        totals = None
-        for sent in self.inflight:
-            if not sent.carries_flags:
-                continue
-            pack = sent.pack
-            if pack.wire is not None:
-                pack.buffer.copy_(pack.wire)
-            if totals is None:
-                totals = self._totals(pack.flags[-CONTROL_FLAGS:].tolist())
-            factor = totals.rescale(self.world_size, self.mean)
-            if factor != 1.0:
-                pack.data.mul_(factor)
-            if pack.absent:
-                present = pack.flags.tolist()
-                for j in pack.absent:
-                    # Averaged with zeros where some rank had a gradient; None where none had.
-                    index = pack.spec.members[j]
-                    self.params[index].grad = pack.views[j] if present[j] else None
-                pack.absent.clear()
-        self.inflight = []
-        self.state = DONE
-        self._passes = self.backward_passes_per_step
-        if self.progress is not None:
-            self.progress.phase = "after backward, before step()"
-        if totals is None:
-            return
-        totals.check(self.world_size)
-        if touched:
-            raise RuntimeError(_TOUCHED_WHILE_PENDING.format(self._patience_used))
-        self._settle(totals)
-
-    def _totals(self, flags: List[float]) -> Totals:
-        totals = Totals.read(flags, self.world_size, averaged=self.op == dist.ReduceOp.AVG)
-        if totals.contributing:
-            self.contributors = totals.contributing
-            self.contributed_last = not self.joined
-        else:
-            self.contributors = 0
-        return totals
-
-    def _settle(self, totals: Totals) -> None:
-        if totals.unfrozen:
-            replanning.adopt_unfrozen(self)
-        elif not self.planned:
-            replanning.fix_plan(self)
-
-    def control_round(self) -> None:
-        """A round without packs (nothing trainable yet): only the control flags travel."""
-        flags = self._control_flags().clone()
-        with stalls.inspected(self.progress, "the control flags (no trainable parameter yet)"):
-            collectives.all_reduce(flags, op="sum", group=self.channel.group)
-        self.state = DONE
-        totals = self._totals(flags.tolist())
-        totals.check(self.world_size)
-        if totals.unfrozen:
-            replanning.adopt_unfrozen(self)
-
-
-_TOUCHED_WHILE_PENDING = (
-    "gradients were changed (clipped, unscaled, ...) after backward() returned but before every rank's "
-    "gradients had arrived (distopt waited {:g} s for them at the end of backward, then went on); the ranks "
-    "would apply different updates. Call opt.synchronize() after backward() and before touching gradients"
-)
-
-
-def _labelled(name: str) -> Any:
-    """A profiler label, only while a profiler runs: otherwise it costs 10-100 µs for nothing."""
-    return torch.profiler.record_function(name) if torch._C._autograd._profiler_enabled() else contextlib.nullcontext()
-
-
-def _written(pack: Pack) -> Tensor:
-    """What the user can change through ``.grad`` while the pack is in flight."""
-    return pack.data if pack.direct else pack.buffer
 
 
 def _make_hook(ref: "weakref.ReferenceType[GradientEngine]", index: int) -> Callable[[Tensor], None]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-from .engine import ACTIVE, PHASE_EXCHANGE
+from .rounds import ACTIVE, PHASE_EXCHANGE
 
 if TYPE_CHECKING:
     from .engine import GradientEngine

@@ -20,7 +20,7 @@ from torch.optim import Optimizer
 
 from . import checks, collectives, joining, stalls, wiring
 from .collectives.groups import check_member
-from .engine import IDLE
+from .rounds import IDLE
 from .forwarding import InnerOptimizerSurface
 from .modes import Mode, ShardedMode
 from .modes.local_sgd import OuterFactory

@@ -1,6 +1,6 @@
 """Waiting for one of the engine's all-reduces: bounded, watched for stalls, with errors explained.
 
-The engine waits in one place (:meth:`distopt.engine.GradientEngine.wait`),
+The engine waits in one place (:meth:`distopt.round_end.RoundEnd.wait`),
 pack by pack, through :func:`wait_for`. A gloo wait is cut into slices so that
 it can give up at the end of backward (the round stays pending) and raise
 :class:`distopt.StallError` at the stall timeout; a collective that fails

@@ -1,0 +1,178 @@
+"""The end of a reduction round: the one place that waits, then what every rank reads back.
+
+:meth:`RoundEnd.finish_round` waits for every all-reduce in flight (through
+:func:`distopt.waiting.wait_for`), rescales the contributors' mean, settles which
+parameters end up with a gradient, checks the control flags (:mod:`distopt.control`)
+and changes the plan where they say so (:mod:`distopt.replanning`). A mixin of
+:class:`distopt.engine.GradientEngine`, which launches what it waits for.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, List, Optional
+
+import torch.distributed as dist
+from torch import Tensor
+
+from . import collectives, replanning, stalls, waiting
+from .control import CONTROL_FLAGS, Totals
+from .packs import Pack
+from .rounds import DONE, PHASE_EXCHANGE, labelled
+
+if TYPE_CHECKING:
+    from .rounds import Sent
+    from .stalls import Progress
+    from .stats import StepStats
+
+__all__ = ["RoundEnd"]
+
+
+class RoundEnd:
+    """Waiting for a round and settling it; the state it reads is the engine's."""
+
+    inflight: List["Sent"]
+    packs: List[Pack]
+    params: List[Tensor]
+    progress: Optional["Progress"]
+    stats: "StepStats"
+    channel: Any
+    world_size: int
+    mean: bool
+    op: Any
+    joined: bool
+    planned: bool
+    state: int
+    contributors: int
+    contributed_last: bool
+    backward_passes_per_step: int
+    _phase: int
+    _passes: int
+    _slowest_wait: float
+    _pending_versions: Optional[List[int]]
+    _patience_used: Optional[float]
+
+    def _control_flags(self) -> Tensor:
+        raise NotImplementedError
+
+    def wait(self, patience: Optional[float] = None) -> bool:
+        """Block until every launched all-reduce is done (their buffers may be written until then).
+
+        Args:
+            patience: give up after this many seconds. CUDA packs (NCCL) ignore it: their plain
+                wait only orders the streams, while a wait with a timeout would block the host.
+
+        Returns:
+            False if it gave up: the all-reduces go on, and a later wait finishes them.
+
+        Raises:
+            StallError: a pack took longer than the stall timeout.
+            RuntimeError: a peer went away; the error says which and how.
+        """
+        if not self.inflight:
+            return True
+        start = time.perf_counter()
+        try:
+            kind = "parameter exchange (local SGD)" if self._phase == PHASE_EXCHANGE else "gradient all-reduce"
+            deadline = None if patience is None else start + patience
+            with labelled("distopt.wait"):
+                for sent in self.inflight:
+                    what = f"pack {sent.index + 1}/{len(self.packs)} of the {kind}"
+                    if not waiting.wait_for(sent.work, sent.pack.buffer.is_cuda, self.progress, sent.seq, what,
+                                            deadline):
+                        return False
+            return True
+        finally:
+            self.stats.wait_seconds += time.perf_counter() - start
+
+    def finish_round(self, patience: Optional[float] = None) -> None:
+        """Wait for every pack, scale, and settle which parameters end up with a gradient.
+
+        Args:
+            patience: seconds to wait before leaving the round pending, to be finished by
+                the next ``synchronize()``, ``step()`` or ``zero_grad()``.
+
+        Raises:
+            RuntimeError: the ranks are not in step (see :meth:`distopt.control.Totals.check`),
+                or gradients were changed while the round was pending.
+            ValueError: the ranks unfroze different parameters.
+        """
+        start = time.perf_counter()
+        if not self.wait(patience):
+            # Remember the buffers' versions: changing a gradient before it is averaged is an error.
+            self._pending_versions = [_written(sent.pack)._version for sent in self.inflight]
+            self._patience_used = patience
+            return
+        if patience is not None:
+            self._slowest_wait = max(self._slowest_wait, time.perf_counter() - start)
+        touched = self._pending_versions is not None and any(
+            _written(sent.pack)._version != version for sent, version in zip(self.inflight, self._pending_versions)
+        )
+        self._pending_versions = None
+        totals = None
+        for sent in self.inflight:
+            if not sent.carries_flags:
+                continue
+            pack = sent.pack
+            if pack.wire is not None:
+                pack.buffer.copy_(pack.wire)
+            if totals is None:
+                totals = self._totals(pack.flags[-CONTROL_FLAGS:].tolist())
+            factor = totals.rescale(self.world_size, self.mean)
+            if factor != 1.0:
+                pack.data.mul_(factor)
+            if pack.absent:
+                present = pack.flags.tolist()
+                for j in pack.absent:
+                    # Averaged with zeros where some rank had a gradient; None where none had.
+                    index = pack.spec.members[j]
+                    self.params[index].grad = pack.views[j] if present[j] else None
+                pack.absent.clear()
+        self.inflight = []
+        self.state = DONE
+        self._passes = self.backward_passes_per_step
+        if self.progress is not None:
+            self.progress.phase = "after backward, before step()"
+        if totals is None:
+            return
+        totals.check(self.world_size)
+        if touched:
+            raise RuntimeError(_TOUCHED_WHILE_PENDING.format(self._patience_used))
+        self._settle(totals)
+
+    def _totals(self, flags: List[float]) -> Totals:
+        totals = Totals.read(flags, self.world_size, averaged=self.op == dist.ReduceOp.AVG)
+        if totals.contributing:
+            self.contributors = totals.contributing
+            self.contributed_last = not self.joined
+        else:
+            self.contributors = 0
+        return totals
+
+    def _settle(self, totals: Totals) -> None:
+        if totals.unfrozen:
+            replanning.adopt_unfrozen(self)
+        elif not self.planned:
+            replanning.fix_plan(self)
+
+    def control_round(self) -> None:
+        """A round without packs (nothing trainable yet): only the control flags travel."""
+        flags = self._control_flags().clone()
+        with stalls.inspected(self.progress, "the control flags (no trainable parameter yet)"):
+            collectives.all_reduce(flags, op="sum", group=self.channel.group)
+        self.state = DONE
+        totals = self._totals(flags.tolist())
+        totals.check(self.world_size)
+        if totals.unfrozen:
+            replanning.adopt_unfrozen(self)
+
+
+_TOUCHED_WHILE_PENDING = (
+    "gradients were changed (clipped, unscaled, ...) after backward() returned but before every rank's "
+    "gradients had arrived (distopt waited {:g} s for them at the end of backward, then went on); the ranks "
+    "would apply different updates. Call opt.synchronize() after backward() and before touching gradients"
+)
+
+
+def _written(pack: Pack) -> Tensor:
+    """What the user can change through ``.grad`` while the pack is in flight."""
+    return pack.data if pack.direct else pack.buffer
