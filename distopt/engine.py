@@ -290,8 +290,10 @@ class GradientEngine(RoundEnd):
             pack.wire.copy_(pack.buffer)
         with labelled("distopt.all_reduce"):
             if pack.direct:
-                self._send(pack.data, pack, index, False)
-            self._send(pack.target if not pack.direct else pack.buffer, pack, index, True)
+                self._send(pack.data, pack, index, carries_flags=False)
+                self._send(pack.flags, pack, index, carries_flags=True)
+            else:
+                self._send(pack.buffer if pack.wire is None else pack.wire, pack, index, carries_flags=True)
         self.stats.packs += 1
 
     def _send(self, tensor: Tensor, pack: Pack, index: int, carries_flags: bool) -> None:

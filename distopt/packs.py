@@ -61,13 +61,6 @@ class Pack:
     direct: bool = False  # one large gradient, all-reduced where autograd left it
     moved: Set[int] = field(default_factory=set)  # members moved in by their hook this round
 
-    @property
-    def target(self) -> Tensor:
-        """The tensor whose all-reduce carries the gradients (and, unless direct, the flags)."""
-        if self.direct:
-            return self.data
-        return self.buffer if self.wire is None else self.wire
-
 
 def metas(params: Sequence[Tensor]) -> List[ParamMeta]:
     """What planning needs of each parameter; the key is ``(device, dtype)``."""
