@@ -39,11 +39,21 @@ TORCHRUN_TIMEOUT = 150
 # ====================================================================== helpers run on every rank
 
 
-def _run_checks(checks: Sequence[Callable[[], None]]) -> None:
+def _run_checks(checks: Sequence[Callable[[], None]]) -> List[str]:
+    """Run ``checks`` in order on this rank; return the names of those that ran to the end."""
     hvd.init()
+    done = []
     for check in checks:
         check()
+        done.append(check.__name__)
     hvd.shutdown()
+    return done
+
+
+def _in_world_of_two(checks: Sequence[Callable[[], None]]) -> None:
+    """Run ``checks`` on 2 ranks; every rank must have run every one of them to the end."""
+    per_rank = run_world(_run_checks, 2, checks, timeout=WORLD_TIMEOUT)
+    assert per_rank == [[check.__name__ for check in checks]] * 2, per_rank
 
 
 def _same_on_all_ranks(value: Any) -> bool:
@@ -198,6 +208,35 @@ def _check_allgather_and_broadcast() -> None:
     assert hvd.join() in (0, 1)
 
 
+def _check_mismatched_tensors_raise_on_every_rank() -> None:
+    r = hvd.rank()
+    with pytest.raises(RuntimeError, match=r"Mismatched allreduce shapes across ranks \(rank 0: \[17, 17\], "
+                                           r"rank 1: \[18, 18\]\)"):
+        hvd.allreduce(torch.ones(17 + r, 17 + r))
+    with pytest.raises(RuntimeError, match=r"Mismatched allreduce shapes .*rank 0: \[17, 1311\], rank 1: \[17, 23, 57\]"):
+        hvd.allreduce(torch.ones(17, 23 * 57) if r == 0 else torch.ones(17, 23, 57))  # same size, other shape
+    with pytest.raises(RuntimeError, match=r"Mismatched allreduce data types .*rank 0: int32, rank 1: float32"):
+        hvd.allreduce(torch.ones(3, dtype=torch.int32 if r == 0 else torch.float32))
+    with pytest.raises(RuntimeError, match=r"Mismatched broadcast root ranks .*rank 0: 0, rank 1: 1.*same root_rank"):
+        hvd.broadcast(torch.ones(3), root_rank=r)
+    with pytest.raises(RuntimeError, match=r"Mismatched broadcast shapes"):
+        hvd.broadcast_async(torch.ones(3, 10 * (r + 1)), root_rank=0)
+    # Nothing was sent: the ranks are still in step.
+    assert hvd.allreduce(torch.tensor([float(r)]), op=hvd.Sum).tolist() == [1.0]
+
+
+def _check_int16_travels_on_gloo() -> None:
+    # gloo has no int16 kernels; the values travel widened and come back as int16, wrapping like it.
+    r = hvd.rank()
+    total = hvd.allreduce(torch.tensor([30000, -7 - r], dtype=torch.int16), op=hvd.Sum)
+    assert total.dtype == torch.int16 and total.tolist() == [60000 - 65536, -15]
+    copied = hvd.broadcast(torch.full((2,), 100 + r, dtype=torch.int16), root_rank=1)
+    assert copied.dtype == torch.int16 and copied.tolist() == [101, 101]
+    gathered = hvd.allgather(torch.full((r + 1,), r, dtype=torch.int16))
+    assert gathered.dtype == torch.int16 and gathered.tolist() == [0, 1, 1]
+    assert hvd.ccl_built() is False and hvd.ddl_built() is False
+
+
 def _check_collective_gradients() -> None:
     r = hvd.rank()
     x = torch.ones(3, requires_grad=True)
@@ -230,15 +269,17 @@ def _check_broadcast_parameters_forms() -> None:
 
 @pytest.mark.timeout(WORLD_TIMEOUT + 30)
 def test_collectives_follow_horovod_semantics(no_leftover_processes):
-    run_world(_run_checks, 2, [
+    _in_world_of_two([
         _check_topology,
         _check_allreduce_ops,
         _check_allreduce_in_place_and_async,
         _check_fp16_compression_does_not_overflow,
         _check_allgather_and_broadcast,
+        _check_mismatched_tensors_raise_on_every_rank,
+        _check_int16_travels_on_gloo,
         _check_collective_gradients,
         _check_broadcast_parameters_forms,
-    ], timeout=WORLD_TIMEOUT)
+    ])
 
 
 # ====================================================================== broadcast_optimizer_state
@@ -328,11 +369,11 @@ def _check_resume_on_root_then_broadcast() -> None:
 
 @pytest.mark.timeout(WORLD_TIMEOUT + 30)
 def test_broadcast_optimizer_state(no_leftover_processes):
-    run_world(_run_checks, 2, [
+    _in_world_of_two([
         _check_broadcast_state_of_every_optimizer,
         _check_broadcast_state_does_not_step,
         _check_resume_on_root_then_broadcast,
-    ], timeout=WORLD_TIMEOUT)
+    ])
 
 
 # ====================================================================== DistributedOptimizer
@@ -521,12 +562,16 @@ def _check_sparse_as_dense() -> None:
 # ====================================================================== wire compression (in the same world)
 
 
-def _regression(compression: Any, steps: int = 80) -> tuple:
-    """Least squares on this rank's shard, data-parallel; returns (first loss, last loss, weights)."""
-    g = torch.Generator().manual_seed(hvd.rank())
+def _regression_data(rank: int) -> tuple:
+    g = torch.Generator().manual_seed(rank)
     true_w = torch.linspace(-2, 2, 16).view(16, 1)
     x = torch.randn(64, 16, generator=g)
-    y = x @ true_w + 0.01 * torch.randn(64, 1, generator=g)
+    return x, x @ true_w + 0.01 * torch.randn(64, 1, generator=g), true_w.view(-1)
+
+
+def _regression(compression: Any, steps: int) -> tuple:
+    """Least squares on this rank's shard, data-parallel; returns (first loss, last loss, weights)."""
+    x, y, _ = _regression_data(hvd.rank())
     torch.manual_seed(0)
     model = nn.Linear(16, 1, bias=False)
     opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), compression=compression)
@@ -538,16 +583,34 @@ def _regression(compression: Any, steps: int = 80) -> tuple:
         opt.step()
         losses.append(loss.item())
     opt.close()
-    return losses[0], losses[-1], model.weight.detach().clone().view(-1), true_w.view(-1)
+    return losses[0], losses[-1], model.weight.detach().clone().view(-1)
+
+
+def _regression_reference(steps: int) -> torch.Tensor:
+    """The same training in one process, in float64, on the mean of both ranks' gradients."""
+    shards = [_regression_data(r) for r in range(2)]
+    torch.manual_seed(0)
+    w = nn.Linear(16, 1, bias=False).weight.detach().double().clone().requires_grad_()
+    for _ in range(steps):
+        loss = sum(F.mse_loss(x.double() @ w.t(), y.double()) for x, y, _ in shards) / 2
+        (grad,) = torch.autograd.grad(loss, w)
+        with torch.no_grad():
+            w -= 0.1 * grad
+    return w.detach().view(-1)
 
 
 def _check_compressed_training_converges() -> None:
-    _, _, reference, true_w = _regression(hvd.Compression.none)
-    for compression in (hvd.Compression.fp16, hvd.Compression.bf16):
-        first, last, weights, _ = _regression(compression)
-        assert last < 1e-3 * first, (compression.__name__, first, last)
-        assert torch.allclose(weights, reference, atol=2e-2), compression.__name__
-        assert torch.allclose(weights, true_w, atol=3e-2), compression.__name__
+    # After 5 steps the trajectory still shows whether the ranks averaged (not summed, not
+    # skipped); after 80 the weights have converged to the least-squares solution.
+    true_w = _regression_data(0)[2]
+    for steps, tolerance in ((5, 2e-2), (80, 2e-2)):
+        reference = _regression_reference(steps).float()
+        for compression in (hvd.Compression.none, hvd.Compression.fp16, hvd.Compression.bf16):
+            first, last, weights = _regression(compression, steps)
+            assert _same_on_all_ranks(weights.tolist()), compression.__name__  # compressed all-reduce ran
+            assert torch.allclose(weights, reference, atol=tolerance), (compression.__name__, steps, weights - reference)
+        assert last < 1e-3 * first or steps < 80, (compression.__name__, first, last)
+    assert torch.allclose(weights, true_w, atol=3e-2)
 
 
 def _check_fp16_gradients_do_not_overflow() -> None:
@@ -564,7 +627,7 @@ def _check_fp16_gradients_do_not_overflow() -> None:
 
 @pytest.mark.timeout(WORLD_TIMEOUT + 30)
 def test_distributed_optimizer_semantics_and_wire_compression(no_leftover_processes):
-    run_world(_run_checks, 2, [
+    _in_world_of_two([
         _check_average_sum_and_predivide,
         _check_ranks_with_different_gradients,
         _check_clipping_after_synchronize,
@@ -575,7 +638,7 @@ def test_distributed_optimizer_semantics_and_wire_compression(no_leftover_proces
         _check_sparse_as_dense,
         _check_compressed_training_converges,
         _check_fp16_gradients_do_not_overflow,
-    ], timeout=WORLD_TIMEOUT)
+    ])
 
 
 # ====================================================================== one process, no spawning
@@ -800,12 +863,14 @@ def test_migration_example_with_mixed_precision_and_fp16_allreduce(tmp_path, no_
 
 @pytest.mark.timeout(TORCHRUN_TIMEOUT + 30)
 def test_synthetic_benchmark_prints_images_per_second(tmp_path, no_leftover_processes):
+    gpus = torch.cuda.device_count() >= 2  # one GPU per rank, as Horovod's script sets them
+    device = "GPU" if gpus else "CPU"
     out = _torchrun(SCRIPTS / "hvd_synthetic_benchmark.py",
                     ["--batch-size", "8", "--num-warmup-batches", "2", "--num-batches-per-iter", "2",
-                     "--num-iters", "3", "--fp16-allreduce"], tmp_path)
-    assert "Number of CPUs: 2" in out, out
-    assert len(re.findall(r"^Iter #\d: [\d.]+ img/sec per CPU$", out, re.MULTILINE)) == 3, out
-    total = re.search(r"^Total img/sec on 2 CPU\(s\): ([\d.]+) \+-[\d.]+$", out, re.MULTILINE)
+                     "--num-iters", "3", "--fp16-allreduce"] + ([] if gpus else ["--no-cuda"]), tmp_path)
+    assert f"Number of {device}s: 2" in out, out
+    assert len(re.findall(rf"^Iter #\d: [\d.]+ img/sec per {device}$", out, re.MULTILINE)) == 3, out
+    total = re.search(rf"^Total img/sec on 2 {device}\(s\): ([\d.]+) \+-[\d.]+$", out, re.MULTILINE)
     assert total is not None and float(total.group(1)) > 0, out
 
 
@@ -825,12 +890,13 @@ def _write_epoch_one_checkpoint(path: Path) -> Dict[str, Any]:
 def test_gradient_accumulation_resuming_from_a_checkpoint(tmp_path, no_leftover_processes):
     _write_epoch_one_checkpoint(tmp_path / "checkpoint-1.pth.tar")
     out = _torchrun(SCRIPTS / "hvd_accumulate.py",
-                    ["--batches-per-allreduce", "3", "--epochs", "2",
+                    ["--batches-per-allreduce", "4", "--epochs", "2",
                      "--checkpoint-format", str(tmp_path / "checkpoint-{epoch}.pth.tar")], tmp_path)
     # Rank 0 loaded the checkpoint; parameters and momentum were broadcast to rank 1.
     assert "resuming from epoch 1" in out and "epoch 1 " not in out, out
-    # 719 samples per rank in batches of 3 x 16: 15 steps, the last one with fewer sub-batches than 3.
-    assert re.search(r"^epoch 2 steps 15 train loss", out, re.MULTILINE), out
+    # 719 samples per rank in batches of 4 x 16: 12 steps, the last of 15 samples, so one sub-batch of 4:
+    # step() reduces what one backward accumulated (the ranks stay identical, checked below).
+    assert re.search(r"^epoch 2 steps 12 \(the last with 1 of 4 sub-batches\) train loss", out, re.MULTILINE), out
     accuracy = float(re.search(r"^epoch 2 val loss [\d.]+ val accuracy ([\d.]+)$", out, re.MULTILINE).group(1))
     assert accuracy > 0.3, out  # one epoch from a near-random start; chance is 0.1
     assert "parameters identical: True" in out, out

@@ -39,9 +39,11 @@ from .allreduce_ops import (
     grouped_allreduce_async_,
 )
 from .basics import (
+    ccl_built,
     cross_rank,
     cross_size,
     cuda_built,
+    ddl_built,
     gloo_built,
     gloo_enabled,
     init,
@@ -80,6 +82,8 @@ __all__ = [
     "mpi_built",
     "mpi_enabled",
     "mpi_threads_supported",
+    "ccl_built",
+    "ddl_built",
     "gloo_built",
     "gloo_enabled",
     "nccl_built",

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import collectives
+from ..collectives.tensors import _comm_dtype
 from .allreduce_ops import _SUM, _start_allreduce, _wire_device
 from .basics import _world, rank
 from .compression import NoneCompressor
@@ -44,12 +45,12 @@ def _start_allgather(tensor: Tensor) -> Tuple[Handle, List[int]]:
         return Handle([], lambda: tensor.detach().clone()), [tensor.shape[0]]
     dims = _first_dims(tensor, group)
     # all_gather needs one shape: pad every rank's rows to the longest, cut after.
-    padded = torch.zeros((max(dims),) + tuple(tensor.shape[1:]), dtype=tensor.dtype,
+    padded = torch.zeros((max(dims),) + tuple(tensor.shape[1:]), dtype=_comm_dtype(group, tensor.dtype),
                          device=_wire_device(group, tensor))
     padded[: tensor.shape[0]] = tensor.detach()
     pieces = [torch.empty_like(padded) for _ in dims]
     work = dist.all_gather(pieces, padded, group=group, async_op=True)
-    finish = lambda: torch.cat([p[:n] for p, n in zip(pieces, dims)]).to(tensor.device)  # noqa: E731
+    finish = lambda: torch.cat([p[:n] for p, n in zip(pieces, dims)]).to(tensor.device, tensor.dtype)  # noqa: E731
     return Handle([work], finish), dims
 
 

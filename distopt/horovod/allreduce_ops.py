@@ -13,6 +13,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import collectives
+from ..collectives.tensors import _comm_dtype
+from .agreement import agree
 from .basics import _world
 from .compression import Compression, Compressor, NoneCompressor, _compressor_class, _CompressorLike
 from .reduce_op import Average, ReduceOp, Sum, _resolve_op, _TORCH_OPS
@@ -42,11 +44,16 @@ def _wire_device(group: dist.ProcessGroup, tensor: Tensor) -> torch.device:
 
 
 def _on_wire(tensor: Tensor, group: Optional[dist.ProcessGroup], fresh: bool) -> Tensor:
-    """A contiguous tensor the backend can send: ``tensor`` itself if possible (unless ``fresh``)."""
+    """A contiguous tensor the backend can send: ``tensor`` itself if possible (unless ``fresh``).
+
+    Dtypes gloo has no kernels for (int16) travel as a wider one, exact for every value;
+    copying the result back wraps around as the narrow type does.
+    """
     device = tensor.device if group is None else _wire_device(group, tensor)
-    if tensor.device == device and tensor.is_contiguous() and not fresh:
+    dtype = tensor.dtype if group is None else _comm_dtype(group, tensor.dtype)
+    if tensor.device == device and tensor.dtype == dtype and tensor.is_contiguous() and not fresh:
         return tensor
-    return tensor.to(device, memory_format=torch.contiguous_format, copy=True)
+    return tensor.to(device, dtype, memory_format=torch.contiguous_format, copy=True)
 
 
 # ====================================================================== allreduce
@@ -73,6 +80,7 @@ def _start_allreduce(tensor: Tensor, out: Tensor, how: _Reduction, compression: 
         wire = _on_wire(compressed, group, fresh=compressed is source and out is not tensor)
     work = None
     if group is not None and world > 1:
+        agree("allreduce", tensor, group)
         work = dist.all_reduce(wire, op=_TORCH_OPS[how.op], group=group, async_op=True)
 
     def finish() -> Tensor:

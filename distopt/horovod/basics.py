@@ -31,6 +31,8 @@ __all__ = [
     "mpi_built",
     "mpi_enabled",
     "mpi_threads_supported",
+    "ccl_built",
+    "ddl_built",
     "gloo_built",
     "gloo_enabled",
     "nccl_built",
@@ -198,6 +200,16 @@ def mpi_enabled() -> bool:
 
 def mpi_threads_supported() -> bool:
     """False: there is no MPI; torch.distributed collectives may be called from any thread."""
+    return False
+
+
+def ccl_built() -> bool:
+    """False: distopt has no oneCCL backend (torch.distributed's gloo and NCCL)."""
+    return False
+
+
+def ddl_built() -> bool:
+    """False: distopt has no IBM DDL backend."""
     return False
 
 

@@ -8,6 +8,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import collectives
+from .agreement import agree
 from .allreduce_ops import _SUM, _on_wire, _start_allreduce
 from .basics import _check_root, _world, rank
 from .compression import NoneCompressor
@@ -24,12 +25,15 @@ __all__ = [
 
 def _start_broadcast(tensor: Tensor, out: Tensor, root_rank: int) -> Handle:
     """Broadcast the root's ``tensor`` into ``out`` (which may be ``tensor`` itself) asynchronously."""
-    root = _check_root(root_rank)
     group = _world()
+    distributed = group is not None and collectives.get_world_size(group) > 1
+    if distributed:  # before the range check, so that a root given on one rank only fails on every rank
+        agree("broadcast", tensor, group, root_rank)
+    root = _check_root(root_rank)
     with torch.no_grad():
         wire = _on_wire(tensor.detach(), group, fresh=out is not tensor)
     work = None
-    if group is not None and collectives.get_world_size(group) > 1:
+    if distributed:
         work = dist.broadcast(wire, src=root, group=group, async_op=True)
 
     def finish() -> Tensor:

@@ -58,11 +58,12 @@ def train(epoch):
     train_sampler.set_epoch(epoch)
     train_loss = Metric("train_loss")
     train_accuracy = Metric("train_accuracy")
-    steps = 0
+    steps = sub_batches = 0
     for batch_idx, (data, target) in enumerate(train_loader):
         adjust_learning_rate(epoch, batch_idx)
         optimizer.zero_grad()
         # Split data into sub-batches of size batch_size
+        sub_batches = math.ceil(float(len(data)) / args.batch_size)
         for i in range(0, len(data), args.batch_size):
             data_batch = data[i:i + args.batch_size]
             target_batch = target[i:i + args.batch_size]
@@ -77,8 +78,9 @@ def train(epoch):
         optimizer.step()
         steps += 1
     if verbose:
-        print("epoch %d steps %d train loss %.4f train accuracy %.4f"
-              % (epoch + 1, steps, train_loss.avg.item(), train_accuracy.avg.item()), flush=True)
+        print("epoch %d steps %d (the last with %d of %d sub-batches) train loss %.4f train accuracy %.4f"
+              % (epoch + 1, steps, sub_batches, args.batches_per_allreduce, train_loss.avg.item(),
+                 train_accuracy.avg.item()), flush=True)
 
 
 def validate(epoch):
