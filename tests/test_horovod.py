@@ -244,10 +244,10 @@ def _check_collective_gradients() -> None:
     assert x.grad.tolist() == [2.0 * (r + 1)] * 3  # d/dx of the summed losses of both ranks
     x = torch.ones(r + 1, 2, requires_grad=True)
     (hvd.allgather(x) * torch.arange(3.0).view(3, 1)).sum().backward()
-    assert x.grad.tolist() == ([[0.0, 0.0]] if r == 0 else [[2.0, 2.0], [4.0, 4.0]])
+    assert x.grad.tolist() == ([[0.0, 0.0]] if r == 0 else [[1.0, 1.0], [2.0, 2.0]])  # its rows of the mean
     x = torch.ones(2, requires_grad=True)
-    hvd.broadcast(x, root_rank=0).sum().backward()
-    assert x.grad.tolist() == ([2.0, 2.0] if r == 0 else [0.0, 0.0])
+    (hvd.broadcast(x, root_rank=0) * (r + 1)).sum().backward()
+    assert x.grad.tolist() == ([1.5, 1.5] if r == 0 else [0.0, 0.0])  # Horovod's: the mean of 1 and 2, on the root
 
 
 def _check_broadcast_parameters_forms() -> None:

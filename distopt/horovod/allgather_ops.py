@@ -9,7 +9,7 @@ from torch import Tensor
 
 from .. import collectives
 from ..collectives.tensors import _comm_dtype
-from .allreduce_ops import _SUM, _start_allreduce, _wire_device
+from .allreduce_ops import _AVERAGE, _start_allreduce, _wire_device
 from .basics import _world, rank
 from .compression import NoneCompressor
 from .sync import Handle
@@ -67,7 +67,8 @@ def allgather_async(tensor: Tensor, name: Optional[str] = None, process_set: Any
 
 
 class _AllgatherFunction(torch.autograd.Function):
-    """Differentiable allgather: each rank's gradient is its rows of the summed gradients."""
+    """Differentiable allgather, as Horovod defines it: each rank's gradient is its rows of the
+    *mean* of the ranks' gradients (Horovod's backward averages)."""
 
     @staticmethod
     def forward(ctx: Any, tensor: Tensor) -> Tensor:
@@ -78,15 +79,15 @@ class _AllgatherFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
-        summed = _start_allreduce(grad, torch.empty_like(grad), _SUM, NoneCompressor).wait()
-        return summed.narrow(0, ctx.offset, ctx.rows)
+        averaged = _start_allreduce(grad, torch.empty_like(grad), _AVERAGE, NoneCompressor).wait()
+        return averaged.narrow(0, ctx.offset, ctx.rows)
 
 
 def allgather(tensor: Tensor, name: Optional[str] = None, process_set: Any = global_process_set) -> Tensor:
     """Concatenate every rank's ``tensor`` along the first dimension, in rank order.
 
     The first dimension may differ between ranks; the others and the dtype may
-    not. Differentiable: each rank's gradient is its rows of the summed gradient.
+    not. Differentiable: each rank's gradient is its rows of the mean gradient (Horovod's rule).
 
     Args:
         tensor: the tensor to gather (at least one dimension); not modified.

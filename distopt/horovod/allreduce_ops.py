@@ -98,6 +98,7 @@ def _start_allreduce(tensor: Tensor, out: Tensor, how: _Reduction, compression: 
 
 
 _SUM = _Reduction(ReduceOp.SUM, 1.0, 1.0)
+_AVERAGE = _Reduction(Average, 1.0, 1.0)
 
 
 def _reduction(op: Optional[Any], average: Optional[bool], prescale_factor: float, postscale_factor: float,

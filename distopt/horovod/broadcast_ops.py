@@ -9,7 +9,7 @@ from torch import Tensor
 
 from .. import collectives
 from .agreement import agree
-from .allreduce_ops import _SUM, _on_wire, _start_allreduce
+from .allreduce_ops import _AVERAGE, _on_wire, _start_allreduce
 from .basics import _check_root, _world, rank
 from .compression import NoneCompressor
 from .sync import Handle
@@ -72,7 +72,8 @@ def broadcast_async_(tensor: Tensor, root_rank: int, name: Optional[str] = None,
 
 
 class _BroadcastFunction(torch.autograd.Function):
-    """Differentiable broadcast: the root's gradient is the sum of all ranks', the others' zero."""
+    """Differentiable broadcast, as Horovod defines it: the root's gradient is the *mean* of all
+    ranks' (Horovod's backward averages, like its allreduce's), the others' zero."""
 
     @staticmethod
     def forward(ctx: Any, tensor: Tensor, root_rank: int) -> Tensor:
@@ -81,10 +82,10 @@ class _BroadcastFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tuple[Tensor, None]:
-        summed = _start_allreduce(grad, torch.empty_like(grad), _SUM, NoneCompressor).wait()
+        averaged = _start_allreduce(grad, torch.empty_like(grad), _AVERAGE, NoneCompressor).wait()
         if rank() != ctx.root_rank:
-            summed.zero_()
-        return summed, None
+            averaged.zero_()
+        return averaged, None
 
 
 def broadcast(tensor: Tensor, root_rank: int, name: Optional[str] = None,
