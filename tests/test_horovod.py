@@ -237,6 +237,39 @@ def _check_int16_travels_on_gloo() -> None:
     assert hvd.ccl_built() is False and hvd.ddl_built() is False
 
 
+def _check_process_sets() -> None:
+    r = hvd.rank()
+    evens, odds = hvd.add_process_set([0]), hvd.add_process_set(hvd.ProcessSet([1]))
+    both = hvd.add_process_set([1, 0])
+    assert (evens.process_set_id, odds.process_set_id) != (None, None) and both.ranks == [0, 1]
+    mine = evens if r == 0 else odds
+    assert mine.included() and mine.rank() == 0 and mine.size() == 1
+    assert (odds if r == 0 else evens).rank() == -1
+    assert hvd.allreduce(torch.tensor([r + 1.0]), op=hvd.Sum, process_set=mine).tolist() == [r + 1.0]
+    assert hvd.allreduce(torch.tensor([r + 1.0]), op=hvd.Sum, process_set=both).tolist() == [3.0]
+    assert hvd.allgather(torch.tensor([r]), process_set=mine).tolist() == [r]
+    assert hvd.broadcast(torch.tensor([r]), root_rank=1, process_set=both).tolist() == [1]
+    assert hvd.allgather_object(r, process_set=both) == [0, 1]
+    assert hvd.broadcast_object(r, root_rank=1, process_set=both) == 1
+    with pytest.raises(ValueError, match=rf"rank {r} is not in ProcessSet\(process_set_id=\d+, ranks=\[{1 - r}\]\)"):
+        hvd.allreduce(torch.ones(1), process_set=odds if r == 0 else evens)
+    with pytest.raises(ValueError, match=rf"root_rank {1 - r} is not in the process set \(ranks \[{r}\]\)"):
+        hvd.broadcast(torch.ones(1), root_rank=1 - r, process_set=mine)
+    with pytest.raises(ValueError, match="exists already"):
+        hvd.add_process_set([0])
+    hvd.barrier(process_set=both)
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), process_set=both)
+    model(torch.full((1, 3), float(r))).sum().backward()
+    assert model.weight.grad.tolist() == [[0.5, 0.5, 0.5]]  # the mean of 0 and 1 over the set
+    opt.close()
+    assert hvd.remove_process_set(evens) and not hvd.remove_process_set(evens)
+    assert not hvd.remove_process_set(hvd.global_process_set)
+    hvd.remove_process_set(odds)
+    hvd.remove_process_set(both)
+
+
 def _check_collective_gradients() -> None:
     r = hvd.rank()
     x = torch.ones(3, requires_grad=True)
@@ -277,6 +310,7 @@ def test_collectives_follow_horovod_semantics(no_leftover_processes):
         _check_allgather_and_broadcast,
         _check_mismatched_tensors_raise_on_every_rank,
         _check_int16_travels_on_gloo,
+        _check_process_sets,
         _check_collective_gradients,
         _check_broadcast_parameters_forms,
     ])
@@ -724,9 +758,10 @@ def test_misuse_and_unsupported_features_say_what_to_do(job_of_one):
         (lambda: hvd.DistributedOptimizer(sgd, backward_passes_per_step=0), ValueError, "backward_passes_per_step"),
         (lambda: hvd.DistributedOptimizer(nn.Linear(1, 1)), TypeError, "torch.optim.Optimizer"),
         (lambda: hvd.allreduce(torch.ones(1), op="median"), ValueError, "op must be one of"),
-        (lambda: hvd.allreduce(torch.ones(1), process_set=object()), NotImplementedError, "new_group"),
-        (lambda: hvd.ProcessSet([0]), NotImplementedError, "process sets are not supported"),
-        (lambda: hvd.add_process_set([0]), NotImplementedError, "process sets are not supported"),
+        (lambda: hvd.allreduce(torch.ones(1), process_set=object()), TypeError, "must be a ProcessSet"),
+        (lambda: hvd.allreduce(torch.ones(1), process_set=hvd.ProcessSet([0])), ValueError, "was not added"),
+        (lambda: hvd.ProcessSet("01"), TypeError, r"list of ranks \(ints\)"),
+        (lambda: hvd.add_process_set([0, 1]), ValueError, r"ranks in 0..0, got \[0, 1\]"),
         (lambda: hvd.init(comm=[0]), NotImplementedError, "torchrun"),
         (lambda: hvd.broadcast_optimizer_state(nn.Linear(1, 1), 0), TypeError, "torch.optim.Optimizer"),
         (lambda: hvd.alltoall, AttributeError, "all_to_all_single"),

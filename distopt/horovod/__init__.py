@@ -65,7 +65,7 @@ from .functions import allgather_object, broadcast_object, broadcast_optimizer_s
 from .optimizer import DistributedOptimizer
 from .reduce_op import Adasum, Average, Max, Min, Product, ReduceOp, Sum
 from .sync import Handle, barrier, join, poll, synchronize
-from .unsupported import ProcessSet, add_process_set, global_process_set, remove_process_set
+from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from .unsupported import _missing_attribute as __getattr__  # Horovod names distopt lacks: say what to use
 
 __all__ = [

@@ -9,11 +9,11 @@ from torch import Tensor
 
 from .. import collectives
 from ..collectives.tensors import _comm_dtype
-from .allreduce_ops import _AVERAGE, _start_allreduce, _wire_device
-from .basics import _world, rank
+from .allreduce_ops import _Reduction, _start_allreduce, _wire_device
 from .compression import NoneCompressor
 from .sync import Handle
-from .unsupported import _check_process_set, global_process_set
+from .process_sets import global_process_set, group_of
+from .reduce_op import Average
 
 __all__ = [
     "allgather",
@@ -36,9 +36,8 @@ def _first_dims(tensor: Tensor, group: dist.ProcessGroup) -> List[int]:
     return [shape[0] for shape, _ in everyone]
 
 
-def _start_allgather(tensor: Tensor) -> Tuple[Handle, List[int]]:
+def _start_allgather(tensor: Tensor, group: Optional[dist.ProcessGroup]) -> Tuple[Handle, List[int]]:
     """Start gathering every rank's rows; also return every rank's row count."""
-    group = _world()
     if group is None or collectives.get_world_size(group) == 1:
         if tensor.dim() == 0:
             raise ValueError("allgather needs a tensor with at least one dimension, got a scalar; use tensor.view(1)")
@@ -62,8 +61,7 @@ def allgather_async(tensor: Tensor, name: Optional[str] = None, process_set: Any
     Returns:
         A handle for :func:`synchronize` and :func:`poll`.
     """
-    _check_process_set(process_set)
-    return _start_allgather(tensor)[0]
+    return _start_allgather(tensor, group_of(process_set))[0]
 
 
 class _AllgatherFunction(torch.autograd.Function):
@@ -71,16 +69,18 @@ class _AllgatherFunction(torch.autograd.Function):
     *mean* of the ranks' gradients (Horovod's backward averages)."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: Tensor) -> Tensor:
-        handle, dims = _start_allgather(tensor)
-        ctx.offset = sum(dims[: rank()])
+    def forward(ctx: Any, tensor: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
+        handle, dims = _start_allgather(tensor, group)
+        ctx.group = group
+        ctx.offset = sum(dims[: dist.get_rank(group) if group is not None else 0])
         ctx.rows = tensor.shape[0]
         return handle.wait()
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tensor:
-        averaged = _start_allreduce(grad, torch.empty_like(grad), _AVERAGE, NoneCompressor).wait()
-        return averaged.narrow(0, ctx.offset, ctx.rows)
+    def backward(ctx: Any, grad: Tensor) -> Tuple[Tensor, None]:
+        how = _Reduction(Average, 1.0, 1.0, ctx.group)
+        averaged = _start_allreduce(grad, torch.empty_like(grad), how, NoneCompressor).wait()
+        return averaged.narrow(0, ctx.offset, ctx.rows), None
 
 
 def allgather(tensor: Tensor, name: Optional[str] = None, process_set: Any = global_process_set) -> Tensor:
@@ -92,7 +92,7 @@ def allgather(tensor: Tensor, name: Optional[str] = None, process_set: Any = glo
     Args:
         tensor: the tensor to gather (at least one dimension); not modified.
         name: ignored (torch.distributed matches collectives by call order).
-        process_set: only ``hvd.global_process_set``.
+        process_set: the ranks taking part, in rank order (default: all).
 
     Returns:
         The concatenation, with the sum of every rank's first dimension as its first dimension.
@@ -100,5 +100,4 @@ def allgather(tensor: Tensor, name: Optional[str] = None, process_set: Any = glo
     Raises:
         ValueError: if dimensions other than the first, or dtypes, differ between ranks.
     """
-    _check_process_set(process_set)
-    return _AllgatherFunction.apply(tensor)
+    return _AllgatherFunction.apply(tensor, group_of(process_set))

@@ -15,11 +15,10 @@ from torch import Tensor
 from .. import collectives
 from ..collectives.tensors import _comm_dtype
 from .agreement import agree
-from .basics import _world
 from .compression import Compression, Compressor, NoneCompressor, _compressor_class, _CompressorLike
 from .reduce_op import Average, ReduceOp, Sum, _resolve_op, _TORCH_OPS
 from .sync import Handle, _grouped
-from .unsupported import _check_process_set, global_process_set
+from .process_sets import global_process_set, group_of
 
 __all__ = [
     "allreduce",
@@ -64,11 +63,12 @@ class _Reduction:
     op: ReduceOp
     prescale: float
     postscale: float
+    group: Any  # the process set's group; None in a job of one process
 
 
 def _start_allreduce(tensor: Tensor, out: Tensor, how: _Reduction, compression: Type[Compressor]) -> Handle:
     """Reduce ``tensor`` into ``out`` (which may be ``tensor`` itself) asynchronously."""
-    group = _world()
+    group = how.group
     world = collectives.get_world_size(group)
     pre, post = how.prescale, how.postscale
     if how.op is Average and tensor.is_floating_point():
@@ -97,14 +97,12 @@ def _start_allreduce(tensor: Tensor, out: Tensor, how: _Reduction, compression: 
     return Handle([work], finish)
 
 
-_SUM = _Reduction(ReduceOp.SUM, 1.0, 1.0)
-_AVERAGE = _Reduction(Average, 1.0, 1.0)
 
 
 def _reduction(op: Optional[Any], average: Optional[bool], prescale_factor: float, postscale_factor: float,
                process_set: Any) -> _Reduction:
-    _check_process_set(process_set)
-    return _Reduction(_resolve_op(op, average), float(prescale_factor), float(postscale_factor))
+    group = group_of(process_set)
+    return _Reduction(_resolve_op(op, average), float(prescale_factor), float(postscale_factor), group)
 
 
 class _AllreduceFunction(torch.autograd.Function):
@@ -148,7 +146,7 @@ def allreduce(
         op: ``hvd.Average`` (default), ``hvd.Sum``, ``hvd.Min``, ``hvd.Max`` or ``hvd.Product``.
         prescale_factor: multiplies ``tensor`` before the reduction.
         postscale_factor: multiplies the result.
-        process_set: only ``hvd.global_process_set``.
+        process_set: the ranks taking part (default: all).
 
     Returns:
         A new tensor with the reduced value.

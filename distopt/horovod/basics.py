@@ -16,7 +16,6 @@ from .. import collectives
 from ..launching.process_group import _under_torchrun
 from ..launching.process_group import init as _init_process_group
 from ..launching.process_group import shutdown as _destroy_process_group
-from .unsupported import _PROCESS_SET_ADVICE
 
 __all__ = [
     "init",
@@ -72,18 +71,17 @@ def init(comm: Optional[Any] = None, process_sets: Optional[Any] = None) -> None
 
     Args:
         comm: an MPI communicator in Horovod; must be None.
-        process_sets: Horovod process sets; must be None.
+        process_sets: process sets (or lists of ranks) to add right away, as
+            :func:`~distopt.horovod.add_process_set` would (default: None).
 
     Raises:
-        NotImplementedError: if ``comm`` or ``process_sets`` is given.
+        NotImplementedError: if ``comm`` is given.
     """
     if comm is not None:
         raise NotImplementedError(
             "hvd.init(comm=...) takes an MPI communicator, and distopt.horovod runs on torch.distributed "
             "without MPI; call hvd.init() and start the script with torchrun --nproc-per-node N"
         )
-    if process_sets is not None:
-        raise NotImplementedError(_PROCESS_SET_ADVICE)
     if _session.initialized:
         return
     if not collectives.is_distributed() and _under_torchrun():
@@ -91,6 +89,11 @@ def init(comm: Optional[Any] = None, process_sets: Optional[Any] = None) -> None
         _session.owns_group = True
     _learn_topology()
     _session.initialized = True
+    if process_sets is not None:
+        from .process_sets import add_process_set  # it needs the session this function sets up
+
+        for process_set in process_sets:
+            add_process_set(process_set)
 
 
 def _learn_topology() -> None:
@@ -106,6 +109,9 @@ def _learn_topology() -> None:
 
 def shutdown() -> None:
     """Leave the job; destroys the process group if :func:`init` created it. Idempotent."""
+    from .process_sets import _forget_all
+
+    _forget_all()
     if _session.owns_group:
         _destroy_process_group()
     _session.initialized = False

@@ -9,11 +9,12 @@ from torch import Tensor
 
 from .. import collectives
 from .agreement import agree
-from .allreduce_ops import _AVERAGE, _on_wire, _start_allreduce
-from .basics import _check_root, _world, rank
+from .allreduce_ops import _on_wire, _Reduction, _start_allreduce
+from .basics import _check_root, rank
 from .compression import NoneCompressor
 from .sync import Handle
-from .unsupported import _check_process_set, global_process_set
+from .process_sets import global_process_set, group_of
+from .reduce_op import Average
 
 __all__ = [
     "broadcast",
@@ -23,13 +24,15 @@ __all__ = [
 ]
 
 
-def _start_broadcast(tensor: Tensor, out: Tensor, root_rank: int) -> Handle:
+def _start_broadcast(tensor: Tensor, out: Tensor, root_rank: int, group: Optional[dist.ProcessGroup]) -> Handle:
     """Broadcast the root's ``tensor`` into ``out`` (which may be ``tensor`` itself) asynchronously."""
-    group = _world()
     distributed = group is not None and collectives.get_world_size(group) > 1
     if distributed:  # before the range check, so that a root given on one rank only fails on every rank
         agree("broadcast", tensor, group, root_rank)
     root = _check_root(root_rank)
+    if group is not None and root not in dist.get_process_group_ranks(group):
+        raise ValueError(f"root_rank {root} is not in the process set (ranks "
+                         f"{dist.get_process_group_ranks(group)}); pass one of its ranks")
     with torch.no_grad():
         wire = _on_wire(tensor.detach(), group, fresh=out is not tensor)
     work = None
@@ -54,8 +57,7 @@ def broadcast_async(tensor: Tensor, root_rank: int, name: Optional[str] = None,
     Returns:
         A handle for :func:`synchronize` and :func:`poll`.
     """
-    _check_process_set(process_set)
-    return _start_broadcast(tensor, torch.empty_like(tensor), root_rank)
+    return _start_broadcast(tensor, torch.empty_like(tensor), root_rank, group_of(process_set))
 
 
 def broadcast_async_(tensor: Tensor, root_rank: int, name: Optional[str] = None,
@@ -67,8 +69,7 @@ def broadcast_async_(tensor: Tensor, root_rank: int, name: Optional[str] = None,
     Returns:
         A handle for :func:`synchronize` and :func:`poll`.
     """
-    _check_process_set(process_set)
-    return _start_broadcast(tensor, tensor, root_rank)
+    return _start_broadcast(tensor, tensor, root_rank, group_of(process_set))
 
 
 class _BroadcastFunction(torch.autograd.Function):
@@ -76,29 +77,31 @@ class _BroadcastFunction(torch.autograd.Function):
     ranks' (Horovod's backward averages, like its allreduce's), the others' zero."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: Tensor, root_rank: int) -> Tensor:
+    def forward(ctx: Any, tensor: Tensor, root_rank: int, group: Optional[dist.ProcessGroup]) -> Tensor:
         ctx.root_rank = root_rank
-        return _start_broadcast(tensor, torch.empty_like(tensor), root_rank).wait()
+        ctx.group = group
+        return _start_broadcast(tensor, torch.empty_like(tensor), root_rank, group).wait()
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tuple[Tensor, None]:
-        averaged = _start_allreduce(grad, torch.empty_like(grad), _AVERAGE, NoneCompressor).wait()
+    def backward(ctx: Any, grad: Tensor) -> Tuple[Tensor, None, None]:
+        how = _Reduction(Average, 1.0, 1.0, ctx.group)
+        averaged = _start_allreduce(grad, torch.empty_like(grad), how, NoneCompressor).wait()
         if rank() != ctx.root_rank:
             averaged.zero_()
-        return averaged, None
+        return averaged, None, None
 
 
 def broadcast(tensor: Tensor, root_rank: int, name: Optional[str] = None,
               process_set: Any = global_process_set) -> Tensor:
     """The root's ``tensor`` on every rank, as a new tensor; the input is not modified.
 
-    Differentiable: the root's gradient is the sum of every rank's, the others' zero.
+    Differentiable: the root's gradient is the mean of every rank's (Horovod's rule), the others' zero.
 
     Args:
         tensor: same shape and dtype on every rank.
         root_rank: the rank whose value is sent.
         name: ignored (torch.distributed matches collectives by call order).
-        process_set: only ``hvd.global_process_set``.
+        process_set: the ranks taking part (default: all); ``root_rank`` is a global rank in it.
 
     Returns:
         A new tensor holding the root's value.
@@ -106,8 +109,7 @@ def broadcast(tensor: Tensor, root_rank: int, name: Optional[str] = None,
     Raises:
         ValueError: if ``root_rank`` is not a rank of the job.
     """
-    _check_process_set(process_set)
-    return _BroadcastFunction.apply(tensor, root_rank)
+    return _BroadcastFunction.apply(tensor, root_rank, group_of(process_set))
 
 
 def broadcast_(tensor: Tensor, root_rank: int, name: Optional[str] = None,

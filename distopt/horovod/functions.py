@@ -7,12 +7,13 @@ from __future__ import annotations
 
 from typing import Any, Iterable, List, Mapping, Optional, Tuple
 
+import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
 from .. import collectives
 from .basics import _check_root, _world
-from .unsupported import _check_process_set, global_process_set
+from .process_sets import global_process_set, group_of
 
 __all__ = [
     "broadcast_object",
@@ -30,14 +31,14 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
         obj: the object to send (ignored on other ranks).
         root_rank: the rank whose object is sent.
         name: ignored.
-        process_set: only ``hvd.global_process_set``.
+        process_set: the ranks taking part (default: all).
 
     Returns:
         The root's object (on the root, ``obj`` itself).
     """
-    _check_process_set(process_set)
+    group = group_of(process_set)
     root = _check_root(root_rank)
-    return collectives.broadcast_object_list([obj], src=root, group=_world())[0]
+    return collectives.broadcast_object_list([obj], src=_in_group(root, group), group=group)[0]
 
 
 def allgather_object(obj: Any, name: Optional[str] = None, process_set: Any = global_process_set) -> List[Any]:
@@ -46,13 +47,22 @@ def allgather_object(obj: Any, name: Optional[str] = None, process_set: Any = gl
     Args:
         obj: this rank's object.
         name: ignored.
-        process_set: only ``hvd.global_process_set``.
+        process_set: the ranks taking part (default: all).
 
     Returns:
         A list with one object per rank.
     """
-    _check_process_set(process_set)
-    return collectives.all_gather_object(obj, group=_world())
+    return collectives.all_gather_object(obj, group=group_of(process_set))
+
+
+def _in_group(root: int, group: Any) -> int:
+    """``root`` (a global rank) as a rank of ``group``, which it must be in."""
+    if group is None:
+        return root
+    ranks = dist.get_process_group_ranks(group)
+    if root not in ranks:
+        raise ValueError(f"root_rank {root} is not in the process set (ranks {ranks}); pass one of its ranks")
+    return ranks.index(root)
 
 
 def _tensors_to_broadcast(params: Any) -> List[Tensor]:

@@ -18,7 +18,8 @@ from ..optimizer import DistributedOptimizer as _CoreDistributedOptimizer
 from .basics import _require_init
 from .compression import BF16Compressor, Compression, FP16Compressor, NoneCompressor, _compressor_class, _CompressorLike
 from .reduce_op import Adasum, Average, ReduceOp, Sum
-from .unsupported import _ADASUM_ADVICE, _check_process_set, global_process_set
+from .process_sets import global_process_set, group_of
+from .unsupported import _ADASUM_ADVICE
 
 # Live optimizers, in creation order: hvd.join() joins them all.
 _live: "weakref.WeakValueDictionary[int, DistributedOptimizer]" = weakref.WeakValueDictionary()
@@ -145,7 +146,7 @@ class DistributedOptimizer(_CoreDistributedOptimizer):
         groups: Horovod's fusion groups; accepted and ignored, distopt packs
             gradients by size (default: None).
         sparse_as_dense: turn sparse gradients dense instead of raising (default: False).
-        process_set: only ``hvd.global_process_set``.
+        process_set: the ranks to average over (default: all).
 
     Raises:
         ValueError: on a bad argument (Horovod's wording), e.g. duplicate or
@@ -169,7 +170,7 @@ class DistributedOptimizer(_CoreDistributedOptimizer):
         process_set: Any = global_process_set,
     ) -> None:
         _require_init()
-        _check_process_set(process_set)
+        group = group_of(process_set)
         reduce_op = _gradient_reduce_op(op, gradient_predivide_factor)
         wire = _wire_compression(compression)
         _check_groups(num_groups, groups)
@@ -191,6 +192,7 @@ class DistributedOptimizer(_CoreDistributedOptimizer):
             backward_passes_per_step=backward_passes_per_step,
             named_parameters=named,
             sparse_as_dense=sparse_as_dense,
+            process_group=None if process_set is global_process_set or process_set is None else group,
         )
         # Always ready for hvd.join(), with Horovod's meaning: joined ranks count as zeros in the average.
         self._engine.in_join = True

@@ -9,7 +9,7 @@ from typing import Any, Callable, List, Optional, Sequence
 
 from .. import collectives, joining
 from .basics import _world
-from .unsupported import _check_process_set, global_process_set
+from .process_sets import global_process_set, group_of
 
 __all__ = [
     "Handle",
@@ -130,7 +130,6 @@ def barrier(process_set: Any = global_process_set) -> None:
     """Block until every rank reaches this call.
 
     Args:
-        process_set: only ``hvd.global_process_set``.
+        process_set: the ranks to wait for (default: all).
     """
-    _check_process_set(process_set)
-    collectives.barrier(_world())
+    collectives.barrier(group_of(process_set))
