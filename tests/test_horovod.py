@@ -270,6 +270,26 @@ def _check_process_sets() -> None:
     hvd.remove_process_set(both)
 
 
+def _check_reducescatter_alltoall_and_grouped_allgather() -> None:
+    r = hvd.rank()
+    x = torch.arange(10.0).view(5, 2) * (r + 1)  # 5 rows over 2 ranks: rank 0 keeps 3, rank 1 keeps 2
+    rows = slice(0, 3) if r == 0 else slice(3, 5)
+    assert torch.equal(hvd.reducescatter(x, op=hvd.Sum), (torch.arange(10.0).view(5, 2) * 3)[rows])
+    assert torch.equal(hvd.reducescatter(x), (torch.arange(10.0).view(5, 2) * 1.5)[rows])  # Average by default
+    ints = hvd.grouped_reducescatter([torch.full((2,), r + 1), torch.full((4, 1), 2 * r)], op=hvd.Sum)
+    assert [t.tolist() for t in ints] == [[3], [[2], [2]]]
+    sent = torch.tensor([10 * r + i for i in range(4)])
+    assert hvd.alltoall(sent).tolist() == ([0, 1, 10, 11] if r == 0 else [2, 3, 12, 13])
+    got, received = hvd.alltoall(torch.tensor([10 * r, 10 * r + 1, 10 * r + 2]), splits=[1, 2])
+    assert got.tolist() == ([0, 10] if r == 0 else [1, 2, 11, 12]) and received.tolist() == ([1, 1] if r == 0 else [2, 2])
+    with pytest.raises(ValueError, match=r"splits must give 2 non-negative row counts that add up to .*\(3\)"):
+        hvd.alltoall(torch.zeros(3), splits=[1, 1])
+    with pytest.raises(ValueError, match="divisible by the 2 ranks"):
+        hvd.alltoall(torch.zeros(3))
+    gathered = hvd.grouped_allgather([torch.tensor([r]), torch.full((r + 1, 2), r)])
+    assert [t.tolist() for t in gathered] == [[0, 1], [[0, 0], [1, 1], [1, 1]]]
+
+
 def _check_collective_gradients() -> None:
     r = hvd.rank()
     x = torch.ones(3, requires_grad=True)
@@ -311,6 +331,7 @@ def test_collectives_follow_horovod_semantics(no_leftover_processes):
         _check_mismatched_tensors_raise_on_every_rank,
         _check_int16_travels_on_gloo,
         _check_process_sets,
+        _check_reducescatter_alltoall_and_grouped_allgather,
         _check_collective_gradients,
         _check_broadcast_parameters_forms,
     ])
@@ -764,7 +785,7 @@ def test_misuse_and_unsupported_features_say_what_to_do(job_of_one):
         (lambda: hvd.add_process_set([0, 1]), ValueError, r"ranks in 0..0, got \[0, 1\]"),
         (lambda: hvd.init(comm=[0]), NotImplementedError, "torchrun"),
         (lambda: hvd.broadcast_optimizer_state(nn.Linear(1, 1), 0), TypeError, "torch.optim.Optimizer"),
-        (lambda: hvd.alltoall, AttributeError, "all_to_all_single"),
+        (lambda: hvd.sparse_allreduce_async, AttributeError, "sparse_as_dense=True"),
         (lambda: hvd.SyncBatchNorm, AttributeError, "convert_sync_batchnorm"),
     ]
     for call, error, message in cases:

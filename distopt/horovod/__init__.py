@@ -21,13 +21,13 @@ Collectives are matched by call order (torch.distributed), not by ``name``:
 every rank must issue them in the same order. ``name`` arguments are accepted
 and ignored.
 
-Not provided: Adasum and process sets (they raise ``NotImplementedError`` saying
-what to use instead), ``alltoall``, ``reducescatter``, ``SyncBatchNorm``,
-``elastic`` and the timeline (accessing them raises ``AttributeError`` with the
-torch equivalent).
+Process sets are ``torch.distributed`` groups (:mod:`distopt.horovod.process_sets`).
+Not provided: Adasum (``NotImplementedError`` saying what to use instead),
+``sparse_allreduce_async``, ``SyncBatchNorm``, ``elastic`` and the timeline
+(accessing them raises ``AttributeError`` with the torch equivalent).
 """
 # One module per concept; this file only gathers their public names.
-from .allgather_ops import allgather, allgather_async
+from .allgather_ops import allgather, allgather_async, grouped_allgather, grouped_allgather_async
 from .allreduce_ops import (
     allreduce,
     allreduce_,
@@ -64,6 +64,14 @@ from .compression import BF16Compressor, Compression, Compressor, FP16Compressor
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .optimizer import DistributedOptimizer
 from .reduce_op import Adasum, Average, Max, Min, Product, ReduceOp, Sum
+from .scatter_ops import (
+    alltoall,
+    alltoall_async,
+    grouped_reducescatter,
+    grouped_reducescatter_async,
+    reducescatter,
+    reducescatter_async,
+)
 from .sync import Handle, barrier, join, poll, synchronize
 from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from .unsupported import _missing_attribute as __getattr__  # Horovod names distopt lacks: say what to use
@@ -119,6 +127,14 @@ __all__ = [
     "grouped_allreduce_async_",
     "allgather",
     "allgather_async",
+    "grouped_allgather",
+    "grouped_allgather_async",
+    "reducescatter",
+    "reducescatter_async",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
+    "alltoall",
+    "alltoall_async",
     "broadcast",
     "broadcast_",
     "broadcast_async",

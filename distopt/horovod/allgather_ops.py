@@ -1,7 +1,7 @@
 """``hvd.allgather`` and ``hvd.allgather_async``: every rank's rows, concatenated in rank order (differentiable)."""
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -11,11 +11,13 @@ from .. import collectives
 from ..collectives.tensors import _comm_dtype
 from .allreduce_ops import _Reduction, _start_allreduce, _wire_device
 from .compression import NoneCompressor
-from .sync import Handle
+from .sync import Handle, _grouped
 from .process_sets import global_process_set, group_of
 from .reduce_op import Average
 
 __all__ = [
+    "grouped_allgather",
+    "grouped_allgather_async",
     "allgather",
     "allgather_async",
 ]
@@ -101,3 +103,28 @@ def allgather(tensor: Tensor, name: Optional[str] = None, process_set: Any = glo
         ValueError: if dimensions other than the first, or dtypes, differ between ranks.
     """
     return _AllgatherFunction.apply(tensor, group_of(process_set))
+
+
+def grouped_allgather_async(tensors: Sequence[Tensor], name: Optional[str] = None,
+                            process_set: Any = global_process_set) -> Handle:
+    """Start :func:`allgather` of each tensor; :func:`synchronize` returns the list of concatenations.
+
+    Args: as :func:`allgather`, with a list of tensors.
+
+    Returns:
+        A handle for :func:`synchronize` and :func:`poll`.
+    """
+    group = group_of(process_set)
+    return _grouped([_start_allgather(t, group)[0] for t in tensors])
+
+
+def grouped_allgather(tensors: Sequence[Tensor], name: Optional[str] = None,
+                      process_set: Any = global_process_set) -> List[Tensor]:
+    """:func:`allgather` of each tensor in ``tensors``, in one call.
+
+    Args: as :func:`allgather`, with a list of tensors.
+
+    Returns:
+        One concatenation per tensor, in order.
+    """
+    return grouped_allgather_async(tensors, name, process_set).wait()

@@ -21,11 +21,6 @@ _ADASUM_ADVICE = (
 
 
 _UNSUPPORTED = {
-    "alltoall": "use torch.distributed.all_to_all_single",
-    "alltoall_async": "use torch.distributed.all_to_all_single(..., async_op=True)",
-    "reducescatter": "use torch.distributed.reduce_scatter_tensor",
-    "reducescatter_async": "use torch.distributed.reduce_scatter_tensor(..., async_op=True)",
-    "grouped_reducescatter": "use torch.distributed.reduce_scatter_tensor per tensor",
     "sparse_allreduce_async": "pass sparse_as_dense=True to hvd.DistributedOptimizer",
     "SyncBatchNorm": "use torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)",
     "elastic": "use torchrun --nnodes MIN:MAX --max-restarts N and resume from a checkpoint",

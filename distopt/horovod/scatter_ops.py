@@ -1,0 +1,175 @@
+"""``hvd.reducescatter`` and ``hvd.alltoall`` (and their grouped and asynchronous variants).
+
+``reducescatter`` reduces like :func:`~distopt.horovod.allreduce` (same ops,
+scale factors, checks and int16 handling, through the same path) and keeps this
+rank's rows: the first dimension split as Horovod splits it, the first
+``n % size`` ranks taking one row more. ``alltoall`` sends the ``i``-th block of
+rows to rank ``i`` of the set (equal blocks, or ``splits`` rows each) with
+``torch.distributed.all_to_all_single``.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .. import collectives
+from ..collectives.tensors import _comm_dtype
+from .allreduce_ops import _reduction, _start_allreduce, _wire_device
+from .compression import NoneCompressor
+from .process_sets import global_process_set, group_of
+from .reduce_op import ReduceOp
+from .sync import Handle, _grouped
+
+__all__ = [
+    "reducescatter",
+    "reducescatter_async",
+    "grouped_reducescatter",
+    "grouped_reducescatter_async",
+    "alltoall",
+    "alltoall_async",
+]
+
+
+# ====================================================================== reducescatter
+
+
+def _rows(n: int, size: int, rank: int) -> Tuple[int, int]:
+    """(first row, rows) of ``rank``'s share of ``n`` rows, as Horovod splits them."""
+    base, extra = divmod(n, size)
+    return rank * base + min(rank, extra), base + (1 if rank < extra else 0)
+
+
+def _start_reducescatter(tensor: Tensor, how: Any) -> Handle:
+    if tensor.dim() == 0:
+        raise ValueError("reducescatter needs a tensor with at least one dimension, got a scalar; use tensor.view(1)")
+    group = how.group
+    size = collectives.get_world_size(group) if group is not None else 1
+    me = dist.get_rank(group) if group is not None else 0
+    start, rows = _rows(tensor.shape[0], size, me)
+    reduced = _start_allreduce(tensor, torch.empty_like(tensor), how, NoneCompressor)
+    return Handle(reduced._works, lambda: reduced.wait().narrow(0, start, rows).clone())
+
+
+def reducescatter_async(tensor: Tensor, name: Optional[str] = None, op: Optional[ReduceOp] = None,
+                        process_set: Any = global_process_set, prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0) -> Handle:
+    """Start :func:`reducescatter`; :func:`synchronize` returns this rank's rows.
+
+    Args: as :func:`reducescatter`.
+
+    Returns:
+        A handle for :func:`synchronize` and :func:`poll`.
+    """
+    how = _reduction(op, None, prescale_factor, postscale_factor, process_set)
+    return _start_reducescatter(tensor, how)
+
+
+def reducescatter(tensor: Tensor, name: Optional[str] = None, op: Optional[ReduceOp] = None,
+                  process_set: Any = global_process_set, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> Tensor:
+    """Reduce ``tensor`` over the ranks and keep this rank's rows of the result.
+
+    Args:
+        tensor: the same shape on every rank, at least one dimension.
+        name: ignored (torch.distributed matches collectives by call order).
+        op: ``hvd.Average`` (default) or ``hvd.Sum``, ``Min``, ``Max``, ``Product``.
+        process_set: the ranks taking part (default: all).
+        prescale_factor: multiplies the input before the reduction (default: 1.0).
+        postscale_factor: multiplies the result (default: 1.0).
+
+    Returns:
+        Rows ``[start, start + rows)`` of the reduction, where the first ``n % size``
+        ranks get ``n // size + 1`` rows and the others ``n // size``.
+
+    Raises:
+        RuntimeError: the ranks' shapes, dtypes or devices differ.
+    """
+    return reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor).wait()
+
+
+def grouped_reducescatter_async(tensors: Sequence[Tensor], name: Optional[str] = None,
+                                op: Optional[ReduceOp] = None, process_set: Any = global_process_set,
+                                prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
+    """Start :func:`reducescatter` of each tensor; :func:`synchronize` returns the list."""
+    how = _reduction(op, None, prescale_factor, postscale_factor, process_set)
+    return _grouped([_start_reducescatter(t, how) for t in tensors])
+
+
+def grouped_reducescatter(tensors: Sequence[Tensor], name: Optional[str] = None, op: Optional[ReduceOp] = None,
+                          process_set: Any = global_process_set, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> List[Tensor]:
+    """:func:`reducescatter` of each tensor in ``tensors``, in one call."""
+    return grouped_reducescatter_async(tensors, name, op, process_set, prescale_factor, postscale_factor).wait()
+
+
+# ====================================================================== alltoall
+
+
+def _split_sizes(tensor: Tensor, splits: Any, size: int) -> List[int]:
+    rows = tensor.shape[0] if tensor.dim() else 0
+    if splits is None:
+        if tensor.dim() == 0 or rows % size:
+            raise ValueError(
+                f"alltoall without splits needs a first dimension divisible by the {size} ranks, got shape "
+                f"{list(tensor.shape)}; pass splits= (rows per rank)"
+            )
+        return [rows // size] * size
+    values = [int(v) for v in (splits.tolist() if isinstance(splits, Tensor) else splits)]
+    if len(values) != size or any(v < 0 for v in values) or sum(values) != rows:
+        raise ValueError(
+            f"splits must give {size} non-negative row counts that add up to the first dimension ({rows}), "
+            f"got {values}"
+        )
+    return values
+
+
+def alltoall_async(tensor: Tensor, splits: Any = None, name: Optional[str] = None,
+                   process_set: Any = global_process_set) -> Handle:
+    """Start :func:`alltoall`; :func:`synchronize` returns what :func:`alltoall` returns."""
+    group = group_of(process_set)
+    size = collectives.get_world_size(group) if group is not None else 1
+    send = _split_sizes(tensor, splits, size)
+    if group is None or size == 1:
+        out = tensor.detach().clone()
+        received = torch.tensor(send, dtype=torch.int32)
+        return Handle([], lambda: out if splits is None else (out, received))
+    device = _wire_device(group, tensor)
+    counts = torch.tensor(send, dtype=torch.int64, device=device)
+    incoming = torch.empty_like(counts)
+    dist.all_to_all_single(incoming, counts, group=group)  # every rank learns what it receives
+    recv = incoming.tolist()
+    wire = tensor.detach().to(device, _comm_dtype(group, tensor.dtype)).contiguous()
+    out = torch.empty((sum(recv),) + tuple(tensor.shape[1:]), dtype=wire.dtype, device=device)
+    work = dist.all_to_all_single(out, wire, output_split_sizes=recv, input_split_sizes=send, group=group,
+                                  async_op=True)
+
+    def finish() -> Union[Tensor, Tuple[Tensor, Tensor]]:
+        result = out.to(tensor.device, tensor.dtype)
+        return result if splits is None else (result, torch.tensor(recv, dtype=torch.int32))
+
+    return Handle([work], finish)
+
+
+def alltoall(tensor: Tensor, splits: Any = None, name: Optional[str] = None,
+             process_set: Any = global_process_set) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Send the ``i``-th block of rows of ``tensor`` to rank ``i``; receive one block from each rank.
+
+    Args:
+        tensor: the rows to send, blocks in rank order.
+        splits: rows per destination rank (a list or 1-D tensor, one per rank of the set),
+            or None for equal blocks (default: None).
+        name: ignored (torch.distributed matches collectives by call order).
+        process_set: the ranks taking part (default: all).
+
+    Returns:
+        The received rows in rank order; with ``splits``, also the rows received
+        from each rank (an int32 tensor), as Horovod returns them.
+
+    Raises:
+        ValueError: ``splits`` does not fit the tensor, or (without ``splits``) the first
+            dimension does not divide by the number of ranks.
+    """
+    return alltoall_async(tensor, splits, name, process_set).wait()
