@@ -190,7 +190,7 @@ def _check_allgather_and_broadcast() -> None:
     gathered = hvd.allgather(torch.full((r + 1, 2), float(r)))
     assert gathered.tolist() == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
     assert hvd.synchronize(hvd.allgather_async(torch.tensor([r]))).tolist() == [0, 1]
-    with pytest.raises(ValueError, match="Mismatched allgather tensor shapes"):
+    with pytest.raises(RuntimeError, match="Mismatched allgather tensor shapes"):
         hvd.allgather(torch.zeros(1, 2 + r))
     original = torch.full((3,), float(r))
     copied = hvd.broadcast(original, root_rank=1)
@@ -223,6 +223,12 @@ def _check_mismatched_tensors_raise_on_every_rank() -> None:
         hvd.broadcast_async(torch.ones(3, 10 * (r + 1)), root_rank=0)
     # Nothing was sent: the ranks are still in step.
     assert hvd.allreduce(torch.tensor([float(r)]), op=hvd.Sum).tolist() == [1.0]
+
+
+def _check_prescale_on_integers_truncates_on_each_rank() -> None:
+    # Horovod scales integers in float64 and truncates on each rank, before the sum: 2 * int(0.5 * 3) = 2.
+    summed = hvd.allreduce(torch.tensor([3, -3], dtype=torch.int32), op=hvd.Sum, prescale_factor=0.5)
+    assert summed.dtype == torch.int32 and summed.tolist() == [2, -2]
 
 
 def _check_int16_travels_on_gloo() -> None:
@@ -330,6 +336,7 @@ def test_collectives_follow_horovod_semantics(no_leftover_processes):
         _check_allgather_and_broadcast,
         _check_mismatched_tensors_raise_on_every_rank,
         _check_int16_travels_on_gloo,
+        _check_prescale_on_integers_truncates_on_each_rank,
         _check_process_sets,
         _check_reducescatter_alltoall_and_grouped_allgather,
         _check_collective_gradients,

@@ -29,9 +29,10 @@ def _first_dims(tensor: Tensor, group: dist.ProcessGroup) -> List[int]:
     everyone = collectives.all_gather_object(mine, group=group)
     for r, (shape, dtype) in enumerate(everyone):
         if dtype != mine[1]:
-            raise ValueError(f"Mismatched allgather tensor types: rank {r} sent {dtype}, this rank {mine[1]}")
+            raise RuntimeError(f"Mismatched allgather tensor types: rank {r} sent {dtype}, this rank {mine[1]}; "
+                               "pass tensors of one dtype on every rank")
         if not shape or len(shape) != len(mine[0]) or shape[1:] != mine[0][1:]:
-            raise ValueError(
+            raise RuntimeError(
                 f"Mismatched allgather tensor shapes: rank {r} sent shape {list(shape)}, this rank "
                 f"{list(mine[0])}; tensors must have at least one dimension and may differ in the first only"
             )
@@ -100,7 +101,7 @@ def allgather(tensor: Tensor, name: Optional[str] = None, process_set: Any = glo
         The concatenation, with the sum of every rank's first dimension as its first dimension.
 
     Raises:
-        ValueError: if dimensions other than the first, or dtypes, differ between ranks.
+        RuntimeError: if dimensions other than the first, or dtypes, differ between ranks (on every rank).
     """
     return _AllgatherFunction.apply(tensor, group_of(process_set))
 

@@ -75,7 +75,10 @@ def _start_allreduce(tensor: Tensor, out: Tensor, how: _Reduction, compression: 
         pre /= world  # before the wire, so a 16-bit sum of large values cannot overflow
     with torch.no_grad():
         source = tensor.detach()
-        compressed, ctx = compression.compress(source * pre if pre != 1.0 else source)
+        if pre != 1.0:
+            # Integers are scaled in float64 and truncated back on each rank before the sum, as Horovod does.
+            source = source * pre if source.is_floating_point() else (source.double() * pre).to(source.dtype)
+        compressed, ctx = compression.compress(source)
         # The reduction may write into the caller's tensor only when it asked for in place.
         wire = _on_wire(compressed, group, fresh=compressed is source and out is not tensor)
     work = None
