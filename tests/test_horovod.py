@@ -292,6 +292,10 @@ def _check_reducescatter_alltoall_and_grouped_allgather() -> None:
         hvd.alltoall(torch.zeros(3), splits=[1, 1])
     with pytest.raises(ValueError, match="divisible by the 2 ranks"):
         hvd.alltoall(torch.zeros(3))
+    sparse = torch.sparse_coo_tensor([[r, 2]], [1.0 + r, 10.0], (3,))
+    reduced = hvd.sparse_allreduce_async(sparse)()  # Average: the mean of both ranks' entries
+    assert reduced.is_sparse and reduced.to_dense().tolist() == [0.5, 1.0, 10.0]
+    assert hvd.sparse_allreduce_async(sparse, op=hvd.Sum)().to_dense().tolist() == [1.0, 2.0, 20.0]
     gathered = hvd.grouped_allgather([torch.tensor([r]), torch.full((r + 1, 2), r)])
     assert [t.tolist() for t in gathered] == [[0, 1], [[0, 0], [1, 1], [1, 1]]]
 
@@ -792,7 +796,7 @@ def test_misuse_and_unsupported_features_say_what_to_do(job_of_one):
         (lambda: hvd.add_process_set([0, 1]), ValueError, r"ranks in 0..0, got \[0, 1\]"),
         (lambda: hvd.init(comm=[0]), NotImplementedError, "torchrun"),
         (lambda: hvd.broadcast_optimizer_state(nn.Linear(1, 1), 0), TypeError, "torch.optim.Optimizer"),
-        (lambda: hvd.sparse_allreduce_async, AttributeError, "sparse_as_dense=True"),
+        (lambda: hvd.sparse_allreduce_async(torch.ones(2)), TypeError, "sparse COO tensor"),
         (lambda: hvd.SyncBatchNorm, AttributeError, "convert_sync_batchnorm"),
     ]
     for call, error, message in cases:

@@ -23,11 +23,17 @@ and ignored.
 
 Process sets are ``torch.distributed`` groups (:mod:`distopt.horovod.process_sets`).
 Not provided: Adasum (``NotImplementedError`` saying what to use instead),
-``sparse_allreduce_async``, ``SyncBatchNorm``, ``elastic`` and the timeline
+``SyncBatchNorm``, ``elastic`` and the timeline
 (accessing them raises ``AttributeError`` with the torch equivalent).
 """
 # One module per concept; this file only gathers their public names.
-from .allgather_ops import allgather, allgather_async, grouped_allgather, grouped_allgather_async
+from .allgather_ops import (
+    allgather,
+    allgather_async,
+    grouped_allgather,
+    grouped_allgather_async,
+    sparse_allreduce_async,
+)
 from .allreduce_ops import (
     allreduce,
     allreduce_,
@@ -129,6 +135,7 @@ __all__ = [
     "allgather_async",
     "grouped_allgather",
     "grouped_allgather_async",
+    "sparse_allreduce_async",
     "reducescatter",
     "reducescatter_async",
     "grouped_reducescatter",

@@ -1,7 +1,7 @@
 """``hvd.allgather`` and ``hvd.allgather_async``: every rank's rows, concatenated in rank order (differentiable)."""
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -13,11 +13,12 @@ from .allreduce_ops import _Reduction, _start_allreduce, _wire_device
 from .compression import NoneCompressor
 from .sync import Handle, _grouped
 from .process_sets import global_process_set, group_of
-from .reduce_op import Average
+from .reduce_op import Average, Sum
 
 __all__ = [
     "grouped_allgather",
     "grouped_allgather_async",
+    "sparse_allreduce_async",
     "allgather",
     "allgather_async",
 ]
@@ -129,3 +130,42 @@ def grouped_allgather(tensors: Sequence[Tensor], name: Optional[str] = None,
         One concatenation per tensor, in order.
     """
     return grouped_allgather_async(tensors, name, process_set).wait()
+
+
+def sparse_allreduce_async(tensor: Tensor, name: Optional[str] = None, op: Any = None,
+                           process_set: Any = global_process_set) -> Callable[[], Tensor]:
+    """Start reducing a sparse tensor by gathering every rank's indices and values.
+
+    Args:
+        tensor: a sparse COO tensor of the same size on every rank.
+        name: ignored (torch.distributed matches collectives by call order).
+        op: ``hvd.Average`` (default) or ``hvd.Sum``.
+        process_set: the ranks taking part (default: all).
+
+    Returns:
+        A function that waits and returns the reduced sparse tensor (uncoalesced: the
+        entries of every rank, summed where they coincide once coalesced), as Horovod's does.
+
+    Raises:
+        TypeError: ``tensor`` is not sparse.
+        ValueError: ``op`` is neither Average nor Sum.
+    """
+    if not isinstance(tensor, Tensor) or not tensor.is_sparse:
+        raise TypeError(f"sparse_allreduce_async takes a sparse COO tensor, got {type(tensor).__name__}; "
+                        "for a dense one use hvd.allreduce_async")
+    op = Average if op is None else op
+    if op not in (Average, Sum):
+        raise ValueError(f"sparse_allreduce_async supports op=hvd.Average or hvd.Sum, got {op!r}")
+    group = group_of(process_set)
+    sparse = tensor.coalesce()
+    indices = _start_allgather(sparse.indices().t().contiguous(), group)[0]
+    values = _start_allgather(sparse.values(), group)[0]
+    size = collectives.get_world_size(group) if group is not None else 1
+
+    def result() -> Tensor:
+        gathered = values.wait()
+        if op is Average:
+            gathered = gathered / size
+        return torch.sparse_coo_tensor(indices.wait().t(), gathered, tensor.size())
+
+    return result

@@ -21,7 +21,6 @@ _ADASUM_ADVICE = (
 
 
 _UNSUPPORTED = {
-    "sparse_allreduce_async": "pass sparse_as_dense=True to hvd.DistributedOptimizer",
     "SyncBatchNorm": "use torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)",
     "elastic": "use torchrun --nnodes MIN:MAX --max-restarts N and resume from a checkpoint",
     "start_timeline": "use torch.profiler",
