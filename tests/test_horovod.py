@@ -296,6 +296,15 @@ def _check_reducescatter_alltoall_and_grouped_allgather() -> None:
     reduced = hvd.sparse_allreduce_async(sparse)()  # Average: the mean of both ranks' entries
     assert reduced.is_sparse and reduced.to_dense().tolist() == [0.5, 1.0, 10.0]
     assert hvd.sparse_allreduce_async(sparse, op=hvd.Sum)().to_dense().tolist() == [1.0, 2.0, 20.0]
+    with pytest.raises(RuntimeError, match=r"Mismatched alltoall shapes .*rank 0: \[0, 3\], rank 1: \[0, 4\]"):
+        hvd.alltoall(torch.zeros(2, 3 + r))
+    x = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
+    got, _ = hvd.alltoall(x, splits=[1, 2])
+    (got * (r + 1)).sum().backward()  # each row's gradient comes back from the rank it went to
+    assert x.grad.tolist() == [1.0, 2.0, 2.0]
+    y = torch.full((r + 1,), 1.0, requires_grad=True)
+    (hvd.grouped_allgather([y])[0] * torch.tensor([1.0, 2.0, 3.0])).sum().backward()
+    assert y.grad.tolist() == ([1.0] if r == 0 else [2.0, 3.0])
     gathered = hvd.grouped_allgather([torch.tensor([r]), torch.full((r + 1, 2), r)])
     assert [t.tolist() for t in gathered] == [[0, 1], [[0, 0], [1, 1], [1, 1]]]
 

@@ -129,6 +129,9 @@ def grouped_allgather(tensors: Sequence[Tensor], name: Optional[str] = None,
     Returns:
         One concatenation per tensor, in order.
     """
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):  # differentiable, one by one
+        group = group_of(process_set)
+        return [_AllgatherFunction.apply(t, group) for t in tensors]
     return grouped_allgather_async(tensors, name, process_set).wait()
 
 

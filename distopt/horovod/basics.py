@@ -229,9 +229,16 @@ def gloo_enabled() -> bool:
     return collectives.is_distributed() and "gloo" in str(dist.get_backend())
 
 
-def nccl_built() -> bool:
-    """Whether this torch build has the NCCL backend."""
-    return dist.is_available() and dist.is_nccl_available()
+def nccl_built() -> int:
+    """NCCL's version code if this torch build has the NCCL backend (truthy, comparable as Horovod's:
+    ``major * 10000 + minor * 100 + patch`` from NCCL 2.9, ``* 1000`` before), else 0."""
+    if not (dist.is_available() and dist.is_nccl_available()):
+        return 0
+    try:
+        major, minor, patch = torch.cuda.nccl.version()[:3]
+    except Exception:  # built with NCCL, but its library cannot be asked: still built
+        return 1
+    return major * (10000 if (major, minor) >= (2, 9) else 1000) + minor * 100 + patch
 
 
 def cuda_built() -> bool:

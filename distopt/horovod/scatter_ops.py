@@ -17,6 +17,7 @@ from torch import Tensor
 
 from .. import collectives
 from ..collectives.tensors import _comm_dtype
+from .agreement import agree
 from .allreduce_ops import _reduction, _start_allreduce, _wire_device
 from .compression import NoneCompressor
 from .process_sets import global_process_set, group_of
@@ -129,8 +130,13 @@ def _split_sizes(tensor: Tensor, splits: Any, size: int) -> List[int]:
 def alltoall_async(tensor: Tensor, splits: Any = None, name: Optional[str] = None,
                    process_set: Any = global_process_set) -> Handle:
     """Start :func:`alltoall`; :func:`synchronize` returns what :func:`alltoall` returns."""
-    group = group_of(process_set)
+    return _start_alltoall(tensor, splits, group_of(process_set))
+
+
+def _start_alltoall(tensor: Tensor, splits: Any, group: Optional[dist.ProcessGroup]) -> Handle:
     size = collectives.get_world_size(group) if group is not None else 1
+    if group is not None and size > 1 and tensor.dim():
+        agree("alltoall", tensor.narrow(0, 0, 0), group)  # all but the first dimension must match
     send = _split_sizes(tensor, splits, size)
     if group is None or size == 1:
         out = tensor.detach().clone()
@@ -172,4 +178,29 @@ def alltoall(tensor: Tensor, splits: Any = None, name: Optional[str] = None,
         ValueError: ``splits`` does not fit the tensor, or (without ``splits``) the first
             dimension does not divide by the number of ranks.
     """
-    return alltoall_async(tensor, splits, name, process_set).wait()
+    group = group_of(process_set)
+    if tensor.requires_grad and torch.is_grad_enabled():
+        out, received = _AlltoallFunction.apply(tensor, splits, group)
+        return out if splits is None else (out, received)
+    return _start_alltoall(tensor, splits, group).wait()
+
+
+class _AlltoallFunction(torch.autograd.Function):
+    """Differentiable alltoall, as Horovod's: the gradient goes back the way the rows came."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: Tensor, splits: Any, group: Optional[dist.ProcessGroup]) -> Any:
+        out, received = _start_alltoall(tensor, _split_sizes(tensor, splits, _size(group)), group).wait()
+        ctx.group = group
+        ctx.received = received.tolist()
+        ctx.mark_non_differentiable(received)
+        return out, received
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor, _: Any) -> Tuple[Tensor, None, None]:
+        back, _ = _start_alltoall(grad.contiguous(), ctx.received, ctx.group).wait()
+        return back, None, None
+
+
+def _size(group: Optional[dist.ProcessGroup]) -> int:
+    return collectives.get_world_size(group) if group is not None else 1
