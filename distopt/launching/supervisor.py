@@ -60,6 +60,10 @@ def _run_workers(job: bytes, nprocs: int, world_size: int, first_rank: int, back
             reader.close()
 
 
+#: Seconds the supervisor blocks at most before looking at signals and the deadline again.
+_SLICE = 0.5
+
+
 class _Supervisor:
     """Collects results while watching every worker; stops at the first failure."""
 
@@ -87,7 +91,10 @@ class _Supervisor:
             # dating it to the wait's start ranks it before the errors its death causes in peers.
             since = time.time()
             # Reading pipes as results arrive keeps a large result from blocking its worker's exit.
-            for ready in connection.wait(list(self.open_readers) + list(self.live), remaining):
+            # The wait is sliced: a Ctrl-C the kernel hands to another thread (gloo's, a timer's)
+            # only sets a flag, which the main thread acts on when its wait returns.
+            slice_ = _SLICE if remaining is None else min(remaining, _SLICE)
+            for ready in connection.wait(list(self.open_readers) + list(self.live), slice_):
                 if ready in self.open_readers:
                     self._receive(self.open_readers[ready])
                 else:
