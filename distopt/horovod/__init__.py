@@ -67,6 +67,7 @@ from .basics import (
 )
 from .broadcast_ops import broadcast, broadcast_, broadcast_async, broadcast_async_
 from .compression import BF16Compressor, Compression, Compressor, FP16Compressor, NoneCompressor
+from .errors import HorovodInternalError, HostsUpdatedInterrupt
 from .functions import allgather_object, broadcast_object, broadcast_optimizer_state, broadcast_parameters
 from .optimizer import DistributedOptimizer
 from .reduce_op import Adasum, Average, Max, Min, Product, ReduceOp, Sum
@@ -83,6 +84,8 @@ from .process_sets import ProcessSet, add_process_set, global_process_set, remov
 from .unsupported import _missing_attribute as __getattr__  # Horovod names distopt lacks: say what to use
 
 __all__ = [
+    "HorovodInternalError",
+    "HostsUpdatedInterrupt",
     # life cycle and topology
     "init",
     "shutdown",
