@@ -171,13 +171,18 @@ def test_timeout_kills_everything():
 
 @pytest.mark.timeout(180)
 def test_keyboard_interrupt_in_parent_stops_workers():
-    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    # Ctrl-C as Python delivers it: a KeyboardInterrupt in the main thread. The handler and the
+    # target thread are set here, so that neither the disposition the test run inherited nor
+    # earlier tests' threads decide where the signal lands (two full CI runs lost it).
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    timer = threading.Timer(1.0, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
     timer.start()
     try:
         with pytest.raises(KeyboardInterrupt):
-            launch(_hang, 2, backend="gloo", timeout=120)
+            launch(_hang, 2, backend="gloo", timeout=60)
     finally:
         timer.cancel()
+        signal.signal(signal.SIGINT, previous)
 
 
 @pytest.mark.timeout(180)
