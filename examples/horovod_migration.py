@@ -187,6 +187,9 @@ def main() -> None:
     torch.manual_seed(args.seed)
 
     if args.cuda:
+        if hvd.local_rank() >= torch.cuda.device_count():
+            raise SystemExit(f"local rank {hvd.local_rank()} has no GPU of its own ({torch.cuda.device_count()} "
+                             "visible): start one process per GPU, or pass --no-cuda")
         # Horovod: pin GPU to local rank.
         torch.cuda.set_device(hvd.local_rank())
         torch.cuda.manual_seed(args.seed)
