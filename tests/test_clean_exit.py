@@ -14,7 +14,7 @@ pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "_scripts" / "exit_after_training.py"
-RUNS = 5
+RUNS = 3  # an abort at exit hit about one run in two before the fix
 RUN_TIMEOUT = 60
 
 

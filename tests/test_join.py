@@ -5,7 +5,6 @@ gradients of the ranks that still have data (float64, 1e-10), and every rank
 leaves the block with bitwise-identical parameters and optimizer state. The
 checks of one world run in one launch; each returns what it measured.
 """
-import traceback
 
 import pytest
 import torch
@@ -14,7 +13,8 @@ from torch import nn
 
 import distopt
 from distopt import DistributedOptimizer
-from distopt._testing import run_world
+
+from _worlds import Worlds
 
 pytestmark = [pytest.mark.usefixtures("no_leftover_processes"), pytest.mark.timeout(300)]
 
@@ -209,16 +209,6 @@ def horovod_join_uneven(counts):
     return {"identical": identical, "diff": diff, "last": last}
 
 
-def run_checks(checks):
-    results = []
-    for fn, args, kwargs in checks:
-        try:
-            results.append(("ok", fn(*args, **kwargs)))
-        except Exception:
-            results.append(("error", traceback.format_exc()))
-    return results
-
-
 # (world, check function, args, kwargs)
 CASES = {
     # rank r gets 10 + r batches
@@ -245,20 +235,8 @@ CASES = {
     "horovod join, root last": (2, horovod_join_uneven, ([6, 2],), {}),
 }
 
-_RESULTS = {}
-
-
-def results(name):
-    world = CASES[name][0]
-    if world not in _RESULTS:
-        names = [n for n, case in CASES.items() if case[0] == world]
-        per_rank = run_world(run_checks, world, [CASES[n][1:] for n in names], timeout=240)
-        _RESULTS[world] = {n: [rank[k] for rank in per_rank] for k, n in enumerate(names)}
-    outcome = _RESULTS[world][name]
-    for status, value in outcome:
-        if status == "error":
-            pytest.fail(f"the check raised on a rank:\n{value}")
-    return [value for _, value in outcome]
+WORLDS = Worlds(CASES, timeout=240)
+results = WORLDS.results
 
 
 @pytest.mark.parametrize("name", [n for n, case in CASES.items() if case[1] is train_uneven and n != "compression"])

@@ -328,7 +328,7 @@ def _expected_tensor_results(seed, world):
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("world", [2, 3])
 def test_tensor_results_arrive_intact_every_time(world):
-    launches = 12
+    launches = 6 if world == 2 else 4  # each a fresh launch: a torn result showed up within a handful
     for seed in range(launches):
         results = launch(_tensor_results, world, args=(seed,), master_port=0, timeout=60)
         for rank, (result, expected) in enumerate(zip(results, _expected_tensor_results(seed, world))):

@@ -7,7 +7,6 @@ single-process replay of every rank's replica and of the protocol (float64,
 1e-10). The assertions live in the tests.
 """
 import io
-import traceback
 
 import pytest
 import torch
@@ -16,8 +15,9 @@ from torch import nn
 
 import distopt
 from distopt import DistributedOptimizer
-from distopt._testing import run_world
 from distopt.modes.local_sgd import STATE_KEY
+
+from _worlds import Worlds
 
 TOL = 1e-10
 ROWS = 6  # rows per rank and step
@@ -332,16 +332,6 @@ def train_uneven(counts, sync_every, inner="sgd", outer=None, warmup=0, compress
     return result
 
 
-def run_checks(checks):
-    results = []
-    for fn, args, kwargs in checks:
-        try:
-            results.append(("ok", fn(*args, **kwargs)))
-        except Exception:
-            results.append(("error", traceback.format_exc()))
-    return results
-
-
 # (world, check, args, kwargs)
 CASES = {
     "plain H=4": (2, train_against_simulation, (12, 4), {"inner": "momentum"}),
@@ -362,20 +352,8 @@ CASES = {
     "join compression": (2, train_uneven, ([7, 4], 3), {"compression": "bf16"}),
 }
 
-_RESULTS = {}
-
-
-def results(name):
-    world = CASES[name][0]
-    if world not in _RESULTS:
-        names = [n for n, case in CASES.items() if case[0] == world]
-        per_rank = run_world(run_checks, world, [CASES[n][1:] for n in names], timeout=280)
-        _RESULTS[world] = {n: [rank[k] for rank in per_rank] for k, n in enumerate(names)}
-    outcome = _RESULTS[world][name]
-    for status, value in outcome:
-        if status == "error":
-            pytest.fail(f"the check raised on a rank:\n{value}")
-    return [value for _, value in outcome]
+WORLDS = Worlds(CASES, timeout=280)
+results = WORLDS.results
 
 
 # ---------------------------------------------------------------------- the tests

@@ -8,7 +8,6 @@ and torch._dynamo imports), so one world per world size runs every check once
 reports its traceback to its own test only.
 """
 import random
-import traceback
 
 import pytest
 import torch
@@ -17,8 +16,9 @@ from torch import nn
 
 import distopt
 from distopt import DistributedOptimizer
-from distopt._testing import assert_no_children, run_world
 from distopt.control import CONTROL_FLAGS
+
+from _worlds import Worlds
 
 pytestmark = pytest.mark.timeout(300)  # the first test of a world pays for starting it
 
@@ -26,32 +26,13 @@ BATCH = 12  # divisible by every world size tested
 TOL = 1e-10
 
 
-def run_checks(checks):
-    """Run ``(function, args)`` checks in order on this rank; a failing check yields its traceback."""
-    results = []
-    for fn, args in checks:
-        try:
-            results.append(("ok", fn(*args)))
-        except Exception:
-            results.append(("error", traceback.format_exc()))
-    return results
-
-
-_WORLDS = {}
-
-
 def world_results(world, fn, *args):
     """Per-rank results of ``fn(*args)``, from the one run of every check registered for ``world``."""
-    if world not in _WORLDS:
-        checks = [c for c in CHECKS if world in c[0]]
-        per_rank = run_world(run_checks, world, [(f, a) for _, f, a in checks], timeout=240)
-        _WORLDS[world] = {(f, a): [rank[k] for rank in per_rank] for k, (_, f, a) in enumerate(checks)}
-        assert_no_children()
-    outcome = _WORLDS[world][(fn, args)]
-    for status, value in outcome:
-        if status == "error":
-            pytest.fail(f"the check raised on a rank:\n{value}")
-    return [value for _, value in outcome]
+    return WORLDS.results(_check_name(world, fn, args))
+
+
+def _check_name(world, fn, args):
+    return f"{fn.__name__}{args!r}, world {world}"
 
 
 def rank_world():
@@ -553,3 +534,4 @@ CHECKS = [
     ((2,), checkpoint_worker, (False,)),
     ((2,), checkpoint_worker, (True,)),
 ]
+WORLDS = Worlds({_check_name(w, fn, args): (w, fn, args) for worlds, fn, args in CHECKS for w in worlds})

@@ -4,7 +4,6 @@ The checks of one world run in one launch; each compares, inside the worker, a
 sharded wrapper with an unsharded one on the same data (float64, 1e-10), or a
 checkpoint's round trip with an uninterrupted run.
 """
-import traceback
 
 import pytest
 import torch
@@ -17,6 +16,8 @@ import distopt
 from distopt import DistributedOptimizer
 from distopt._testing import run_world
 from distopt.ownership import assign_owners
+
+from _worlds import Worlds
 
 pytestmark = [pytest.mark.usefixtures("no_leftover_processes"), pytest.mark.timeout(300)]
 
@@ -216,6 +217,11 @@ def resume(path, shard_state):
     return out, held
 
 
+def resume_both_ways(path):
+    """:func:`resume` sharded, then unsharded, in one launch."""
+    return resume(path, True), resume(path, False)
+
+
 def state_dict_on_one_rank():
     model = Net()
     opt = DistributedOptimizer(torch.optim.Adam(param_groups(model), lr=0.01), shard_state=True, stall_warning=2.0)
@@ -250,16 +256,6 @@ def join_sharded(counts):
     return {"diff": diff, "identical": identical}
 
 
-def run_checks(checks):
-    results = []
-    for fn, args in checks:
-        try:
-            results.append(("ok", fn(*args)))
-        except Exception:
-            results.append(("error", traceback.format_exc()))
-    return results
-
-
 CASES = {}
 for _world in (2, 3):
     for _name in OPTIMIZERS:
@@ -269,24 +265,15 @@ CASES["features"] = (2, full_state_dict_and_features, ("{tmp}/ckpt2.pt",))
 CASES["state_dict on one rank"] = (2, state_dict_on_one_rank, ())
 CASES["join"] = (3, join_sharded, ([5, 2, 4],))
 
-_RESULTS = {}
+WORLDS = Worlds(CASES, timeout=240)
+_TMP = {}
 
 
 def results(case, tmp_path_factory):
     world = CASES[case][0]
-    if world not in _RESULTS:
-        tmp = tmp_path_factory.mktemp("sharded")
-        names = [n for n, c in CASES.items() if c[0] == world]
-        checks = [(CASES[n][1], tuple(a.format(tmp=tmp) if isinstance(a, str) else a for a in CASES[n][2]))
-                  for n in names]
-        per_rank = run_world(run_checks, world, checks, timeout=240)
-        _RESULTS["tmp", world] = tmp
-        _RESULTS[world] = {n: [rank[k] for rank in per_rank] for k, n in enumerate(names)}
-    outcome = _RESULTS[world][case]
-    for status, value in outcome:
-        if status == "error":
-            pytest.fail(f"the check raised on a rank:\n{value}")
-    return [value for _, value in outcome]
+    if world not in _TMP:
+        _TMP[world] = tmp_path_factory.mktemp("sharded")
+    return WORLDS.results(case, tmp=str(_TMP[world]))
 
 
 @pytest.mark.parametrize("case", [n for n, c in CASES.items() if c[1] is parity])
@@ -306,7 +293,7 @@ def test_accumulation_no_sync_compression_bcast_scaler_and_new_groups_keep_worki
 
 def test_the_gathered_checkpoint_loads_into_a_plain_optimizer_as_it_is(tmp_path_factory):
     results("features", tmp_path_factory)
-    checkpoint = torch.load(_RESULTS["tmp", 2] / "ckpt2.pt")
+    checkpoint = torch.load(_TMP[2] / "ckpt2.pt")
     model = Net()
     plain = torch.optim.Adam(param_groups(model), lr=0.01)
     plain.load_state_dict(checkpoint["optimizer"])
@@ -319,10 +306,8 @@ def test_the_gathered_checkpoint_loads_into_a_plain_optimizer_as_it_is(tmp_path_
 @pytest.mark.parametrize("world", [3, 2])
 def test_a_checkpoint_resumes_exactly_sharded_or_not_at_another_world_size(world, saved, tmp_path_factory):
     results("features", tmp_path_factory)
-    path = _RESULTS["tmp", 2] / ("ckpt2.pt" if saved == "sharded" else "ckpt2-plain.pt")
-    sharded = run_world(resume, world, str(path), True, timeout=120)
-    unsharded = run_world(resume, world, str(path), False, timeout=120)
-    for (a, held_a), (b, held_b) in zip(sharded, unsharded):
+    path = _TMP[2] / ("ckpt2.pt" if saved == "sharded" else "ckpt2-plain.pt")
+    for (a, held_a), (b, held_b) in run_world(resume_both_ways, world, str(path), timeout=150):
         assert max((x - y).abs().max().item() for x, y in zip(a, b)) < TOL
         assert held_a < held_b  # the loaded state kept only this rank's shard
 
