@@ -190,8 +190,10 @@ def _check_allgather_and_broadcast() -> None:
     gathered = hvd.allgather(torch.full((r + 1, 2), float(r)))
     assert gathered.tolist() == [[0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]
     assert hvd.synchronize(hvd.allgather_async(torch.tensor([r]))).tolist() == [0, 1]
-    with pytest.raises(RuntimeError, match="Mismatched allgather tensor shapes"):
-        hvd.allgather(torch.zeros(1, 2 + r))
+    with pytest.raises(RuntimeError, match=r"Mismatched allgather shapes across ranks \(rank 0: \[\*, 2\], "
+                                           r"rank 1: \[\*, 3\]\); every rank must call allgather with a tensor "
+                                           r"of the same shape \(but for the first dimension\)"):
+        hvd.allgather(torch.zeros(1 + r, 2 + r))
     original = torch.full((3,), float(r))
     copied = hvd.broadcast(original, root_rank=1)
     assert copied.tolist() == [1.0] * 3 and original.tolist() == [float(r)] * 3
@@ -270,6 +272,13 @@ def _check_process_sets() -> None:
     model(torch.full((1, 3), float(r))).sum().backward()
     assert model.weight.grad.tolist() == [[0.5, 0.5, 0.5]]  # the mean of 0 and 1 over the set
     opt.close()
+    # Built for the set of rank 0 on both ranks: rank 1, outside it, trains on its own gradients (Horovod's rule).
+    model = nn.Linear(3, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), process_set=evens)
+    model(torch.full((1, 3), float(r + 1))).sum().backward()
+    assert model.weight.grad.tolist() == [[r + 1.0] * 3]
+    opt.step()
+    opt.close()
     assert hvd.remove_process_set(evens) and not hvd.remove_process_set(evens)
     assert not hvd.remove_process_set(hvd.global_process_set)
     hvd.remove_process_set(odds)
@@ -296,7 +305,7 @@ def _check_reducescatter_alltoall_and_grouped_allgather() -> None:
     reduced = hvd.sparse_allreduce_async(sparse)()  # Average: the mean of both ranks' entries
     assert reduced.is_sparse and reduced.to_dense().tolist() == [0.5, 1.0, 10.0]
     assert hvd.sparse_allreduce_async(sparse, op=hvd.Sum)().to_dense().tolist() == [1.0, 2.0, 20.0]
-    with pytest.raises(RuntimeError, match=r"Mismatched alltoall shapes .*rank 0: \[0, 3\], rank 1: \[0, 4\]"):
+    with pytest.raises(RuntimeError, match=r"Mismatched alltoall shapes .*rank 0: \[\*, 3\], rank 1: \[\*, 4\]"):
         hvd.alltoall(torch.zeros(2, 3 + r))
     x = torch.tensor([1.0, 2.0, 3.0], requires_grad=True)
     got, _ = hvd.alltoall(x, splits=[1, 2])
@@ -317,6 +326,15 @@ def _check_collective_gradients() -> None:
     x = torch.ones(r + 1, 2, requires_grad=True)
     (hvd.allgather(x) * torch.arange(3.0).view(3, 1)).sum().backward()
     assert x.grad.tolist() == ([[0.0, 0.0]] if r == 0 else [[1.0, 1.0], [2.0, 2.0]])  # its rows of the mean
+    # reducescatter, by Horovod's rule: the output gradients of every rank gathered, times the size for Sum.
+    for op, factor in ((hvd.Sum, 2.0), (hvd.Average, 1.0)):
+        x = torch.ones(4, 2, requires_grad=True)
+        (hvd.reducescatter(x, op=op, prescale_factor=3.0) * (r + 1)).sum().backward()
+        assert x.grad.tolist() == [[3.0 * factor] * 2] * 2 + [[6.0 * factor] * 2] * 2, op
+        y = torch.ones(2, 1, requires_grad=True)
+        (a,) = hvd.grouped_reducescatter([y], op=op)
+        a.sum().backward()
+        assert y.grad.tolist() == [[factor], [factor]], op
     x = torch.ones(2, requires_grad=True)
     (hvd.broadcast(x, root_rank=0) * (r + 1)).sum().backward()
     assert x.grad.tolist() == ([1.5, 1.5] if r == 0 else [0.0, 0.0])  # Horovod's: the mean of 1 and 2, on the root
@@ -339,6 +357,39 @@ def _check_broadcast_parameters_forms() -> None:
         hvd.broadcast_parameters(3, root_rank=0)
 
 
+def _check_join_stands_in_for_sums_and_refuses_the_rest() -> None:
+    r = hvd.rank()
+    for first in (0, 1):  # the rank that runs out first
+        if r != first:
+            assert hvd.allreduce(torch.full((5,), 4.0)).tolist() == [2.0] * 5  # the joined rank adds zeros
+            assert hvd.allreduce(torch.tensor([7, 9]), op=hvd.Sum).tolist() == [7, 9]
+            assert hvd.synchronize(hvd.allreduce_async(torch.ones(3), name="m")).tolist() == [0.5] * 3
+            refused = rf"cannot run while rank\(s\) \[{first}\] have called hvd.join\(\)"
+            for call in (lambda: hvd.allgather(torch.ones(2, 2)), lambda: hvd.broadcast(torch.ones(2), r),
+                         lambda: hvd.allreduce(torch.ones(2), op=hvd.Max)):
+                with pytest.raises(RuntimeError, match=refused):
+                    call()
+        last = hvd.join()
+        assert last == 1 - first and hvd.allgather_object(last) == [last, last]
+    # With an optimizer: its rounds and a metric's allreduce interleave on the rank still training.
+    torch.manual_seed(r)
+    model = nn.Linear(3, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                   named_parameters=model.named_parameters())
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    metrics = []
+    for step in range(1 if r == 0 else 4):
+        opt.zero_grad()
+        model(torch.full((2, 3), float(step + r))).sum().backward()
+        opt.step()
+        metrics.append(hvd.allreduce(torch.tensor([2.0])).item())
+    assert hvd.join() == 1
+    assert metrics == [2.0] + [1.0] * (len(metrics) - 1)  # the joined rank's zero counts from step 2 on
+    for p in model.parameters():
+        gathered = hvd.allgather(p.detach().reshape(1, -1))
+        assert torch.equal(gathered[0], gathered[1])
+
+
 @pytest.mark.timeout(WORLD_TIMEOUT + 30)
 def test_collectives_follow_horovod_semantics(no_leftover_processes):
     _in_world_of_two([
@@ -354,6 +405,7 @@ def test_collectives_follow_horovod_semantics(no_leftover_processes):
         _check_reducescatter_alltoall_and_grouped_allgather,
         _check_collective_gradients,
         _check_broadcast_parameters_forms,
+        _check_join_stands_in_for_sums_and_refuses_the_rest,
     ])
 
 
@@ -781,6 +833,15 @@ def test_named_parameters_errors_use_horovods_wording(job_of_one):
             hvd.DistributedOptimizer(sgd, named_parameters=named_parameters)
     # One tensor under two names (tied weights) is fine, as with Horovod.
     opt = hvd.DistributedOptimizer(sgd, named_parameters=named + [("tied", named[0][1])])
+    opt.close()
+    # Horovod's private map, which users' code reads: parameter -> name, given or by position.
+    opt = hvd.DistributedOptimizer(sgd, named_parameters=named)
+    assert opt._parameter_names == {p: name for name, p in named}
+    opt.close()
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([{"params": model[0].parameters()},
+                                                    {"params": model[2].parameters()}], lr=0.1))
+    assert list(opt._parameter_names.values()) == ["allreduce.noname.0.0", "allreduce.noname.0.1",
+                                                   "allreduce.noname.1.0", "allreduce.noname.1.1"]
     opt.close()
 
 

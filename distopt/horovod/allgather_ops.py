@@ -9,6 +9,7 @@ from torch import Tensor
 
 from .. import collectives
 from ..collectives.tensors import _comm_dtype
+from .agreement import agree
 from .allreduce_ops import _Reduction, _start_allreduce, _wire_device
 from .compression import NoneCompressor
 from .sync import Handle, _grouped
@@ -46,6 +47,8 @@ def _start_allgather(tensor: Tensor, group: Optional[dist.ProcessGroup]) -> Tupl
         if tensor.dim() == 0:
             raise ValueError("allgather needs a tensor with at least one dimension, got a scalar; use tensor.view(1)")
         return Handle([], lambda: tensor.detach().clone()), [tensor.shape[0]]
+    # Announced without its rows, which may differ: a joined rank or a mismatch fails on every rank.
+    agree("allgather", tensor, group, any_rows=True)
     dims = _first_dims(tensor, group)
     # all_gather needs one shape: pad every rank's rows to the longest, cut after.
     padded = torch.zeros((max(dims),) + tuple(tensor.shape[1:]), dtype=_comm_dtype(group, tensor.dtype),

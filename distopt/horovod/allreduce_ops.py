@@ -83,7 +83,8 @@ def _start_allreduce(tensor: Tensor, out: Tensor, how: _Reduction, compression: 
         wire = _on_wire(compressed, group, fresh=compressed is source and out is not tensor)
     work = None
     if group is not None and world > 1:
-        agree("allreduce", tensor, group)
+        summed = _TORCH_OPS[how.op] == dist.ReduceOp.SUM
+        agree("allreduce", tensor, group, summed=wire if summed else None)
         work = dist.all_reduce(wire, op=_TORCH_OPS[how.op], group=group, async_op=True)
 
     def finish() -> Tensor:

@@ -15,10 +15,10 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ..optimizer import DistributedOptimizer as _CoreDistributedOptimizer
-from .basics import _require_init
+from .basics import _require_init, _world
 from .compression import BF16Compressor, Compression, FP16Compressor, NoneCompressor, _compressor_class, _CompressorLike
 from .reduce_op import Adasum, Average, ReduceOp, Sum
-from .process_sets import global_process_set, group_of
+from .process_sets import ProcessSet, _alone, global_process_set, group_of
 from .unsupported import _ADASUM_ADVICE
 
 # Live optimizers, in creation order: hvd.join() joins them all.
@@ -146,14 +146,15 @@ class DistributedOptimizer(_CoreDistributedOptimizer):
         groups: Horovod's fusion groups; accepted and ignored, distopt packs
             gradients by size (default: None).
         sparse_as_dense: turn sparse gradients dense instead of raising (default: False).
-        process_set: the ranks to average over (default: all).
+        process_set: the ranks to average over (default: all); on a rank outside
+            it, the optimizer steps on local gradients, as Horovod's does.
 
     Raises:
         ValueError: on a bad argument (Horovod's wording), e.g. duplicate or
             missing ``named_parameters``.
         TypeError: if ``optimizer`` is not a ``torch.optim`` optimizer, or
             ``compression`` is not one of ``hvd.Compression``'s.
-        NotImplementedError: for ``op=hvd.Adasum`` or another process set.
+        NotImplementedError: for ``op=hvd.Adasum``.
     """
 
     def __init__(
@@ -170,7 +171,9 @@ class DistributedOptimizer(_CoreDistributedOptimizer):
         process_set: Any = global_process_set,
     ) -> None:
         _require_init()
-        group = group_of(process_set)
+        outside = isinstance(process_set, ProcessSet) and _world() is not None and not process_set.included()
+        # Horovod: a rank outside the set trains on its own; here over a group of itself alone.
+        group = _alone() if outside else group_of(process_set)
         reduce_op = _gradient_reduce_op(op, gradient_predivide_factor)
         wire = _wire_compression(compression)
         _check_groups(num_groups, groups)
@@ -194,6 +197,11 @@ class DistributedOptimizer(_CoreDistributedOptimizer):
             sparse_as_dense=sparse_as_dense,
             process_group=None if process_set is global_process_set or process_set is None else group,
         )
+        # Horovod's name for each parameter (the user's, else by position); read by Horovod users' code.
+        self._parameter_names: Dict[Tensor, str] = (
+            {p: name for name, p in named} if named is not None else
+            {p: f"allreduce.noname.{i}.{j}" for i, group_ in enumerate(optimizer.param_groups)
+             for j, p in enumerate(group_["params"])})
         # Always ready for hvd.join(), with Horovod's meaning: joined ranks count as zeros in the average.
         self._engine.in_join = True
         self._engine.divide_by_world = True

@@ -152,12 +152,24 @@ def group_of(process_set: Any) -> Optional[dist.ProcessGroup]:
     return process_set._group if basics._world() is not None else None
 
 
+_solo: Dict[int, dist.ProcessGroup] = {}
+
+
+def _alone() -> dist.ProcessGroup:
+    """A group of this rank alone (created by it alone), for work that is local on this rank."""
+    me = dist.get_rank()
+    if me not in _solo:
+        _solo[me] = dist.new_group([me], use_local_synchronization=True)
+    return _solo[me]
+
+
 def _forget_all() -> None:
     """At shutdown: the groups go with the job's process group."""
     for ps in _added.values():
         ps._group = None
         ps.process_set_id = None
     _added.clear()
+    _solo.clear()
 
 
 def _as_list(ranks: Any) -> List[Any]:

@@ -18,10 +18,11 @@ from torch import Tensor
 from .. import collectives
 from ..collectives.tensors import _comm_dtype
 from .agreement import agree
+from .allgather_ops import _start_allgather
 from .allreduce_ops import _reduction, _start_allreduce, _wire_device
 from .compression import NoneCompressor
 from .process_sets import global_process_set, group_of
-from .reduce_op import ReduceOp
+from .reduce_op import ReduceOp, Sum
 from .sync import Handle, _grouped
 
 __all__ = [
@@ -54,6 +55,31 @@ def _start_reducescatter(tensor: Tensor, how: Any) -> Handle:
     return Handle(reduced._works, lambda: reduced.wait().narrow(0, start, rows).clone())
 
 
+class _ReducescatterFunction(torch.autograd.Function):
+    """Differentiable reducescatter, with Horovod's rule for the gradient: every rank's output
+    gradient, gathered in rank order, times the scale factors (and the set's size for Sum)."""
+
+    @staticmethod
+    def forward(ctx: Any, tensor: Tensor, how: Any) -> Tensor:
+        ctx.how = how
+        return _start_reducescatter(tensor, how).wait()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tuple[Tensor, None]:
+        how = ctx.how
+        scale = how.prescale * how.postscale
+        if how.op is Sum:
+            scale *= collectives.get_world_size(how.group) if how.group is not None else 1
+        gathered, _ = _start_allgather(grad.contiguous() * scale if scale != 1.0 else grad.contiguous(), how.group)
+        return gathered.wait(), None
+
+
+def _reducescatter(tensor: Tensor, how: Any) -> Tensor:
+    if torch.is_grad_enabled() and tensor.requires_grad:
+        return _ReducescatterFunction.apply(tensor, how)
+    return _start_reducescatter(tensor, how).wait()
+
+
 def reducescatter_async(tensor: Tensor, name: Optional[str] = None, op: Optional[ReduceOp] = None,
                         process_set: Any = global_process_set, prescale_factor: float = 1.0,
                         postscale_factor: float = 1.0) -> Handle:
@@ -83,12 +109,14 @@ def reducescatter(tensor: Tensor, name: Optional[str] = None, op: Optional[Reduc
 
     Returns:
         Rows ``[start, start + rows)`` of the reduction, where the first ``n % size``
-        ranks get ``n // size + 1`` rows and the others ``n // size``.
+        ranks get ``n // size + 1`` rows and the others ``n // size``. Differentiable:
+        the input's gradient is every rank's output gradient, gathered in rank order,
+        times the scale factors and, for Sum, the set's size (Horovod's rule).
 
     Raises:
         RuntimeError: the ranks' shapes, dtypes or devices differ.
     """
-    return reducescatter_async(tensor, name, op, process_set, prescale_factor, postscale_factor).wait()
+    return _reducescatter(tensor, _reduction(op, None, prescale_factor, postscale_factor, process_set))
 
 
 def grouped_reducescatter_async(tensors: Sequence[Tensor], name: Optional[str] = None,
@@ -102,7 +130,10 @@ def grouped_reducescatter_async(tensors: Sequence[Tensor], name: Optional[str] =
 def grouped_reducescatter(tensors: Sequence[Tensor], name: Optional[str] = None, op: Optional[ReduceOp] = None,
                           process_set: Any = global_process_set, prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> List[Tensor]:
-    """:func:`reducescatter` of each tensor in ``tensors``, in one call."""
+    """:func:`reducescatter` of each tensor in ``tensors``, in one call (differentiable like it)."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        how = _reduction(op, None, prescale_factor, postscale_factor, process_set)
+        return [_reducescatter(t, how) for t in tensors]
     return grouped_reducescatter_async(tensors, name, op, process_set, prescale_factor, postscale_factor).wait()
 
 
@@ -136,7 +167,7 @@ def alltoall_async(tensor: Tensor, splits: Any = None, name: Optional[str] = Non
 def _start_alltoall(tensor: Tensor, splits: Any, group: Optional[dist.ProcessGroup]) -> Handle:
     size = collectives.get_world_size(group) if group is not None else 1
     if group is not None and size > 1 and tensor.dim():
-        agree("alltoall", tensor.narrow(0, 0, 0), group)  # all but the first dimension must match
+        agree("alltoall", tensor, group, any_rows=True)
     send = _split_sizes(tensor, splits, size)
     if group is None or size == 1:
         out = tensor.detach().clone()

@@ -4,10 +4,13 @@ Also the job-wide waits, :func:`join` and :func:`barrier`.
 """
 from __future__ import annotations
 
-import time
-from typing import Any, Callable, List, Optional, Sequence
+import threading
+from typing import Any, Callable, List, Optional, Sequence, Tuple
+
+import torch.distributed as dist
 
 from .. import collectives, joining
+from .agreement import serve_joined
 from .basics import _world
 from .process_sets import global_process_set, group_of
 
@@ -97,15 +100,19 @@ def _grouped(handles: List[Handle]) -> Handle:
 
 
 def join(device: int = -1) -> int:
-    """Wait until every rank has called ``join()``, taking part in the others' gradient reductions.
+    """Wait until every rank has called ``join()``, standing in for the others meanwhile.
 
     As in Horovod, a rank that has run out of data calls ``join()`` and, until
-    every rank has, contributes zeros to the gradient all-reduces of the other
-    ranks' :class:`~distopt.horovod.DistributedOptimizer`s, which divide by
-    the full world size. Then every rank gets the parameters and optimizer state
-    of a rank that ran longest (distopt's :meth:`~distopt.DistributedOptimizer.join`).
-    Unlike Horovod, the joined rank does not stand in for other collectives
-    (``hvd.allreduce`` of a metric): call those after ``join()``.
+    every rank has, takes part in the other ranks' work with zeros: in the
+    gradient all-reduces of their :class:`~distopt.horovod.DistributedOptimizer`
+    (which divide by the full world size; then every rank gets the parameters
+    and optimizer state of a rank that ran longest, as in
+    :meth:`distopt.DistributedOptimizer.join`), and in their ``hvd.allreduce``
+    with op Sum or Average (a metric's average counts the joined ranks' zeros).
+    Any other ``hvd`` tensor collective on the global process set while a rank
+    has joined raises ``RuntimeError`` on every active rank, as Horovod's does.
+    Object collectives and :func:`barrier` wait for the joined rank: call them
+    after ``join()``.
 
     Args:
         device: ignored (Horovod's GPU for the join's zero tensors).
@@ -116,14 +123,30 @@ def join(device: int = -1) -> int:
     from .optimizer import _live_optimizers
 
     group = _world()
-    if group is None:
+    if group is None or dist.get_world_size(group) == 1:
         return 0
     optimizers = _live_optimizers()
-    if optimizers:
-        return joining.join_and_wait(optimizers)
-    arrived = time.time()
-    times = collectives.all_gather_object(arrived, group=group)
-    return max(range(len(times)), key=lambda r: (times[r], r))
+    if not optimizers:
+        return serve_joined(group)
+    # The optimizers' rounds and the hvd collectives run on different groups, in an order only the
+    # active ranks know: serve both at once.
+    served: List[Any] = []
+    thread = threading.Thread(target=lambda: served.append(_capture(serve_joined, group)),
+                              name="distopt-hvd-join", daemon=True)
+    thread.start()
+    last = joining.join_and_wait(optimizers)  # if it raises, the daemon thread is left to the job's end
+    thread.join()
+    outcome, value = served[0]
+    if outcome == "error":
+        raise value
+    return last
+
+
+def _capture(fn: Callable[..., Any], *args: Any) -> Tuple[str, Any]:
+    try:
+        return "ok", fn(*args)
+    except BaseException as error:  # re-raised on the calling thread
+        return "error", error
 
 
 def barrier(process_set: Any = global_process_set) -> None:
