@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable, List, Mapping, Optional, Tuple
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
@@ -105,7 +106,9 @@ def broadcast_optimizer_state(optimizer: Optimizer, root_rank: int) -> None:
     Unlike Horovod, no optimizer step is taken to create missing state: the
     root's state is sent as it is, so no rank's parameters change and the root's
     optimizer is left untouched. An optimizer without state yet ends up without
-    state on every rank. Works for every ``torch.optim`` optimizer, LBFGS included.
+    state on every rank; as after Horovod's initializing step, its parameters that
+    require a gradient and have none get a zero gradient. Works for every
+    ``torch.optim`` optimizer, LBFGS included.
     Each state tensor keeps the root's dtype; see
     :func:`distopt.collectives.broadcast_optimizer_state`, which this calls.
 
@@ -121,4 +124,11 @@ def broadcast_optimizer_state(optimizer: Optimizer, root_rank: int) -> None:
     if not isinstance(optimizer, Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
     root = _check_root(root_rank)
+    inner = getattr(optimizer, "optimizer", optimizer)
+    if not inner.state:  # Horovod's users may read .grad right after; Horovod's zero-gradient step made one
+        with torch.no_grad():
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    if p.requires_grad and p.grad is None:
+                        p.grad = torch.zeros_like(p)
     collectives.broadcast_optimizer_state(optimizer, src=root, group=_world())

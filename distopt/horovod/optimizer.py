@@ -26,6 +26,13 @@ _live: "weakref.WeakValueDictionary[int, DistributedOptimizer]" = weakref.WeakVa
 _created = iter(range(1 << 62))
 
 
+def _sparse_noter(dims: Dict[Tensor, int]) -> Callable[[Tensor], None]:
+    def note(p: Tensor) -> None:
+        if p.grad is not None and p.grad.is_sparse:
+            dims[p] = p.grad.sparse_dim()
+    return note
+
+
 def _live_optimizers() -> List["DistributedOptimizer"]:
     return [opt for _, opt in sorted(_live.items()) if opt._retired_by is None]
 
@@ -145,7 +152,9 @@ class DistributedOptimizer(_CoreDistributedOptimizer):
         num_groups: deprecated in Horovod; accepted and ignored (default: 0).
         groups: Horovod's fusion groups; accepted and ignored, distopt packs
             gradients by size (default: None).
-        sparse_as_dense: turn sparse gradients dense instead of raising (default: False).
+        sparse_as_dense: accepted for Horovod's signature: sparse gradients always travel
+            dense here (the same sum) and, as with Horovod, are sparse again for the step
+            (default: False).
         process_set: the ranks to average over (default: all); on a rank outside
             it, the optimizer steps on local gradients, as Horovod's does.
 
@@ -188,15 +197,25 @@ class DistributedOptimizer(_CoreDistributedOptimizer):
         self._should_synchronize = True  # False inside skip_synchronize()
         self._synchronized = False  # synchronize() ran since the last step()/zero_grad()
         self._skipping_reduction = False  # inside a step() that must not reduce
-        super().__init__(
-            optimizer,
-            reduce_op=reduce_op,
-            compression=wire,
-            backward_passes_per_step=backward_passes_per_step,
-            named_parameters=named,
-            sparse_as_dense=sparse_as_dense,
-            process_group=None if process_set is global_process_set or process_set is None else group,
-        )
+        # Horovod hands sparse gradients (nn.Embedding(sparse=True)) back sparse, for SparseAdam and the
+        # like, whatever sparse_as_dense says. Here they travel dense (the same sum), and are made sparse
+        # again before the step. These hooks run before the core's, which densify.
+        self._sparse_dims: Dict[Tensor, int] = {}
+        self._sparse_hooks = [p.register_post_accumulate_grad_hook(_sparse_noter(self._sparse_dims))
+                              for group_ in optimizer.param_groups for p in group_["params"] if p.requires_grad]
+        try:
+            super().__init__(
+                optimizer,
+                reduce_op=reduce_op,
+                compression=wire,
+                backward_passes_per_step=backward_passes_per_step,
+                named_parameters=named,
+                sparse_as_dense=True,
+                process_group=None if process_set is global_process_set or process_set is None else group,
+            )
+        except BaseException:
+            self._remove_sparse_hooks()
+            raise
         # Horovod's name for each parameter (the user's, else by position); read by Horovod users' code.
         self._parameter_names: Dict[Tensor, str] = (
             {p: name for name, p in named} if named is not None else
@@ -216,11 +235,28 @@ class DistributedOptimizer(_CoreDistributedOptimizer):
         if self._skipping_reduction:
             return
         super().synchronize()
+        self._restore_sparse()
         self._synchronized = True
 
     def _reduce_for_step(self) -> None:
         if not self._skipping_reduction:
             super()._reduce_for_step()
+        self._restore_sparse()
+
+    def _restore_sparse(self) -> None:
+        for p, sparse_dim in self._sparse_dims.items():
+            if p.grad is not None and not p.grad.is_sparse:
+                p.grad = p.grad.to_sparse(sparse_dim)
+
+    def _remove_sparse_hooks(self) -> None:
+        for handle in self._sparse_hooks:
+            handle.remove()
+        self._sparse_hooks = []
+
+    def close(self) -> None:
+        """Remove the gradient hooks, destroy the private group and release the parameters."""
+        self._remove_sparse_hooks()
+        super().close()
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
