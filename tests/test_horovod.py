@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Sequence
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -221,10 +222,28 @@ def _check_mismatched_tensors_raise_on_every_rank() -> None:
         hvd.allreduce(torch.ones(3, dtype=torch.int32 if r == 0 else torch.float32))
     with pytest.raises(RuntimeError, match=r"Mismatched broadcast root ranks .*rank 0: 0, rank 1: 1.*same root_rank"):
         hvd.broadcast(torch.ones(3), root_rank=r)
-    with pytest.raises(RuntimeError, match=r"Mismatched broadcast shapes"):
-        hvd.broadcast_async(torch.ones(3, 10 * (r + 1)), root_rank=0)
+    handle = hvd.broadcast_async(torch.ones(3, 10 * (r + 1)), root_rank=0)
+    with pytest.raises(RuntimeError, match=r"Mismatched broadcast shapes"):  # an async op's error: at synchronize
+        hvd.synchronize(handle)
     # Nothing was sent: the ranks are still in step.
     assert hvd.allreduce(torch.tensor([float(r)]), op=hvd.Sum).tolist() == [1.0]
+
+
+def _check_async_ops_run_in_the_background_and_a_name_in_flight_is_refused() -> None:
+    r = hvd.rank()
+    if r == 0:  # rank 1 submits its part only after the barrier: this one stays in flight meanwhile
+        handle = hvd.allreduce_async(torch.ones(4), name="metric", op=hvd.Sum)
+        with pytest.raises(ValueError, match="an operation named 'metric' is still in flight on this rank"):
+            hvd.allgather_async(torch.ones(1, 2), name="metric")
+        assert not hvd.poll(handle)
+    hvd.barrier()  # on the calling thread, while the allreduce waits in the background
+    if r == 1:
+        handle = hvd.allreduce_async(torch.ones(4), name="metric", op=hvd.Sum)
+    mine = torch.tensor([float(r)])
+    dist.all_reduce(mine)  # the user's own collective on the default group, meanwhile
+    assert hvd.synchronize(handle).tolist() == [2.0] * 4 and mine.tolist() == [1.0]
+    assert hvd.poll(handle)
+    assert hvd.synchronize(hvd.broadcast_async(torch.tensor([r]), 1, name="metric")).tolist() == [1]  # free again
 
 
 def _check_prescale_on_integers_truncates_on_each_rank() -> None:
@@ -399,6 +418,7 @@ def test_collectives_follow_horovod_semantics(no_leftover_processes):
         _check_fp16_compression_does_not_overflow,
         _check_allgather_and_broadcast,
         _check_mismatched_tensors_raise_on_every_rank,
+        _check_async_ops_run_in_the_background_and_a_name_in_flight_is_refused,
         _check_int16_travels_on_gloo,
         _check_prescale_on_integers_truncates_on_each_rank,
         _check_process_sets,

@@ -17,9 +17,11 @@ Where Horovod has sharp edges they are fixed rather than copied:
 * fp16 compression divides by the number of ranks *before* the 16-bit cast, so
   averaging large gradients does not overflow.
 
-Collectives are matched by call order (torch.distributed), not by ``name``:
-every rank must issue them in the same order. ``name`` arguments are accepted
-and ignored.
+As with Horovod, the ``*_async`` collectives return at once and run on a
+background thread (:mod:`distopt.horovod.background`), and a second operation
+with the ``name`` of one still in flight raises ``ValueError``. Collectives are
+matched by call order (torch.distributed), not by ``name``: every rank must
+issue them in the same order.
 
 Process sets are ``torch.distributed`` groups (:mod:`distopt.horovod.process_sets`).
 Not provided: Adasum (``NotImplementedError`` saying what to use instead),
@@ -79,7 +81,8 @@ from .scatter_ops import (
     reducescatter,
     reducescatter_async,
 )
-from .sync import Handle, barrier, join, poll, synchronize
+from .background import Handle
+from .sync import barrier, join, poll, synchronize
 from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from .unsupported import _missing_attribute as __getattr__  # Horovod names distopt lacks: say what to use
 

@@ -12,8 +12,8 @@ from ..collectives.tensors import _comm_dtype
 from .agreement import agree
 from .allreduce_ops import _Reduction, _start_allreduce, _wire_device
 from .compression import NoneCompressor
-from .sync import Handle, _grouped
-from .process_sets import global_process_set, group_of
+from .background import Handle, Launched, grouped, named, start
+from .process_sets import global_process_set, lane_of
 from .reduce_op import Average, Sum
 
 __all__ = [
@@ -42,22 +42,26 @@ def _first_dims(tensor: Tensor, group: dist.ProcessGroup) -> List[int]:
 
 
 def _start_allgather(tensor: Tensor, group: Optional[dist.ProcessGroup]) -> Tuple[Handle, List[int]]:
-    """Start gathering every rank's rows; also return every rank's row count."""
+    """Start gathering every rank's rows; also return a list that holds every rank's row count once started."""
     if group is None or collectives.get_world_size(group) == 1:
         if tensor.dim() == 0:
             raise ValueError("allgather needs a tensor with at least one dimension, got a scalar; use tensor.view(1)")
-        return Handle([], lambda: tensor.detach().clone()), [tensor.shape[0]]
-    # Announced without its rows, which may differ: a joined rank or a mismatch fails on every rank.
-    agree("allgather", tensor, group, any_rows=True)
-    dims = _first_dims(tensor, group)
-    # all_gather needs one shape: pad every rank's rows to the longest, cut after.
-    padded = torch.zeros((max(dims),) + tuple(tensor.shape[1:]), dtype=_comm_dtype(group, tensor.dtype),
-                         device=_wire_device(group, tensor))
-    padded[: tensor.shape[0]] = tensor.detach()
-    pieces = [torch.empty_like(padded) for _ in dims]
-    work = dist.all_gather(pieces, padded, group=group, async_op=True)
-    finish = lambda: torch.cat([p[:n] for p, n in zip(pieces, dims)]).to(tensor.device, tensor.dtype)  # noqa: E731
-    return Handle([work], finish), dims
+        return start(lambda: ([], lambda: tensor.detach().clone()), background=False), [tensor.shape[0]]
+    dims: List[int] = []
+
+    def launch() -> Launched:
+        # Announced without its rows, which may differ: a joined rank or a mismatch fails on every rank.
+        agree("allgather", tensor, group, any_rows=True)
+        dims.extend(_first_dims(tensor, group))
+        # all_gather needs one shape: pad every rank's rows to the longest, cut after.
+        padded = torch.zeros((max(dims),) + tuple(tensor.shape[1:]), dtype=_comm_dtype(group, tensor.dtype),
+                             device=_wire_device(group, tensor))
+        padded[: tensor.shape[0]] = tensor.detach()
+        pieces = [torch.empty_like(padded) for _ in dims]
+        work = dist.all_gather(pieces, padded, group=group, async_op=True)
+        return [work], lambda: torch.cat([p[:n] for p, n in zip(pieces, dims)]).to(tensor.device, tensor.dtype)
+
+    return start(launch, background=True), dims
 
 
 def allgather_async(tensor: Tensor, name: Optional[str] = None, process_set: Any = global_process_set) -> Handle:
@@ -68,7 +72,8 @@ def allgather_async(tensor: Tensor, name: Optional[str] = None, process_set: Any
     Returns:
         A handle for :func:`synchronize` and :func:`poll`.
     """
-    return _start_allgather(tensor, group_of(process_set))[0]
+    lane = lane_of(process_set)
+    return named(name, lambda: _start_allgather(tensor, lane)[0])
 
 
 class _AllgatherFunction(torch.autograd.Function):
@@ -78,10 +83,11 @@ class _AllgatherFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, tensor: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
         handle, dims = _start_allgather(tensor, group)
+        gathered = handle.wait()  # dims is known once it started
         ctx.group = group
         ctx.offset = sum(dims[: dist.get_rank(group) if group is not None else 0])
         ctx.rows = tensor.shape[0]
-        return handle.wait()
+        return gathered
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tuple[Tensor, None]:
@@ -98,7 +104,8 @@ def allgather(tensor: Tensor, name: Optional[str] = None, process_set: Any = glo
 
     Args:
         tensor: the tensor to gather (at least one dimension); not modified.
-        name: ignored (torch.distributed matches collectives by call order).
+        name: optional; while an operation of that name is in flight on this rank, another raises
+            ``ValueError`` (Horovod's rule). Ranks match collectives by call order, not by name.
         process_set: the ranks taking part, in rank order (default: all).
 
     Returns:
@@ -107,7 +114,7 @@ def allgather(tensor: Tensor, name: Optional[str] = None, process_set: Any = glo
     Raises:
         RuntimeError: if dimensions other than the first, or dtypes, differ between ranks (on every rank).
     """
-    return _AllgatherFunction.apply(tensor, group_of(process_set))
+    return _AllgatherFunction.apply(tensor, lane_of(process_set))
 
 
 def grouped_allgather_async(tensors: Sequence[Tensor], name: Optional[str] = None,
@@ -119,8 +126,8 @@ def grouped_allgather_async(tensors: Sequence[Tensor], name: Optional[str] = Non
     Returns:
         A handle for :func:`synchronize` and :func:`poll`.
     """
-    group = group_of(process_set)
-    return _grouped([_start_allgather(t, group)[0] for t in tensors])
+    lane = lane_of(process_set)
+    return named(name, lambda: grouped([_start_allgather(t, lane)[0] for t in tensors]))
 
 
 def grouped_allgather(tensors: Sequence[Tensor], name: Optional[str] = None,
@@ -133,7 +140,7 @@ def grouped_allgather(tensors: Sequence[Tensor], name: Optional[str] = None,
         One concatenation per tensor, in order.
     """
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):  # differentiable, one by one
-        group = group_of(process_set)
+        group = lane_of(process_set)
         return [_AllgatherFunction.apply(t, group) for t in tensors]
     return grouped_allgather_async(tensors, name, process_set).wait()
 
@@ -162,7 +169,7 @@ def sparse_allreduce_async(tensor: Tensor, name: Optional[str] = None, op: Any =
     op = Average if op is None else op
     if op not in (Average, Sum):
         raise ValueError(f"sparse_allreduce_async supports op=hvd.Average or hvd.Sum, got {op!r}")
-    group = group_of(process_set)
+    group = lane_of(process_set)
     sparse = tensor.coalesce()
     indices = _start_allgather(sparse.indices().t().contiguous(), group)[0]
     values = _start_allgather(sparse.values(), group)[0]

@@ -17,8 +17,8 @@ from ..collectives.tensors import _comm_dtype
 from .agreement import agree
 from .compression import Compression, Compressor, NoneCompressor, _compressor_class, _CompressorLike
 from .reduce_op import Average, ReduceOp, Sum, _resolve_op, _TORCH_OPS
-from .sync import Handle, _grouped
-from .process_sets import global_process_set, group_of
+from .background import Handle, Launched, grouped, named, start
+from .process_sets import global_process_set, lane_of
 
 __all__ = [
     "allreduce",
@@ -63,7 +63,7 @@ class _Reduction:
     op: ReduceOp
     prescale: float
     postscale: float
-    group: Any  # the process set's group; None in a job of one process
+    group: Any  # the process set's lane (see .background); None in a job of one process
 
 
 def _start_allreduce(tensor: Tensor, out: Tensor, how: _Reduction, compression: Type[Compressor]) -> Handle:
@@ -81,11 +81,6 @@ def _start_allreduce(tensor: Tensor, out: Tensor, how: _Reduction, compression: 
         compressed, ctx = compression.compress(source)
         # The reduction may write into the caller's tensor only when it asked for in place.
         wire = _on_wire(compressed, group, fresh=compressed is source and out is not tensor)
-    work = None
-    if group is not None and world > 1:
-        summed = _TORCH_OPS[how.op] == dist.ReduceOp.SUM
-        agree("allreduce", tensor, group, summed=wire if summed else None)
-        work = dist.all_reduce(wire, op=_TORCH_OPS[how.op], group=group, async_op=True)
 
     def finish() -> Tensor:
         with torch.no_grad():
@@ -98,14 +93,20 @@ def _start_allreduce(tensor: Tensor, out: Tensor, how: _Reduction, compression: 
                 out.copy_(result)
             return out
 
-    return Handle([work], finish)
+    if group is None or world == 1:
+        return start(lambda: ([], finish), background=False)
 
+    def launch() -> Launched:
+        summed = _TORCH_OPS[how.op] == dist.ReduceOp.SUM
+        agree("allreduce", tensor, group, summed=wire if summed else None)
+        return [dist.all_reduce(wire, op=_TORCH_OPS[how.op], group=group, async_op=True)], finish
 
+    return start(launch, background=True)
 
 
 def _reduction(op: Optional[Any], average: Optional[bool], prescale_factor: float, postscale_factor: float,
                process_set: Any) -> _Reduction:
-    group = group_of(process_set)
+    group = lane_of(process_set)
     return _Reduction(_resolve_op(op, average), float(prescale_factor), float(postscale_factor), group)
 
 
@@ -145,7 +146,8 @@ def allreduce(
     Args:
         tensor: the tensor to reduce; same shape and dtype on every rank.
         average: deprecated: True for Average, False for Sum; use ``op``.
-        name: ignored (torch.distributed matches collectives by call order).
+        name: optional; while an operation of that name is in flight on this rank, another raises
+            ``ValueError`` (Horovod's rule). Ranks match collectives by call order, not by name.
         compression: e.g. ``hvd.Compression.fp16`` to send float tensors in 16 bits.
         op: ``hvd.Average`` (default), ``hvd.Sum``, ``hvd.Min``, ``hvd.Max`` or ``hvd.Product``.
         prescale_factor: multiplies ``tensor`` before the reduction.
@@ -180,7 +182,7 @@ def allreduce_async(
         A handle for :func:`synchronize` and :func:`poll`.
     """
     how = _reduction(op, average, prescale_factor, postscale_factor, process_set)
-    return _start_allreduce(tensor, torch.empty_like(tensor), how, NoneCompressor)
+    return named(name, lambda: _start_allreduce(tensor, torch.empty_like(tensor), how, NoneCompressor))
 
 
 def allreduce_async_(
@@ -200,7 +202,7 @@ def allreduce_async_(
         A handle for :func:`synchronize` and :func:`poll`.
     """
     how = _reduction(op, average, prescale_factor, postscale_factor, process_set)
-    return _start_allreduce(tensor, tensor, how, NoneCompressor)
+    return named(name, lambda: _start_allreduce(tensor, tensor, how, NoneCompressor))
 
 
 def allreduce_(
@@ -240,7 +242,8 @@ def grouped_allreduce_async(
         A handle for :func:`synchronize` and :func:`poll`.
     """
     how = _reduction(op, average, prescale_factor, postscale_factor, process_set)
-    return _grouped([_start_allreduce(t, torch.empty_like(t), how, NoneCompressor) for t in tensors])
+    return named(name, lambda: grouped([_start_allreduce(t, torch.empty_like(t), how, NoneCompressor)
+                                        for t in tensors]))
 
 
 def grouped_allreduce_async_(
@@ -260,7 +263,7 @@ def grouped_allreduce_async_(
         A handle for :func:`synchronize` and :func:`poll`.
     """
     how = _reduction(op, average, prescale_factor, postscale_factor, process_set)
-    return _grouped([_start_allreduce(t, t, how, NoneCompressor) for t in tensors])
+    return named(name, lambda: grouped([_start_allreduce(t, t, how, NoneCompressor) for t in tensors]))
 
 
 def grouped_allreduce(
@@ -302,4 +305,4 @@ def grouped_allreduce_(
         ``tensors``, now holding the reduced values.
     """
     how = _reduction(op, average, prescale_factor, postscale_factor, process_set)
-    return _grouped([_start_allreduce(t, t, how, NoneCompressor) for t in tensors]).wait()
+    return grouped([_start_allreduce(t, t, how, NoneCompressor) for t in tensors]).wait()

@@ -12,7 +12,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .. import collectives
+from .. import collectives, private_groups
 from ..launching.process_group import _under_torchrun
 from ..launching.process_group import init as _init_process_group
 from ..launching.process_group import shutdown as _destroy_process_group
@@ -51,6 +51,7 @@ class _Session:
     local_size: int = 1
     cross_rank: int = 0
     cross_size: int = 1
+    lane: Optional[private_groups.PrivateGroup] = None  # the ranks' group for tensor collectives
 
 
 _session = _Session()
@@ -88,6 +89,10 @@ def init(comm: Optional[Any] = None, process_sets: Optional[Any] = None) -> None
         _init_process_group()
         _session.owns_group = True
     _learn_topology()
+    if collectives.is_distributed():
+        # Tensor collectives run on a background thread; on a group of their own, they never pair
+        # with what the calling thread runs meanwhile (barriers, object collectives, the user's own).
+        _session.lane = private_groups.create(None)
     _session.initialized = True
     if process_sets is not None:
         from .process_sets import add_process_set  # it needs the session this function sets up
@@ -109,9 +114,14 @@ def _learn_topology() -> None:
 
 def shutdown() -> None:
     """Leave the job; destroys the process group if :func:`init` created it. Idempotent."""
+    from . import background
     from .process_sets import _forget_all
 
+    background.stop()
     _forget_all()
+    if _session.lane is not None:
+        _session.lane.destroy()
+        _session.lane = None
     if _session.owns_group:
         _destroy_process_group()
     _session.initialized = False
@@ -258,6 +268,12 @@ def _world() -> Optional[dist.ProcessGroup]:
     """The process group collectives run on, or None for a job of one process without a group."""
     _require_init()
     return dist.group.WORLD if collectives.is_distributed() else None
+
+
+def _lane() -> Optional[dist.ProcessGroup]:
+    """The group tensor collectives of the whole job run on, or None for a job of one process."""
+    _require_init()
+    return _session.lane.group if _session.lane is not None and collectives.is_distributed() else None
 
 
 def _check_root(root_rank: Any) -> int:

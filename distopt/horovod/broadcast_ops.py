@@ -12,8 +12,8 @@ from .agreement import agree
 from .allreduce_ops import _on_wire, _Reduction, _start_allreduce
 from .basics import _check_root, rank
 from .compression import NoneCompressor
-from .sync import Handle
-from .process_sets import global_process_set, group_of
+from .background import Handle, Launched, named, start
+from .process_sets import global_process_set, lane_of
 from .reduce_op import Average
 
 __all__ = [
@@ -27,17 +27,8 @@ __all__ = [
 def _start_broadcast(tensor: Tensor, out: Tensor, root_rank: int, group: Optional[dist.ProcessGroup]) -> Handle:
     """Broadcast the root's ``tensor`` into ``out`` (which may be ``tensor`` itself) asynchronously."""
     distributed = group is not None and collectives.get_world_size(group) > 1
-    if distributed:  # before the range check, so that a root given on one rank only fails on every rank
-        agree("broadcast", tensor, group, root_rank)
-    root = _check_root(root_rank)
-    if group is not None and root not in dist.get_process_group_ranks(group):
-        raise ValueError(f"root_rank {root} is not in the process set (ranks "
-                         f"{dist.get_process_group_ranks(group)}); pass one of its ranks")
     with torch.no_grad():
         wire = _on_wire(tensor.detach(), group, fresh=out is not tensor)
-    work = None
-    if distributed:
-        work = dist.broadcast(wire, src=root, group=group, async_op=True)
 
     def finish() -> Tensor:
         if wire.data_ptr() != out.data_ptr():
@@ -45,7 +36,22 @@ def _start_broadcast(tensor: Tensor, out: Tensor, root_rank: int, group: Optiona
                 out.copy_(wire)
         return out
 
-    return Handle([work], finish)
+    def check_root() -> int:
+        root = _check_root(root_rank)
+        if group is not None and root not in dist.get_process_group_ranks(group):
+            raise ValueError(f"root_rank {root} is not in the process set (ranks "
+                             f"{dist.get_process_group_ranks(group)}); pass one of its ranks")
+        return root
+
+    if not distributed:
+        check_root()
+        return start(lambda: ([], finish), background=False)
+
+    def launch() -> Launched:
+        agree("broadcast", tensor, group, root_rank)  # first, so that a root bad on one rank fails on all
+        return [dist.broadcast(wire, src=check_root(), group=group, async_op=True)], finish
+
+    return start(launch, background=True)
 
 
 def broadcast_async(tensor: Tensor, root_rank: int, name: Optional[str] = None,
@@ -57,7 +63,8 @@ def broadcast_async(tensor: Tensor, root_rank: int, name: Optional[str] = None,
     Returns:
         A handle for :func:`synchronize` and :func:`poll`.
     """
-    return _start_broadcast(tensor, torch.empty_like(tensor), root_rank, group_of(process_set))
+    lane = lane_of(process_set)
+    return named(name, lambda: _start_broadcast(tensor, torch.empty_like(tensor), root_rank, lane))
 
 
 def broadcast_async_(tensor: Tensor, root_rank: int, name: Optional[str] = None,
@@ -69,7 +76,7 @@ def broadcast_async_(tensor: Tensor, root_rank: int, name: Optional[str] = None,
     Returns:
         A handle for :func:`synchronize` and :func:`poll`.
     """
-    return _start_broadcast(tensor, tensor, root_rank, group_of(process_set))
+    return named(name, lambda: _start_broadcast(tensor, tensor, root_rank, lane_of(process_set)))
 
 
 class _BroadcastFunction(torch.autograd.Function):
@@ -100,7 +107,8 @@ def broadcast(tensor: Tensor, root_rank: int, name: Optional[str] = None,
     Args:
         tensor: same shape and dtype on every rank.
         root_rank: the rank whose value is sent.
-        name: ignored (torch.distributed matches collectives by call order).
+        name: optional; while an operation of that name is in flight on this rank, another raises
+            ``ValueError`` (Horovod's rule). Ranks match collectives by call order, not by name.
         process_set: the ranks taking part (default: all); ``root_rank`` is a global rank in it.
 
     Returns:
@@ -109,7 +117,7 @@ def broadcast(tensor: Tensor, root_rank: int, name: Optional[str] = None,
     Raises:
         ValueError: if ``root_rank`` is not a rank of the job.
     """
-    return _BroadcastFunction.apply(tensor, root_rank, group_of(process_set))
+    return _BroadcastFunction.apply(tensor, root_rank, lane_of(process_set))
 
 
 def broadcast_(tensor: Tensor, root_rank: int, name: Optional[str] = None,

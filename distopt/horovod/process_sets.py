@@ -46,6 +46,7 @@ class ProcessSet:
         self._ranks = sorted(set(_as_list(ranks)))
         self.process_set_id: Optional[int] = None
         self._group: Any = None
+        self._lane: Any = None
 
     @property
     def ranks(self) -> List[int]:
@@ -72,7 +73,7 @@ class ProcessSet:
 class _GlobalProcessSet(ProcessSet):
     def __init__(self) -> None:
         self.process_set_id = 0
-        self._group = None
+        self._group = self._lane = None
 
     @property
     def ranks(self) -> List[int]:
@@ -112,8 +113,10 @@ def add_process_set(process_set: Any) -> ProcessSet:
         if other.ranks == ps.ranks:
             raise ValueError(f"a process set with ranks {ps.ranks} exists already ({other!r}); use that one")
     group = basics._world()
-    # new_group is collective over the whole job, as add_process_set is in Horovod.
+    # new_group is collective over the whole job, as add_process_set is in Horovod; the second
+    # group is the set's lane for tensor collectives (see .background).
     ps._group = dist.new_group(ranks=ps.ranks) if group is not None else None
+    ps._lane = dist.new_group(ranks=ps.ranks) if group is not None else None
     ps.process_set_id = next(_ids)
     _added[ps.process_set_id] = ps
     return ps
@@ -127,7 +130,8 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         return False
     if process_set._group is not None and process_set.included():
         dist.destroy_process_group(process_set._group)
-    process_set._group = None
+        dist.destroy_process_group(process_set._lane)
+    process_set._group = process_set._lane = None
     process_set.process_set_id = None
     return True
 
@@ -152,6 +156,20 @@ def group_of(process_set: Any) -> Optional[dist.ProcessGroup]:
     return process_set._group if basics._world() is not None else None
 
 
+def lane_of(process_set: Any) -> Optional[dist.ProcessGroup]:
+    """The group the tensor collectives on ``process_set`` run on (see :mod:`.background`).
+
+    Raises:
+        ValueError, TypeError: as :func:`group_of`.
+    """
+    group = group_of(process_set)
+    if group is None:
+        return None
+    if process_set is None or process_set is global_process_set:
+        return basics._lane()
+    return process_set._lane
+
+
 _solo: Dict[int, dist.ProcessGroup] = {}
 
 
@@ -166,7 +184,7 @@ def _alone() -> dist.ProcessGroup:
 def _forget_all() -> None:
     """At shutdown: the groups go with the job's process group."""
     for ps in _added.values():
-        ps._group = None
+        ps._group = ps._lane = None
         ps.process_set_id = None
     _added.clear()
     _solo.clear()

@@ -21,9 +21,9 @@ from .agreement import agree
 from .allgather_ops import _start_allgather
 from .allreduce_ops import _reduction, _start_allreduce, _wire_device
 from .compression import NoneCompressor
-from .process_sets import global_process_set, group_of
+from .process_sets import global_process_set, lane_of
 from .reduce_op import ReduceOp, Sum
-from .sync import Handle, _grouped
+from .background import Handle, Launched, grouped, named, start, then
 
 __all__ = [
     "reducescatter",
@@ -50,9 +50,9 @@ def _start_reducescatter(tensor: Tensor, how: Any) -> Handle:
     group = how.group
     size = collectives.get_world_size(group) if group is not None else 1
     me = dist.get_rank(group) if group is not None else 0
-    start, rows = _rows(tensor.shape[0], size, me)
+    first, rows = _rows(tensor.shape[0], size, me)
     reduced = _start_allreduce(tensor, torch.empty_like(tensor), how, NoneCompressor)
-    return Handle(reduced._works, lambda: reduced.wait().narrow(0, start, rows).clone())
+    return then(reduced, lambda out: out.narrow(0, first, rows).clone())
 
 
 class _ReducescatterFunction(torch.autograd.Function):
@@ -91,7 +91,7 @@ def reducescatter_async(tensor: Tensor, name: Optional[str] = None, op: Optional
         A handle for :func:`synchronize` and :func:`poll`.
     """
     how = _reduction(op, None, prescale_factor, postscale_factor, process_set)
-    return _start_reducescatter(tensor, how)
+    return named(name, lambda: _start_reducescatter(tensor, how))
 
 
 def reducescatter(tensor: Tensor, name: Optional[str] = None, op: Optional[ReduceOp] = None,
@@ -101,7 +101,8 @@ def reducescatter(tensor: Tensor, name: Optional[str] = None, op: Optional[Reduc
 
     Args:
         tensor: the same shape on every rank, at least one dimension.
-        name: ignored (torch.distributed matches collectives by call order).
+        name: optional; while an operation of that name is in flight on this rank, another raises
+            ``ValueError`` (Horovod's rule). Ranks match collectives by call order, not by name.
         op: ``hvd.Average`` (default) or ``hvd.Sum``, ``Min``, ``Max``, ``Product``.
         process_set: the ranks taking part (default: all).
         prescale_factor: multiplies the input before the reduction (default: 1.0).
@@ -124,7 +125,7 @@ def grouped_reducescatter_async(tensors: Sequence[Tensor], name: Optional[str] =
                                 prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
     """Start :func:`reducescatter` of each tensor; :func:`synchronize` returns the list."""
     how = _reduction(op, None, prescale_factor, postscale_factor, process_set)
-    return _grouped([_start_reducescatter(t, how) for t in tensors])
+    return named(name, lambda: grouped([_start_reducescatter(t, how) for t in tensors]))
 
 
 def grouped_reducescatter(tensors: Sequence[Tensor], name: Optional[str] = None, op: Optional[ReduceOp] = None,
@@ -161,33 +162,39 @@ def _split_sizes(tensor: Tensor, splits: Any, size: int) -> List[int]:
 def alltoall_async(tensor: Tensor, splits: Any = None, name: Optional[str] = None,
                    process_set: Any = global_process_set) -> Handle:
     """Start :func:`alltoall`; :func:`synchronize` returns what :func:`alltoall` returns."""
-    return _start_alltoall(tensor, splits, group_of(process_set))
+    lane = lane_of(process_set)
+    return named(name, lambda: _start_alltoall(tensor, splits, lane))
 
 
 def _start_alltoall(tensor: Tensor, splits: Any, group: Optional[dist.ProcessGroup]) -> Handle:
     size = collectives.get_world_size(group) if group is not None else 1
-    if group is not None and size > 1 and tensor.dim():
-        agree("alltoall", tensor, group, any_rows=True)
-    send = _split_sizes(tensor, splits, size)
     if group is None or size == 1:
+        send = _split_sizes(tensor, splits, size)
         out = tensor.detach().clone()
         received = torch.tensor(send, dtype=torch.int32)
-        return Handle([], lambda: out if splits is None else (out, received))
-    device = _wire_device(group, tensor)
-    counts = torch.tensor(send, dtype=torch.int64, device=device)
-    incoming = torch.empty_like(counts)
-    dist.all_to_all_single(incoming, counts, group=group)  # every rank learns what it receives
-    recv = incoming.tolist()
-    wire = tensor.detach().to(device, _comm_dtype(group, tensor.dtype)).contiguous()
-    out = torch.empty((sum(recv),) + tuple(tensor.shape[1:]), dtype=wire.dtype, device=device)
-    work = dist.all_to_all_single(out, wire, output_split_sizes=recv, input_split_sizes=send, group=group,
-                                  async_op=True)
+        return start(lambda: ([], lambda: out if splits is None else (out, received)), background=False)
 
-    def finish() -> Union[Tensor, Tuple[Tensor, Tensor]]:
-        result = out.to(tensor.device, tensor.dtype)
-        return result if splits is None else (result, torch.tensor(recv, dtype=torch.int32))
+    def launch() -> Launched:
+        if tensor.dim():
+            agree("alltoall", tensor, group, any_rows=True)
+        send = _split_sizes(tensor, splits, size)
+        device = _wire_device(group, tensor)
+        counts = torch.tensor(send, dtype=torch.int64, device=device)
+        incoming = torch.empty_like(counts)
+        dist.all_to_all_single(incoming, counts, group=group)  # every rank learns what it receives
+        recv = incoming.tolist()
+        wire = tensor.detach().to(device, _comm_dtype(group, tensor.dtype)).contiguous()
+        out = torch.empty((sum(recv),) + tuple(tensor.shape[1:]), dtype=wire.dtype, device=device)
+        work = dist.all_to_all_single(out, wire, output_split_sizes=recv, input_split_sizes=send, group=group,
+                                      async_op=True)
 
-    return Handle([work], finish)
+        def finish() -> Union[Tensor, Tuple[Tensor, Tensor]]:
+            result = out.to(tensor.device, tensor.dtype)
+            return result if splits is None else (result, torch.tensor(recv, dtype=torch.int32))
+
+        return [work], finish
+
+    return start(launch, background=True)
 
 
 def alltoall(tensor: Tensor, splits: Any = None, name: Optional[str] = None,
@@ -198,7 +205,8 @@ def alltoall(tensor: Tensor, splits: Any = None, name: Optional[str] = None,
         tensor: the rows to send, blocks in rank order.
         splits: rows per destination rank (a list or 1-D tensor, one per rank of the set),
             or None for equal blocks (default: None).
-        name: ignored (torch.distributed matches collectives by call order).
+        name: optional; while an operation of that name is in flight on this rank, another raises
+            ``ValueError`` (Horovod's rule). Ranks match collectives by call order, not by name.
         process_set: the ranks taking part (default: all).
 
     Returns:
@@ -209,7 +217,7 @@ def alltoall(tensor: Tensor, splits: Any = None, name: Optional[str] = None,
         ValueError: ``splits`` does not fit the tensor, or (without ``splits``) the first
             dimension does not divide by the number of ranks.
     """
-    group = group_of(process_set)
+    group = lane_of(process_set)
     if tensor.requires_grad and torch.is_grad_enabled():
         out, received = _AlltoallFunction.apply(tensor, splits, group)
         return out if splits is None else (out, received)

@@ -4,18 +4,16 @@ Also the job-wide waits, :func:`join` and :func:`barrier`.
 """
 from __future__ import annotations
 
-import threading
-from typing import Any, Callable, List, Optional, Sequence, Tuple
+from typing import Any
 
 import torch.distributed as dist
 
 from .. import collectives, joining
 from .agreement import serve_joined
-from .basics import _world
-from .process_sets import global_process_set, group_of
+from .background import Handle, start
+from .process_sets import global_process_set, group_of, lane_of
 
 __all__ = [
-    "Handle",
     "synchronize",
     "poll",
     "join",
@@ -24,33 +22,6 @@ __all__ = [
 
 
 # ====================================================================== async handles
-
-
-class Handle:
-    """An operation in flight, returned by the ``*_async`` functions.
-
-    Pass it to :func:`synchronize` for the result or to :func:`poll` to ask
-    whether it finished.
-    """
-
-    def __init__(self, works: Sequence[Any], finish: Callable[[], Any]) -> None:
-        self._works = [w for w in works if w is not None]
-        self._finish: Optional[Callable[[], Any]] = finish
-        self._result: Any = None
-
-    def done(self) -> bool:
-        """Whether the communication has finished (the result may still need :meth:`wait`)."""
-        return self._finish is None or all(w.is_completed() for w in self._works)
-
-    def wait(self) -> Any:
-        """Block until the operation finished and return its result; the same result on every call."""
-        if self._finish is not None:
-            for work in self._works:
-                work.wait()
-            self._result = self._finish()
-            self._finish = None
-            self._works = []
-        return self._result
 
 
 def synchronize(handle: Handle) -> Any:
@@ -92,10 +63,6 @@ def _check_handle(handle: Any) -> Handle:
     return handle
 
 
-def _grouped(handles: List[Handle]) -> Handle:
-    return Handle([w for h in handles for w in h._works], lambda: [h.wait() for h in handles])
-
-
 # ====================================================================== join and barrier
 
 
@@ -122,31 +89,20 @@ def join(device: int = -1) -> int:
     """
     from .optimizer import _live_optimizers
 
-    group = _world()
-    if group is None or dist.get_world_size(group) == 1:
+    lane = lane_of(global_process_set)
+    if lane is None or dist.get_world_size(lane) == 1:
         return 0
+    # The background thread stands in for the others' hvd collectives, after this rank's own
+    # submitted ones; this thread meanwhile takes part in their optimizers' rounds.
+    served = start(lambda: ([], _constant(serve_joined(lane))), background=True)
     optimizers = _live_optimizers()
-    if not optimizers:
-        return serve_joined(group)
-    # The optimizers' rounds and the hvd collectives run on different groups, in an order only the
-    # active ranks know: serve both at once.
-    served: List[Any] = []
-    thread = threading.Thread(target=lambda: served.append(_capture(serve_joined, group)),
-                              name="distopt-hvd-join", daemon=True)
-    thread.start()
-    last = joining.join_and_wait(optimizers)  # if it raises, the daemon thread is left to the job's end
-    thread.join()
-    outcome, value = served[0]
-    if outcome == "error":
-        raise value
-    return last
+    last = joining.join_and_wait(optimizers) if optimizers else None
+    last_served = served.wait()
+    return last_served if last is None else last
 
 
-def _capture(fn: Callable[..., Any], *args: Any) -> Tuple[str, Any]:
-    try:
-        return "ok", fn(*args)
-    except BaseException as error:  # re-raised on the calling thread
-        return "error", error
+def _constant(value: Any) -> Any:
+    return lambda: value
 
 
 def barrier(process_set: Any = global_process_set) -> None:
