@@ -1,4 +1,4 @@
-"""Waiting for collectives: the :class:`Handle` of an ``*_async`` call, :func:`synchronize`, :func:`poll`.
+"""Waiting for collectives: :func:`synchronize` and :func:`poll` on the handle of an ``*_async`` call.
 
 Also the job-wide waits, :func:`join` and :func:`barrier`.
 """
@@ -78,8 +78,8 @@ def join(device: int = -1) -> int:
     with op Sum or Average (a metric's average counts the joined ranks' zeros).
     Any other ``hvd`` tensor collective on the global process set while a rank
     has joined raises ``RuntimeError`` on every active rank, as Horovod's does.
-    Object collectives and :func:`barrier` wait for the joined rank: call them
-    after ``join()``.
+    Object collectives, collectives on other process sets and :func:`barrier`
+    wait for the joined rank: call them after ``join()``.
 
     Args:
         device: ignored (Horovod's GPU for the join's zero tensors).
@@ -95,7 +95,7 @@ def join(device: int = -1) -> int:
     # The background thread stands in for the others' hvd collectives, after this rank's own
     # submitted ones; this thread meanwhile takes part in their optimizers' rounds.
     served = start(lambda: ([], _constant(serve_joined(lane))), background=True)
-    optimizers = _live_optimizers()
+    optimizers = [opt for opt in _live_optimizers() if opt.world_size > 1]  # not one outside its set
     last = joining.join_and_wait(optimizers) if optimizers else None
     last_served = served.wait()
     return last_served if last is None else last
