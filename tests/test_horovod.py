@@ -222,6 +222,9 @@ def _check_mismatched_tensors_raise_on_every_rank() -> None:
         hvd.allreduce(torch.ones(3, dtype=torch.int32 if r == 0 else torch.float32))
     with pytest.raises(RuntimeError, match=r"Mismatched broadcast root ranks .*rank 0: 0, rank 1: 1.*same root_rank"):
         hvd.broadcast(torch.ones(3), root_rank=r)
+    with pytest.raises(RuntimeError, match=r"Mismatched allreduce names across ranks \(rank 0: 'loss', rank 1: "
+                                           r"'accuracy'\); ranks pair collectives by the order they call them"):
+        hvd.allreduce(torch.ones(2), name="loss" if r == 0 else "accuracy")  # swapped calls would pair wrongly
     handle = hvd.broadcast_async(torch.ones(3, 10 * (r + 1)), root_rank=0)
     with pytest.raises(RuntimeError, match=r"Mismatched broadcast shapes"):  # an async op's error: at synchronize
         hvd.synchronize(handle)

@@ -29,7 +29,7 @@ from .. import collectives
 
 __all__: list = []  # used by the collectives here; nothing for Horovod users
 
-_FIELDS = ("operation", "shape", "data type", "device type", "root rank")
+_FIELDS = ("operation", "shape", "data type", "device type", "root rank", "name")
 _ACTIVE, _JOINED = 0, 1
 _SUM, _OTHER = 1, 2  # what a joined rank does: add zeros, or nothing (the active ranks raise)
 # dtype codes on the wire; a joined rank rebuilds the zeros from them
@@ -42,7 +42,7 @@ _last_states: Dict[int, List[int]] = {}
 
 
 def agree(operation: str, tensor: Tensor, group: dist.ProcessGroup, root: Optional[int] = None,
-          summed: Optional[Tensor] = None, any_rows: bool = False) -> None:
+          summed: Optional[Tensor] = None, any_rows: bool = False, name: Optional[str] = None) -> None:
     """Announce a collective; raise the same ``RuntimeError`` on every rank unless the ranks agree.
 
     Args:
@@ -53,6 +53,7 @@ def agree(operation: str, tensor: Tensor, group: dist.ProcessGroup, root: Option
         summed: the tensor about to be summed on the wire, when the collective is a sum a
             joined rank can take part in with zeros; None for any other collective.
         any_rows: the first dimension may differ between ranks (allgather, alltoall).
+        name: the operation's ``name=``; ranks must agree on it too, as Horovod pairs by it.
 
     Raises:
         RuntimeError: the ranks' shapes, dtypes, devices or roots differ, or a rank has joined
@@ -61,7 +62,8 @@ def agree(operation: str, tensor: Tensor, group: dist.ProcessGroup, root: Option
     dims = [str(d) for d in tensor.shape]
     if any_rows and dims:
         dims[0] = "*"
-    mine = (operation, f"[{', '.join(dims)}]", str(tensor.dtype).replace("torch.", ""), tensor.device.type, root)
+    mine = (operation, f"[{', '.join(dims)}]", str(tensor.dtype).replace("torch.", ""), tensor.device.type, root,
+            name)
     if summed is not None and summed.dtype in _DTYPES:
         action, numel, dtype = _SUM, summed.numel(), _DTYPES.index(summed.dtype)
     else:
@@ -127,6 +129,12 @@ def _digest(text: str) -> List[int]:
 def _raise_mismatch(operation: str, descriptions: list, ranks: List[int], rooted: bool, any_rows: bool) -> None:
     for k, field in enumerate(_FIELDS):
         values = [d[k] for d in descriptions]
+        if any(v != values[0] for v in values) and field == "name":
+            detail = ", ".join(f"rank {r}: {v!r}" for r, v in zip(ranks, values))
+            raise RuntimeError(
+                f"Mismatched {operation} names across ranks ({detail}); ranks pair collectives by the order "
+                "they call them, not by name: call them in the same order, with the same names, on every rank"
+            )
         if any(v != values[0] for v in values):
             detail = ", ".join(f"rank {r}: {v}" for r, v in zip(ranks, values))
             raise RuntimeError(

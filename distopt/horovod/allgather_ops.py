@@ -12,7 +12,7 @@ from ..collectives.tensors import _comm_dtype
 from .agreement import agree
 from .allreduce_ops import _Reduction, _start_allreduce, _wire_device
 from .compression import NoneCompressor
-from .background import Handle, Launched, grouped, named, start
+from .background import Handle, Launched, current_name, grouped, named, start
 from .process_sets import global_process_set, lane_of
 from .reduce_op import Average, Sum
 
@@ -48,10 +48,11 @@ def _start_allgather(tensor: Tensor, group: Optional[dist.ProcessGroup]) -> Tupl
             raise ValueError("allgather needs a tensor with at least one dimension, got a scalar; use tensor.view(1)")
         return start(lambda: ([], lambda: tensor.detach().clone()), background=False), [tensor.shape[0]]
     dims: List[int] = []
+    name = current_name()
 
     def launch() -> Launched:
         # Announced without its rows, which may differ: a joined rank or a mismatch fails on every rank.
-        agree("allgather", tensor, group, any_rows=True)
+        agree("allgather", tensor, group, any_rows=True, name=name)
         dims.extend(_first_dims(tensor, group))
         # all_gather needs one shape: pad every rank's rows to the longest, cut after.
         padded = torch.zeros((max(dims),) + tuple(tensor.shape[1:]), dtype=_comm_dtype(group, tensor.dtype),
@@ -114,7 +115,8 @@ def allgather(tensor: Tensor, name: Optional[str] = None, process_set: Any = glo
     Raises:
         RuntimeError: if dimensions other than the first, or dtypes, differ between ranks (on every rank).
     """
-    return _AllgatherFunction.apply(tensor, lane_of(process_set))
+    lane = lane_of(process_set)
+    return named(name, lambda: _AllgatherFunction.apply(tensor, lane))
 
 
 def grouped_allgather_async(tensors: Sequence[Tensor], name: Optional[str] = None,
@@ -140,8 +142,8 @@ def grouped_allgather(tensors: Sequence[Tensor], name: Optional[str] = None,
         One concatenation per tensor, in order.
     """
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):  # differentiable, one by one
-        group = lane_of(process_set)
-        return [_AllgatherFunction.apply(t, group) for t in tensors]
+        lane = lane_of(process_set)
+        return named(name, lambda: [_AllgatherFunction.apply(t, lane) for t in tensors])
     return grouped_allgather_async(tensors, name, process_set).wait()
 
 

@@ -17,7 +17,7 @@ from ..collectives.tensors import _comm_dtype
 from .agreement import agree
 from .compression import Compression, Compressor, NoneCompressor, _compressor_class, _CompressorLike
 from .reduce_op import Average, ReduceOp, Sum, _resolve_op, _TORCH_OPS
-from .background import Handle, Launched, grouped, named, start
+from .background import Handle, Launched, current_name, grouped, named, start
 from .process_sets import global_process_set, lane_of
 
 __all__ = [
@@ -95,10 +95,11 @@ def _start_allreduce(tensor: Tensor, out: Tensor, how: _Reduction, compression: 
 
     if group is None or world == 1:
         return start(lambda: ([], finish), background=False)
+    name = current_name()
 
     def launch() -> Launched:
         summed = _TORCH_OPS[how.op] == dist.ReduceOp.SUM
-        agree("allreduce", tensor, group, summed=wire if summed else None)
+        agree("allreduce", tensor, group, summed=wire if summed else None, name=name)
         return [dist.all_reduce(wire, op=_TORCH_OPS[how.op], group=group, async_op=True)], finish
 
     return start(launch, background=True)
@@ -162,7 +163,7 @@ def allreduce(
         NotImplementedError: for ``hvd.Adasum`` or another process set.
     """
     how = _reduction(op, average, prescale_factor, postscale_factor, process_set)
-    return _AllreduceFunction.apply(tensor, how, _compressor_class(compression))
+    return named(name, lambda: _AllreduceFunction.apply(tensor, how, _compressor_class(compression)))
 
 
 def allreduce_async(
@@ -222,7 +223,7 @@ def allreduce_(
         ``tensor``, now holding the reduced value.
     """
     how = _reduction(op, average, prescale_factor, postscale_factor, process_set)
-    return _start_allreduce(tensor, tensor, how, NoneCompressor).wait()
+    return named(name, lambda: _start_allreduce(tensor, tensor, how, NoneCompressor)).wait()
 
 
 def grouped_allreduce_async(
@@ -285,7 +286,7 @@ def grouped_allreduce(
     """
     how = _reduction(op, average, prescale_factor, postscale_factor, process_set)
     cls = _compressor_class(compression)
-    return [_AllreduceFunction.apply(t, how, cls) for t in tensors]
+    return named(name, lambda: [_AllreduceFunction.apply(t, how, cls) for t in tensors])
 
 
 def grouped_allreduce_(
@@ -305,4 +306,4 @@ def grouped_allreduce_(
         ``tensors``, now holding the reduced values.
     """
     how = _reduction(op, average, prescale_factor, postscale_factor, process_set)
-    return grouped([_start_allreduce(t, t, how, NoneCompressor) for t in tensors]).wait()
+    return named(name, lambda: grouped([_start_allreduce(t, t, how, NoneCompressor) for t in tensors])).wait()

@@ -13,6 +13,7 @@ in flight on this rank raises ``ValueError``.
 """
 from __future__ import annotations
 
+import contextvars
 import queue
 import threading
 from concurrent.futures import Future
@@ -28,6 +29,7 @@ Launched = Tuple[List[Any], Callable[[], Any]]
 _lock = threading.RLock()
 _in_flight: Dict[str, Handle] = {}
 _worker: Optional["_Worker"] = None
+_name: "contextvars.ContextVar[Optional[str]]" = contextvars.ContextVar("distopt_hvd_name", default=None)
 
 
 class Handle:
@@ -35,6 +37,12 @@ class Handle:
 
     Pass it to :func:`~distopt.horovod.synchronize` for the result or to
     :func:`~distopt.horovod.poll` to ask whether it finished.
+
+    Example::
+
+        >>> handle = hvd.allreduce_async(loss.detach(), name="loss")
+        >>> ...  # the collective runs meanwhile
+        >>> mean_loss = hvd.synchronize(handle)
     """
 
     def done(self) -> bool:
@@ -134,14 +142,19 @@ def start(launch: Callable[[], Launched], background: bool) -> Handle:
     return _Started(pending)
 
 
-def named(name: Optional[str], make: Callable[[], Handle]) -> Handle:
+def named(name: Optional[str], make: Callable[[], Any]) -> Any:
     """``make()``, unless an operation called ``name`` is still in flight on this rank.
+
+    The collectives ``make`` starts announce ``name`` (:func:`current_name`), so that ranks
+    issuing differently named operations at the same point fail instead of pairing them.
+    A :class:`Handle` it returns holds the name until it finishes.
 
     Raises:
         ValueError: one is (Horovod's rule).
     """
     if name is None:
         return make()
+    name = str(name)
     with _lock:
         for other in [n for n, h in _in_flight.items() if h.done()]:
             del _in_flight[other]
@@ -150,9 +163,20 @@ def named(name: Optional[str], make: Callable[[], Handle]) -> Handle:
                 f"an operation named {name!r} is still in flight on this rank; wait for it with "
                 "hvd.synchronize(handle) first, or give the new one another name"
             )
-        handle = make()
-        _in_flight[name] = handle
-    return handle
+    token = _name.set(name)
+    try:
+        result = make()  # outside the lock: a synchronous one waits for its collective here
+    finally:
+        _name.reset(token)
+    if isinstance(result, Handle):
+        with _lock:
+            _in_flight[name] = result
+    return result
+
+
+def current_name() -> Optional[str]:
+    """The ``name=`` of the operation being started on this thread, if any."""
+    return _name.get()
 
 
 def stop() -> None:

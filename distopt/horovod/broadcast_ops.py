@@ -12,7 +12,7 @@ from .agreement import agree
 from .allreduce_ops import _on_wire, _Reduction, _start_allreduce
 from .basics import _check_root, rank
 from .compression import NoneCompressor
-from .background import Handle, Launched, named, start
+from .background import Handle, Launched, current_name, named, start
 from .process_sets import global_process_set, lane_of
 from .reduce_op import Average
 
@@ -46,9 +46,10 @@ def _start_broadcast(tensor: Tensor, out: Tensor, root_rank: int, group: Optiona
     if not distributed:
         check_root()
         return start(lambda: ([], finish), background=False)
+    name = current_name()
 
     def launch() -> Launched:
-        agree("broadcast", tensor, group, root_rank)  # first, so that a root bad on one rank fails on all
+        agree("broadcast", tensor, group, root_rank, name=name)  # first, so that a root bad on one rank fails on all
         return [dist.broadcast(wire, src=check_root(), group=group, async_op=True)], finish
 
     return start(launch, background=True)
@@ -117,7 +118,8 @@ def broadcast(tensor: Tensor, root_rank: int, name: Optional[str] = None,
     Raises:
         ValueError: if ``root_rank`` is not a rank of the job.
     """
-    return _BroadcastFunction.apply(tensor, root_rank, lane_of(process_set))
+    lane = lane_of(process_set)
+    return named(name, lambda: _BroadcastFunction.apply(tensor, root_rank, lane))
 
 
 def broadcast_(tensor: Tensor, root_rank: int, name: Optional[str] = None,

@@ -23,7 +23,7 @@ from .allreduce_ops import _reduction, _start_allreduce, _wire_device
 from .compression import NoneCompressor
 from .process_sets import global_process_set, lane_of
 from .reduce_op import ReduceOp, Sum
-from .background import Handle, Launched, grouped, named, start, then
+from .background import Handle, Launched, current_name, grouped, named, start, then
 
 __all__ = [
     "reducescatter",
@@ -117,7 +117,8 @@ def reducescatter(tensor: Tensor, name: Optional[str] = None, op: Optional[Reduc
     Raises:
         RuntimeError: the ranks' shapes, dtypes or devices differ.
     """
-    return _reducescatter(tensor, _reduction(op, None, prescale_factor, postscale_factor, process_set))
+    how = _reduction(op, None, prescale_factor, postscale_factor, process_set)
+    return named(name, lambda: _reducescatter(tensor, how))
 
 
 def grouped_reducescatter_async(tensors: Sequence[Tensor], name: Optional[str] = None,
@@ -134,7 +135,7 @@ def grouped_reducescatter(tensors: Sequence[Tensor], name: Optional[str] = None,
     """:func:`reducescatter` of each tensor in ``tensors``, in one call (differentiable like it)."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         how = _reduction(op, None, prescale_factor, postscale_factor, process_set)
-        return [_reducescatter(t, how) for t in tensors]
+        return named(name, lambda: [_reducescatter(t, how) for t in tensors])
     return grouped_reducescatter_async(tensors, name, op, process_set, prescale_factor, postscale_factor).wait()
 
 
@@ -173,10 +174,11 @@ def _start_alltoall(tensor: Tensor, splits: Any, group: Optional[dist.ProcessGro
         out = tensor.detach().clone()
         received = torch.tensor(send, dtype=torch.int32)
         return start(lambda: ([], lambda: out if splits is None else (out, received)), background=False)
+    name = current_name()
 
     def launch() -> Launched:
         if tensor.dim():
-            agree("alltoall", tensor, group, any_rows=True)
+            agree("alltoall", tensor, group, any_rows=True, name=name)
         send = _split_sizes(tensor, splits, size)
         device = _wire_device(group, tensor)
         counts = torch.tensor(send, dtype=torch.int64, device=device)
@@ -219,9 +221,9 @@ def alltoall(tensor: Tensor, splits: Any = None, name: Optional[str] = None,
     """
     group = lane_of(process_set)
     if tensor.requires_grad and torch.is_grad_enabled():
-        out, received = _AlltoallFunction.apply(tensor, splits, group)
+        out, received = named(name, lambda: _AlltoallFunction.apply(tensor, splits, group))
         return out if splits is None else (out, received)
-    return _start_alltoall(tensor, splits, group).wait()
+    return named(name, lambda: _start_alltoall(tensor, splits, group)).wait()
 
 
 class _AlltoallFunction(torch.autograd.Function):

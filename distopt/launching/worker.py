@@ -115,6 +115,9 @@ def _worker_main(spec: _WorkerSpec, job: bytes, conn: Connection) -> None:
         store = _connect(spec)
         _init_process_group(backend=spec.backend, store=store, rank=spec.rank, world_size=spec.world_size,
                             timeout=spec.collective_timeout)
+        # A rank returns from init while others may still be connecting to it; one collective first,
+        # so that a rank whose fn ends at once cannot close its connections under their set-up.
+        dist.all_reduce(torch.zeros(1, device="cuda" if spec.backend == "nccl" else "cpu"))
         try:
             result = fn(*args, **kwargs)
         except SystemExit as exc:
