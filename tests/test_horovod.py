@@ -225,6 +225,12 @@ def _check_mismatched_tensors_raise_on_every_rank() -> None:
     with pytest.raises(RuntimeError, match=r"Mismatched allreduce names across ranks \(rank 0: 'loss', rank 1: "
                                            r"'accuracy'\); ranks pair collectives by the order they call them"):
         hvd.allreduce(torch.ones(2), name="loss" if r == 0 else "accuracy")  # swapped calls would pair wrongly
+    with pytest.raises(RuntimeError, match=r"Mismatched allreduce reductions across ranks \(rank 0: Average "
+                                           r"\(prescale 1.0, postscale 1.0\), rank 1: Sum \(prescale 1.0, "
+                                           r"postscale 1.0\)\)"):
+        hvd.allreduce(torch.ones(2), op=hvd.Average if r == 0 else hvd.Sum)
+    with pytest.raises(RuntimeError, match=r"rank 0: Sum \(prescale 1.0, postscale 1.0\), rank 1: Sum \(prescale 2.0"):
+        hvd.allreduce(torch.ones(2), op=hvd.Sum, prescale_factor=1.0 + r)
     handle = hvd.broadcast_async(torch.ones(3, 10 * (r + 1)), root_rank=0)
     with pytest.raises(RuntimeError, match=r"Mismatched broadcast shapes"):  # an async op's error: at synchronize
         hvd.synchronize(handle)

@@ -29,7 +29,7 @@ from .. import collectives
 
 __all__: list = []  # used by the collectives here; nothing for Horovod users
 
-_FIELDS = ("operation", "shape", "data type", "device type", "root rank", "name")
+_FIELDS = ("operation", "shape", "data type", "device type", "root rank", "name", "reduction")
 _ACTIVE, _JOINED = 0, 1
 _SUM, _OTHER = 1, 2  # what a joined rank does: add zeros, or nothing (the active ranks raise)
 # dtype codes on the wire; a joined rank rebuilds the zeros from them
@@ -42,7 +42,8 @@ _last_states: Dict[int, List[int]] = {}
 
 
 def agree(operation: str, tensor: Tensor, group: dist.ProcessGroup, root: Optional[int] = None,
-          summed: Optional[Tensor] = None, any_rows: bool = False, name: Optional[str] = None) -> None:
+          summed: Optional[Tensor] = None, any_rows: bool = False, name: Optional[str] = None,
+          reduction: Optional[str] = None) -> None:
     """Announce a collective; raise the same ``RuntimeError`` on every rank unless the ranks agree.
 
     Args:
@@ -54,16 +55,17 @@ def agree(operation: str, tensor: Tensor, group: dist.ProcessGroup, root: Option
             joined rank can take part in with zeros; None for any other collective.
         any_rows: the first dimension may differ between ranks (allgather, alltoall).
         name: the operation's ``name=``; ranks must agree on it too, as Horovod pairs by it.
+        reduction: the reduce op and scale factors of an allreduce, which must agree too.
 
     Raises:
-        RuntimeError: the ranks' shapes, dtypes, devices or roots differ, or a rank has joined
-            and the collective is not a sum.
+        RuntimeError: the ranks' shapes, dtypes, devices, roots, names or reductions differ, or a
+            rank has joined and the collective is not a sum.
     """
     dims = [str(d) for d in tensor.shape]
     if any_rows and dims:
         dims[0] = "*"
     mine = (operation, f"[{', '.join(dims)}]", str(tensor.dtype).replace("torch.", ""), tensor.device.type, root,
-            name)
+            name, reduction)
     if summed is not None and summed.dtype in _DTYPES:
         action, numel, dtype = _SUM, summed.numel(), _DTYPES.index(summed.dtype)
     else:
@@ -143,4 +145,5 @@ def _raise_mismatch(operation: str, descriptions: list, ranks: List[int], rooted
                 + (" (but for the first dimension)" if any_rows else "") + ", data type and device"
                 + (" and the same root_rank" if rooted else "") + ", in the same order"
             )
-    raise RuntimeError(f"Mismatched {operation} calls across ranks {ranks}: the data types on the wire differ")
+    raise RuntimeError(f"Mismatched {operation} calls across ranks {ranks}: the data types on the wire differ; "
+                       "pass the same compression= on every rank")

@@ -99,7 +99,8 @@ def _start_allreduce(tensor: Tensor, out: Tensor, how: _Reduction, compression: 
 
     def launch() -> Launched:
         summed = _TORCH_OPS[how.op] == dist.ReduceOp.SUM
-        agree("allreduce", tensor, group, summed=wire if summed else None, name=name)
+        agree("allreduce", tensor, group, summed=wire if summed else None, name=name,
+              reduction=f"{how.op.name.title()} (prescale {how.prescale!r}, postscale {how.postscale!r})")
         return [dist.all_reduce(wire, op=_TORCH_OPS[how.op], group=group, async_op=True)], finish
 
     return start(launch, background=True)
