@@ -731,6 +731,16 @@ def _check_sparse_gradients_come_back_sparse() -> None:
             ref_opt.step()
         assert torch.equal(embedding.weight, reference.weight), sparse_as_dense
         opt.close()
+    # Beside dense parameters: only the sparse one keeps its watch after the first step.
+    embedding, head = nn.Embedding(10, 3, sparse=True), nn.Linear(3, 1)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD([*embedding.parameters(), *head.parameters()], lr=0.1))
+    for _ in range(2):
+        opt.zero_grad()
+        head(embedding(torch.tensor([hvd.rank(), 5]))).sum().backward()
+        opt.step()
+        assert embedding.weight.grad.is_sparse and not head.weight.grad.is_sparse
+        assert list(opt._sparse_hooks) == [embedding.weight]
+    opt.close()
 
 
 # ====================================================================== wire compression (in the same world)

@@ -199,10 +199,11 @@ class DistributedOptimizer(_CoreDistributedOptimizer):
         self._skipping_reduction = False  # inside a step() that must not reduce
         # Horovod hands sparse gradients (nn.Embedding(sparse=True)) back sparse, for SparseAdam and the
         # like, whatever sparse_as_dense says. Here they travel dense (the same sum), and are made sparse
-        # again before the step. These hooks run before the core's, which densify.
+        # again before the step. These hooks run before the core's, which densify; a parameter's hook
+        # goes once its gradient was seen dense (a layer's gradients keep their layout).
         self._sparse_dims: Dict[Tensor, int] = {}
-        self._sparse_hooks = [p.register_post_accumulate_grad_hook(_sparse_noter(self._sparse_dims))
-                              for group_ in optimizer.param_groups for p in group_["params"] if p.requires_grad]
+        self._sparse_hooks = {p: p.register_post_accumulate_grad_hook(_sparse_noter(self._sparse_dims))
+                              for group_ in optimizer.param_groups for p in group_["params"] if p.requires_grad}
         try:
             super().__init__(
                 optimizer,
@@ -247,11 +248,13 @@ class DistributedOptimizer(_CoreDistributedOptimizer):
         for p, sparse_dim in self._sparse_dims.items():
             if p.grad is not None and not p.grad.is_sparse:
                 p.grad = p.grad.to_sparse(sparse_dim)
+        for p in [p for p in self._sparse_hooks if p.grad is not None and p not in self._sparse_dims]:
+            self._sparse_hooks.pop(p).remove()
 
     def _remove_sparse_hooks(self) -> None:
-        for handle in self._sparse_hooks:
+        for handle in self._sparse_hooks.values():
             handle.remove()
-        self._sparse_hooks = []
+        self._sparse_hooks = {}
 
     def close(self) -> None:
         """Remove the gradient hooks, destroy the private group and release the parameters."""
