@@ -43,7 +43,7 @@ _last_states: Dict[int, List[int]] = {}
 
 def agree(operation: str, tensor: Tensor, group: dist.ProcessGroup, root: Optional[int] = None,
           summed: Optional[Tensor] = None, any_rows: bool = False, name: Optional[str] = None,
-          reduction: Optional[str] = None) -> None:
+          reduction: Optional[str] = None) -> List[int]:
     """Announce a collective; raise the same ``RuntimeError`` on every rank unless the ranks agree.
 
     Args:
@@ -57,6 +57,9 @@ def agree(operation: str, tensor: Tensor, group: dist.ProcessGroup, root: Option
         name: the operation's ``name=``; ranks must agree on it too, as Horovod pairs by it.
         reduction: the reduce op and scale factors of an allreduce, which must agree too.
 
+    Returns:
+        With ``any_rows``, every rank's first dimension (one gather tells both).
+
     Raises:
         RuntimeError: the ranks' shapes, dtypes, devices, roots, names or reductions differ, or a
             rank has joined and the collective is not a sum.
@@ -68,11 +71,11 @@ def agree(operation: str, tensor: Tensor, group: dist.ProcessGroup, root: Option
             name, reduction)
     if summed is not None and summed.dtype in _DTYPES:
         action, numel, dtype = _SUM, summed.numel(), _DTYPES.index(summed.dtype)
-    else:
-        action, numel, dtype = _OTHER, 0, 0
+    else:  # the size slot carries the rows, which may differ between ranks here
+        action, numel, dtype = _OTHER, (tensor.shape[0] if any_rows and tensor.dim() else 0), 0
     everyone = _gather([_ACTIVE, action, numel, dtype, *_digest(repr(mine))], group)
     active = [r for r, entry in enumerate(everyone) if entry[0] == _ACTIVE]
-    if any(everyone[r] != everyone[active[0]] for r in active):
+    if any(_same_call(everyone[r]) != _same_call(everyone[active[0]]) for r in active):
         descriptions = collectives.all_gather_object(mine, group=group)
         _raise_mismatch(operation, [descriptions[r] for r in active], active, root is not None, any_rows)
     joined = [r for r, entry in enumerate(everyone) if entry[0] == _JOINED]
@@ -81,6 +84,7 @@ def agree(operation: str, tensor: Tensor, group: dist.ProcessGroup, root: Option
             f"{operation} cannot run while rank(s) {joined} have called hvd.join(): a joined rank can only "
             "add zeros to an allreduce with op=Sum or Average; call it after hvd.join() returns on every rank"
         )
+    return [entry[2] for entry in everyone]
 
 
 def serve_joined(group: dist.ProcessGroup) -> int:
@@ -99,12 +103,17 @@ def serve_joined(group: dist.ProcessGroup) -> int:
             del _last_states[_key(group)]  # the next join starts afresh
             return max((r for r in range(world) if before[r] == _ACTIVE), default=world - 1)
         active = [r for r in range(world) if states[r] == _ACTIVE]
-        if any(everyone[r] != everyone[active[0]] for r in active):
+        if any(_same_call(everyone[r]) != _same_call(everyone[active[0]]) for r in active):
             collectives.all_gather_object(None, group=group)  # the active ranks gather descriptions to raise
             continue
         _, action, numel, dtype = everyone[active[0]][:4]
         if action == _SUM:
             dist.all_reduce(torch.zeros(numel, dtype=_DTYPES[dtype], device=device), group=group)
+
+
+def _same_call(entry: List[int]) -> List[int]:
+    """What must be equal across the active ranks: all but the size slot (the digest covers shapes)."""
+    return entry[:2] + entry[3:]
 
 
 def _gather(entry: Sequence[int], group: dist.ProcessGroup) -> List[List[int]]:

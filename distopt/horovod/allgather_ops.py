@@ -25,22 +25,6 @@ __all__ = [
 ]
 
 
-def _first_dims(tensor: Tensor, group: dist.ProcessGroup) -> List[int]:
-    """Every rank's first dimension, after checking that the other dimensions and dtypes agree."""
-    mine = (tuple(tensor.shape), str(tensor.dtype))
-    everyone = collectives.all_gather_object(mine, group=group)
-    for r, (shape, dtype) in enumerate(everyone):
-        if dtype != mine[1]:
-            raise RuntimeError(f"Mismatched allgather tensor types: rank {r} sent {dtype}, this rank {mine[1]}; "
-                               "pass tensors of one dtype on every rank")
-        if not shape or len(shape) != len(mine[0]) or shape[1:] != mine[0][1:]:
-            raise RuntimeError(
-                f"Mismatched allgather tensor shapes: rank {r} sent shape {list(shape)}, this rank "
-                f"{list(mine[0])}; tensors must have at least one dimension and may differ in the first only"
-            )
-    return [shape[0] for shape, _ in everyone]
-
-
 def _start_allgather(tensor: Tensor, group: Optional[dist.ProcessGroup]) -> Tuple[Handle, List[int]]:
     """Start gathering every rank's rows; also return a list that holds every rank's row count once started."""
     if group is None or collectives.get_world_size(group) == 1:
@@ -51,9 +35,10 @@ def _start_allgather(tensor: Tensor, group: Optional[dist.ProcessGroup]) -> Tupl
     name = current_name()
 
     def launch() -> Launched:
-        # Announced without its rows, which may differ: a joined rank or a mismatch fails on every rank.
-        agree("allgather", tensor, group, any_rows=True, name=name)
-        dims.extend(_first_dims(tensor, group))
+        # The announcement compares all but the rows, and tells every rank's rows.
+        dims.extend(agree("allgather", tensor, group, any_rows=True, name=name))
+        if tensor.dim() == 0:  # on every rank: a rank with rows would have failed the agreement
+            raise ValueError("allgather needs a tensor with at least one dimension, got a scalar; use tensor.view(1)")
         # all_gather needs one shape: pad every rank's rows to the longest, cut after.
         padded = torch.zeros((max(dims),) + tuple(tensor.shape[1:]), dtype=_comm_dtype(group, tensor.dtype),
                              device=_wire_device(group, tensor))
