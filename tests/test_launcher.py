@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 import distopt
 from distopt import LaunchTimeoutError, WorkerFailedError, launch, launcher
+from distopt._testing import run_torchrun
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
@@ -266,6 +267,14 @@ def test_init_without_env_names_the_missing_variables(monkeypatch):
         distopt.init()
     with pytest.raises(ValueError, match="timeout must be positive"):
         distopt.init(timeout=0)
+
+
+@pytest.mark.timeout(150)
+def test_init_after_shutdown_under_torchrun_meets_the_new_addresses(tmp_path, no_leftover_processes):
+    code, out = run_torchrun(ROOT / "tests" / "_scripts" / "init_again.py", [], tmp_path, 120)
+    assert code == 0, out
+    assert [line for line in out.splitlines() if line.startswith("setup")] == \
+        ["setup 0: sum 3", "setup 1: sum 5", "setup 2: sum 7"], out
 
 
 @pytest.mark.timeout(150)

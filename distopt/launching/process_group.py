@@ -120,27 +120,34 @@ def init(backend: Optional[str] = None, timeout: _Timeout = None) -> None:
         torch.cuda.set_device(local_rank)
     pick_interface(os.environ["MASTER_ADDR"], announce=local_rank == 0)
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
-    if restart is None:
+    global _generation
+    if restart is None and _generation == 0:
         _init_process_group(backend=backend, init_method="env://", timeout=wait)
     else:
-        _init_process_group(backend=backend, store=_attempt_store(restart, wait), rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]), timeout=wait)
+        _init_process_group(backend=backend, store=_attempt_store(restart or "0", _generation, wait),
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=wait)
+    _generation += 1
     atexit.register(shutdown)
 
 
-def _attempt_store(restart: str, wait: Optional[timedelta]) -> Any:
-    """torchrun's store, under a prefix of this attempt's own.
+#: How many times this process set up the group with :func:`init` (again after ``shutdown()``).
+_generation = 0
+
+
+def _attempt_store(restart: str, generation: int, wait: Optional[timedelta]) -> Any:
+    """torchrun's store, under a prefix of this attempt's and this set-up's own.
 
     After ``--max-restarts`` restarts the group, the store still holds the first attempt's
     rendezvous keys (its ranks' addresses); a new attempt that reads one connects to a
     process that is gone ("Connection refused"). torchrun numbers its attempts in
-    ``TORCHELASTIC_RESTART_COUNT``, so each attempt gets a prefix of its own.
+    ``TORCHELASTIC_RESTART_COUNT``, so each attempt gets a prefix of its own; so does each
+    set-up after a ``shutdown()`` in the same process (the old addresses are gone too).
     """
     agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
                           is_master=not agent and rank == 0, timeout=wait or timedelta(minutes=30))
-    return dist.PrefixStore(f"distopt/attempt{restart}/", store)
+    return dist.PrefixStore(f"distopt/attempt{restart}/setup{generation}/", store)
 
 
 def _init_process_group(**kwargs: Any) -> None:
