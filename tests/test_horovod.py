@@ -329,6 +329,12 @@ def _check_reducescatter_alltoall_and_grouped_allgather() -> None:
         hvd.alltoall(torch.zeros(3), splits=[1, 1])
     with pytest.raises(ValueError, match="divisible by the 2 ranks"):
         hvd.alltoall(torch.zeros(3))
+    # Splits wrong on one rank only: every rank raises (before, the others waited for it until the timeout).
+    for requires_grad in (False, True):
+        with pytest.raises(ValueError, match=r"add up to" if r == 1 else r"rank\(s\) \[1\] do not fit"):
+            hvd.alltoall(torch.zeros(3, requires_grad=requires_grad), splits=[1, 2] if r == 0 else [2, 2])
+    with pytest.raises(ValueError, match=r"divisible" if r == 0 else r"rank\(s\) \[0\] do not fit"):
+        hvd.alltoall(torch.zeros(3 if r == 0 else 4))
     sparse = torch.sparse_coo_tensor([[r, 2]], [1.0 + r, 10.0], (3,))
     reduced = hvd.sparse_allreduce_async(sparse)()  # Average: the mean of both ranks' entries
     assert reduced.is_sparse and reduced.to_dense().tolist() == [0.5, 1.0, 10.0]

@@ -48,7 +48,7 @@ def _start_reducescatter(tensor: Tensor, how: Any) -> Handle:
     if tensor.dim() == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension, got a scalar; use tensor.view(1)")
     group = how.group
-    size = collectives.get_world_size(group) if group is not None else 1
+    size = _size(group)
     me = dist.get_rank(group) if group is not None else 0
     first, rows = _rows(tensor.shape[0], size, me)
     reduced = _start_allreduce(tensor, torch.empty_like(tensor), how, NoneCompressor)
@@ -69,7 +69,7 @@ class _ReducescatterFunction(torch.autograd.Function):
         how = ctx.how
         scale = how.prescale * how.postscale
         if how.op is Sum:
-            scale *= collectives.get_world_size(how.group) if how.group is not None else 1
+            scale *= _size(how.group)
         gathered, _ = _start_allgather(grad.contiguous() * scale if scale != 1.0 else grad.contiguous(), how.group)
         return gathered.wait(), None
 
@@ -167,24 +167,39 @@ def alltoall_async(tensor: Tensor, splits: Any = None, name: Optional[str] = Non
     return named(name, lambda: _start_alltoall(tensor, splits, lane))
 
 
-def _start_alltoall(tensor: Tensor, splits: Any, group: Optional[dist.ProcessGroup]) -> Handle:
-    size = collectives.get_world_size(group) if group is not None else 1
+def _start_alltoall(tensor: Tensor, splits: Any, group: Optional[dist.ProcessGroup],
+                    counts: bool = False) -> Handle:
+    """Start the exchange; its result is the rows, with the received counts if ``splits`` or ``counts``."""
+    size = _size(group)
+    with_counts = counts or splits is not None
     if group is None or size == 1:
         send = _split_sizes(tensor, splits, size)
         out = tensor.detach().clone()
         received = torch.tensor(send, dtype=torch.int32)
-        return start(lambda: ([], lambda: out if splits is None else (out, received)), background=False)
+        return start(lambda: ([], lambda: (out, received) if with_counts else out), background=False)
     name = current_name()
 
     def launch() -> Launched:
-        if tensor.dim():
-            agree("alltoall", tensor, group, any_rows=True, name=name)
-        send = _split_sizes(tensor, splits, size)
+        agree("alltoall", tensor, group, any_rows=True, name=name)
+        # Splits may differ per rank, so they are not announced: a rank whose splits do not fit
+        # sends -1 counts instead, so that every rank raises, not only that one.
+        try:
+            send, problem = _split_sizes(tensor, splits, size), None
+        except ValueError as exc:
+            send, problem = [-1] * size, exc
         device = _wire_device(group, tensor)
-        counts = torch.tensor(send, dtype=torch.int64, device=device)
-        incoming = torch.empty_like(counts)
-        dist.all_to_all_single(incoming, counts, group=group)  # every rank learns what it receives
+        sizes = torch.tensor(send, dtype=torch.int64, device=device)
+        incoming = torch.empty_like(sizes)
+        dist.all_to_all_single(incoming, sizes, group=group)  # every rank learns what it receives
         recv = incoming.tolist()
+        if problem is not None:
+            raise problem
+        wrong = [r for r, n in enumerate(recv) if n < 0]
+        if wrong:
+            raise ValueError(
+                f"alltoall: the splits (or the first dimension) of rank(s) {wrong} do not fit their tensor, so "
+                "no rank exchanged anything; the error on those ranks says what to change"
+            )
         wire = tensor.detach().to(device, _comm_dtype(group, tensor.dtype)).contiguous()
         out = torch.empty((sum(recv),) + tuple(tensor.shape[1:]), dtype=wire.dtype, device=device)
         work = dist.all_to_all_single(out, wire, output_split_sizes=recv, input_split_sizes=send, group=group,
@@ -192,7 +207,7 @@ def _start_alltoall(tensor: Tensor, splits: Any, group: Optional[dist.ProcessGro
 
         def finish() -> Union[Tensor, Tuple[Tensor, Tensor]]:
             result = out.to(tensor.device, tensor.dtype)
-            return result if splits is None else (result, torch.tensor(recv, dtype=torch.int32))
+            return (result, torch.tensor(recv, dtype=torch.int32)) if with_counts else result
 
         return [work], finish
 
@@ -231,7 +246,7 @@ class _AlltoallFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, tensor: Tensor, splits: Any, group: Optional[dist.ProcessGroup]) -> Any:
-        out, received = _start_alltoall(tensor, _split_sizes(tensor, splits, _size(group)), group).wait()
+        out, received = _start_alltoall(tensor, splits, group, counts=True).wait()
         ctx.group = group
         ctx.received = received.tolist()
         ctx.mark_non_differentiable(received)
