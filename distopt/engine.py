@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.autograd import Variable
 
-from . import stalls
+from . import sparse_rows, stalls
 from .control import CONTROL_FLAGS, Control
 from .packing import LaunchOrder
 from .packs import Pack, adopt_current_grads, build_packs, gather, gather_early, gather_nothing, release, scratch
@@ -58,6 +58,9 @@ __all__ = ["GradientEngine", "BACKWARD_PATIENCE"]
 #: slowest wait seen, so that slow links do not leave rounds pending. Long enough for a rank that
 #: saves a checkpoint or evaluates while the others start the next step.
 BACKWARD_PATIENCE = 60.0
+
+# all_gather_into_tensor's new name (torch 2.13 warns on the old one, which older torch alone has).
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 class GradientEngine(RoundEnd):
     """Averages the gradients of the parameters it tracks, during backward.
@@ -152,6 +155,9 @@ class GradientEngine(RoundEnd):
 
     def build_packs(self, order: Sequence[int]) -> None:
         packs = build_packs(self.params, self.names, order, self.pack_threshold, self.wire_dtype)
+        for pack in packs:
+            if pack.direct:
+                pack.rows = sparse_rows.plan_rows(pack.params[0], self.world_size)
         if self.packs:  # a re-plan: gradients move from the old buffers to the new ones
             adopt_current_grads(packs)
         self.packs = packs
@@ -274,14 +280,16 @@ class GradientEngine(RoundEnd):
 
     def _launch(self, index: int) -> None:
         pack = self.packs[index]
+        # Exchanged values (local SGD) are not sparse: only gradients travel as rows.
+        rows = pack.rows if pack.rows is not None and pack.rows.cap and self.exchange_fill is None else None
         if self.joined:
             gather_nothing(pack)
         else:
             if self.exchange_fill is not None:
                 scratch(pack)
                 self.exchange_fill(pack)
-            else:
-                gather(pack, self.scale, self.sparse_as_dense)
+            else:  # rows are scaled as they are picked, not the whole gradient
+                gather(pack, self.scale if rows is None else None, self.sparse_as_dense)
             pack.flags.fill_(1)
             for j in pack.absent:
                 pack.flags[j] = 0
@@ -289,7 +297,10 @@ class GradientEngine(RoundEnd):
         if pack.wire is not None:
             pack.wire.copy_(pack.buffer)
         with labelled("distopt.all_reduce"):
-            if pack.direct:
+            if rows is not None:
+                self._gather_rows(rows, pack, index)
+                self._send(pack.flags, pack, index, carries_flags=True)
+            elif pack.direct:
                 self._send(pack.data, pack, index, carries_flags=False)
                 self._send(pack.flags, pack, index, carries_flags=True)
             else:
@@ -307,6 +318,21 @@ class GradientEngine(RoundEnd):
         self.inflight.append(Sent(work, pack, index, seq, carries_flags))
         self.stats.all_reduces += 1
         self.stats.bytes += tensor.numel() * tensor.element_size()
+
+    def _gather_rows(self, rows: sparse_rows.RowSparse, pack: Pack, index: int) -> None:
+        send = sparse_rows.fill(rows, pack.data, self.row_scale)
+        work = _all_gather_single(rows.recv, send, group=self.channel.group, async_op=True)
+        seq = self.progress.issue() if self.progress is not None else 0
+        self.inflight.append(Sent(work, pack, index, seq, carries_flags=False, gathered=True))
+        self.stats.gathers += 1
+        self.stats.bytes += send.numel()
+
+    @property
+    def row_scale(self) -> Optional[float]:
+        """What a gradient's rows are multiplied by before they are summed: the mean's 1/world."""
+        if self.scale is not None or not self.mean:
+            return self.scale
+        return 1.0 / self.world_size  # the backend averages dense all-reduces (AVG); gathers do not
 
     def reduce_again(self) -> None:
         """Send every pack once more and wait (after a re-plan, inside a finished round)."""

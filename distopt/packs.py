@@ -25,6 +25,7 @@ from torch import Tensor
 
 from .control import CONTROL_FLAGS
 from .packing import PackSpec, ParamMeta, plan_packs
+from .sparse_rows import RowSparse
 
 __all__ = ["Pack", "DIRECT_MIN_BYTES", "build_packs", "adopt_current_grads", "gather", "gather_nothing", "scratch",
            "release", "gather_early", "metas"]
@@ -60,6 +61,7 @@ class Pack:
     absent: List[int]  # members that had no local gradient this round
     direct: bool = False  # one large gradient, all-reduced where autograd left it
     moved: Set[int] = field(default_factory=set)  # members moved in by their hook this round
+    rows: Optional[RowSparse] = None  # direct packs whose gradient may travel as its non-zero rows
 
 
 def metas(params: Sequence[Tensor]) -> List[ParamMeta]:

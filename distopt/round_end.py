@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, List, Optional
 import torch.distributed as dist
 from torch import Tensor
 
-from . import collectives, replanning, stalls, waiting
+from . import collectives, replanning, sparse_rows, stalls, waiting
 from .control import CONTROL_FLAGS, Totals
 from .packs import Pack
 from .rounds import DONE, PHASE_EXCHANGE, labelled
@@ -39,6 +39,7 @@ class RoundEnd:
     world_size: int
     mean: bool
     op: Any
+    scale: Optional[float]
     joined: bool
     planned: bool
     state: int
@@ -108,6 +109,9 @@ class RoundEnd:
             _written(sent.pack)._version != version for sent, version in zip(self.inflight, self._pending_versions)
         )
         self._pending_versions = None
+        for sent in self.inflight:
+            if sent.gathered and not sparse_rows.settle(sent.pack.rows, sent.pack.data):
+                self._reduce_densely(sent)
         totals = None
         for sent in self.inflight:
             if not sent.carries_flags:
@@ -138,6 +142,17 @@ class RoundEnd:
         if touched:
             raise RuntimeError(_TOUCHED_WHILE_PENDING.format(self._patience_used))
         self._settle(totals)
+
+    def _reduce_densely(self, sent: "Sent") -> None:
+        """Some rank had more non-zero rows than the gather could hold: all-reduce the gradient now."""
+        data = sent.pack.data
+        if self.scale is not None:
+            data.mul_(self.scale)
+        with stalls.inspected(self.progress, f"pack {sent.index + 1}/{len(self.packs)} (dense, after its rows "
+                                             "overflowed)"):
+            dist.all_reduce(data, op=self.op, group=self.channel.group)
+        self.stats.all_reduces += 1
+        self.stats.bytes += data.numel() * data.element_size()
 
     def _totals(self, flags: List[float]) -> Totals:
         totals = Totals.read(flags, self.world_size, averaged=self.op == dist.ReduceOp.AVG)

@@ -33,6 +33,7 @@ class Sent(NamedTuple):
     index: int  # the pack's place in the plan
     seq: int  # the collective's number on the channel, for the stall inspector
     carries_flags: bool  # False for a direct pack's gradient, whose flags travel apart
+    gathered: bool = False  # a direct pack's non-zero rows, gathered (distopt.sparse_rows)
 
 
 def labelled(name: str) -> Any:

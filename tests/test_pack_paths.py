@@ -1,10 +1,12 @@
 """Every way a gradient can travel trains alike.
 
-A gradient reaches the wire in one of three ways: moved into its pack's buffer
+A gradient reaches the wire in one of four ways: moved into its pack's buffer
 with the other tiny ones in one ``cat`` when the pack launches; moved into the
 buffer by its own hook the moment it is ready (larger members, so autograd's copy
-is freed at once); or, alone in a *direct* pack, all-reduced where autograd left
-it. Each case trains the same model once per way in one world, and all must
+is freed at once); alone in a *direct* pack, all-reduced where autograd left it;
+or, alone and mostly zero rows, as its non-zero rows in an all-gather
+(:mod:`distopt.sparse_rows`; here every matrix does, from a capacity of 2 rows,
+so rounds that overflow it and fall back to a dense all-reduce are covered too). Each case trains the same model once per way in one world, and all must
 agree to rounding, with every rank identical, in every mode and on every path: a
 parameter used on one rank only, one used on none, accumulation with
 ``no_sync``, sparse gradients made dense, uneven inputs under ``join()``, sharded
@@ -18,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distopt import DistributedOptimizer, packs
+from distopt import DistributedOptimizer, packs, sparse_rows
 from distopt._testing import run_world
 
 WORLD_TIMEOUT = 150
@@ -58,18 +60,25 @@ def _loss(model: Net, rank: int, step: int, part: int = 0) -> torch.Tensor:
     return ((model(ids) - target) ** 2).mean()
 
 
-#: (direct packs from this many bytes, tiny members below this mean size moved at launch)
+#: (direct packs from this many bytes, tiny members below this mean size moved at launch,
+#: direct gradients of this many rows may travel as rows)
 WAYS = {
-    "moved at launch": (1 << 62, 1 << 62),
-    "moved by hooks": (1 << 62, 0),
-    "direct": (0, 0),
+    "moved at launch": (1 << 62, 1 << 62, 1 << 62),
+    "moved by hooks": (1 << 62, 0, 1 << 62),
+    "direct": (0, 0, 1 << 62),
+    "rows": (0, 0, 1),
 }
+
+
+def _set_way(way: str) -> None:
+    packs.DIRECT_MIN_BYTES, packs._BATCH_GATHER_BELOW, sparse_rows.MIN_ROWS = WAYS[way]
+    sparse_rows.MIN_CAP, sparse_rows.BUDGET = 2, 100.0
 
 
 def _train(way: str, *, threshold: int = 0, accumulate: bool = False, sparse: bool = False,
            join: bool = False, shard_state: bool = False, sync_every: int = 1, outer: bool = False):
-    packs.DIRECT_MIN_BYTES, packs._BATCH_GATHER_BELOW = WAYS[way]
-    direct = way == "direct"
+    _set_way(way)
+    direct = way in ("direct", "rows")
     torch.manual_seed(0)
     model = Net(sparse).double()
     kwargs = {}
@@ -98,14 +107,14 @@ def _train(way: str, *, threshold: int = 0, accumulate: bool = False, sparse: bo
                             grad is not pack.views[0] or grad.untyped_storage().nbytes() != grad.nbytes):
                         raise AssertionError(f"{pack.names[0]}: .grad is not the direct pack's own tensor")
             opt.step()
-            sent.append((opt.stats.packs, opt.stats.all_reduces))
+            sent.append((opt.stats.packs, opt.stats.all_reduces + opt.stats.gathers, opt.stats.gathers))
     grads_none = [name for name, p in model.named_parameters() if p.grad is None]
     return [p.detach().clone() for p in model.parameters()], kinds, sent, grads_none
 
 
 def _default_plan():
     """At the default settings: which packs of a 10 MiB weight and its bias go direct."""
-    packs.DIRECT_MIN_BYTES, packs._BATCH_GATHER_BELOW = 1 << 20, 1 << 12
+    packs.DIRECT_MIN_BYTES, packs._BATCH_GATHER_BELOW, sparse_rows.MIN_ROWS = 1 << 20, 1 << 12, 1024
     layer = nn.Linear(1024, 2560)
     opt = DistributedOptimizer(torch.optim.SGD(layer.parameters(), lr=0.1))
     layer(torch.ones(2, 1024)).sum().backward()
@@ -115,7 +124,7 @@ def _default_plan():
 
 def _complex_gradient_error(way: str) -> float:
     """A complex parameter's averaged gradient against the mean of the ranks' own (computed here)."""
-    packs.DIRECT_MIN_BYTES, packs._BATCH_GATHER_BELOW = WAYS[way]
+    _set_way(way)
     torch.manual_seed(0)
     param = nn.Parameter(torch.randn(4, 3, dtype=torch.complex128))
     opt = DistributedOptimizer(torch.optim.SGD([param], lr=0.1), pack_threshold=0)
@@ -155,14 +164,20 @@ def test_every_way_a_gradient_travels_trains_alike(case, way, results, no_leftov
         params, kinds, sent, grads_none = ways[way]
         ref_params, ref_kinds, _, ref_none = ways["moved at launch"]
         assert ref_kinds == ["batched"]
-        assert kinds == (["direct", "hooks"] if way == "direct" and "large" in case
-                         else ["direct"] if way == "direct" else ["hooks"])
+        direct = way in ("direct", "rows")
+        assert kinds == (["direct", "hooks"] if direct and "large" in case
+                         else ["direct"] if direct else ["hooks"])
         for a, b in zip(params, ref_params):
             assert torch.allclose(a, b, rtol=0, atol=1e-12), (rank, (a - b).abs().max())
         assert grads_none == ref_none
-        if way == "direct" and CASES[case].get("sync_every", 1) == 1:
+        if direct and CASES[case].get("sync_every", 1) == 1:
             # A direct pack's flags travel in an all-reduce of their own.
-            assert all(calls > packs_sent for packs_sent, calls in sent if packs_sent)
+            assert all(calls > packs_sent for packs_sent, calls, _ in sent if packs_sent)
+        gathered = [gathers for _, _, gathers in sent]
+        if way == "rows" and CASES[case].get("sync_every", 1) == 1:
+            assert all(gathered), gathered  # the embedding's rows, every step
+        else:  # exchanged values (local SGD) are never sent as rows
+            assert not any(gathered), gathered
     for a, b in zip(per_rank[0][way][0], per_rank[1][way][0]):
         assert torch.equal(a, b)
     if "shard" not in case and "local" not in case.lower() and "DiLoCo" not in case:

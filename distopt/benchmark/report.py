@@ -25,7 +25,7 @@ def _fmt_mib(nbytes: Optional[float]) -> str:
 
 
 def _mode_table(result: WorkloadResult) -> List[str]:
-    header = f"{'median ms':>11}{'p25-p75 ms':>17}{'allreduce/step':>16}{'MiB reduced':>13}{'peak mem MiB':>14}"
+    header = f"{'median ms':>11}{'p25-p75 ms':>17}{'calls/step':>16}{'MiB sent':>13}{'peak mem MiB':>14}"
     lines = [f"  {'mode':<18}{header}"]
     for mode in result.modes.values():
         spread = f"{mode.p25_ms:.2f}-{mode.p75_ms:.2f}"

@@ -24,9 +24,10 @@ class ModeResult:
         median_ms: median step time (slowest rank per step), milliseconds.
         p25_ms: 25th percentile step time.
         p75_ms: 75th percentile step time.
-        allreduce_calls: all-reduce calls per step (None when not measured; a mean, so
-            possibly fractional, for a mode that communicates every few steps).
-        reduced_bytes: bytes all-reduced per step (None when not measured; a mean, likewise).
+        allreduce_calls: collective calls per step: all-reduces, and distopt's all-gathers of
+            gradients that travel as rows (None when not measured; a mean, so possibly
+            fractional, for a mode that communicates every few steps).
+        reduced_bytes: bytes put on the wire per step (None when not measured; a mean, likewise).
         peak_mem_bytes: peak memory growth of the mode (None when not probed).
         times_ms: every timed step, for ``--json`` consumers.
     """

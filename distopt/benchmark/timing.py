@@ -54,15 +54,18 @@ def _count_ddp_allreduces(workload: Workload, cfg: BenchConfig, batch: Batch, de
 
 
 def _distopt_counts(mode: Mode) -> Tuple[float, float]:
-    """``(all-reduce calls, bytes on the wire)`` per step: the last step's, or the mean over ``count_steps`` more."""
+    """``(collective calls, bytes on the wire)`` per step: the last step's, or the mean over ``count_steps`` more.
+
+    The calls are all-reduces and the all-gathers of gradients that travel as rows.
+    """
     opt = mode.stats_source
     assert opt is not None  # only called for distopt modes
     if mode.count_steps == 1:
-        return opt.stats.all_reduces, opt.stats.bytes
+        return opt.stats.all_reduces + opt.stats.gathers, opt.stats.bytes
     calls = nbytes = 0
     for _ in range(mode.count_steps):  # one whole period, wherever the warm-up left it
         mode.run_step()
-        calls, nbytes = calls + opt.stats.all_reduces, nbytes + opt.stats.bytes
+        calls, nbytes = calls + opt.stats.all_reduces + opt.stats.gathers, nbytes + opt.stats.bytes
     return calls / mode.count_steps, nbytes / mode.count_steps
 
 
