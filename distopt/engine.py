@@ -7,7 +7,9 @@ Packs launch one asynchronous all-reduce each, strictly in the order of a plan
 every rank holds identically (:class:`distopt.packing.LaunchOrder`). At the end
 of the reducing backward pass (an autograd engine callback) the rest is flushed
 and everything is awaited in ``finish_round``, the one place that waits
-(:mod:`distopt.round_end`, a mixin of the engine).
+(:mod:`distopt.round_end`, a mixin of the engine). A pack of one large CPU
+gradient that is mostly zero rows (an embedding table's) all-gathers its non-zero
+rows instead of all-reducing the whole (:mod:`distopt.sparse_rows`).
 
 A *round* is what happens between two ``step()``/``zero_grad()`` calls: backward
 passes accumulate locally (``IDLE``), the reducing pass runs (``ACTIVE``), and

@@ -26,7 +26,7 @@ PHASE_BACKWARD, PHASE_EXPLICIT, PHASE_IMPLICIT, PHASE_EXCHANGE = range(4)
 
 
 class Sent(NamedTuple):
-    """One all-reduce in flight."""
+    """One collective in flight: an all-reduce, or the all-gather of a gradient's rows."""
 
     work: Any
     pack: Pack
