@@ -13,12 +13,14 @@ class StepStats:
     Attributes:
         packs: packs launched.
         all_reduces: all-reduces launched: one per pack, two for a pack of one large
-            gradient, which is sent where autograd left it and its flags apart.
+            gradient, which is sent where autograd left it and its flags apart (only
+            the flags' when the gradient is gathered as rows, and one more when its
+            rows overflowed and it went dense).
+        packs_at_flush: of those, how many launched only at the end of backward
+            (the rest overlapped with backward).
         gathers: all-gathers launched: a large gradient whose rows are mostly zero
             (an embedding table's) sends only its non-zero rows, in place of its
             all-reduce (see :mod:`distopt.sparse_rows`).
-        packs_at_flush: of those, how many launched only at the end of backward
-            (the rest overlapped with backward).
         bytes: bytes put on the wire.
         wait_seconds: time spent blocked waiting for communication.
         optimizer_state_bytes: bytes of optimizer state this rank holds (filled in by the wrapper).
@@ -29,8 +31,8 @@ class StepStats:
 
     packs: int = 0
     all_reduces: int = 0
-    gathers: int = 0
     packs_at_flush: int = 0
+    gathers: int = 0
     bytes: int = 0
     wait_seconds: float = 0.0
     optimizer_state_bytes: int = 0
