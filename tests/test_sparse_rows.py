@@ -85,14 +85,18 @@ class Net(nn.Module):
         return self.head(self.table(ids))
 
 
-#: Ids per rank at each step: fits (capacity 64) / overflows on rank 0 (dense that round, capacity
-#: grows) / now fits / 400 rows on rank 2, beyond what rows can pay for (dense for good) / dense.
-SIZES = [(20, 20, 20), (20, 20, 20), (100, 20, 20), (20, 100, 20), (20, 20, 400), (20, 20, 20)]
+#: Ids per rank at each step (0: the table is not used there): fits (capacity 64) / overflows on
+#: rank 0 (dense that round, capacity grows) / now fits / rank 0 has no gradient / no rank has one /
+#: 400 rows on rank 2, beyond what rows can pay for (dense for good) / dense.
+SIZES = [(20, 20, 20), (20, 20, 20), (100, 20, 20), (20, 100, 20), (0, 20, 20), (0, 0, 0), (20, 20, 400),
+         (20, 20, 20)]
 
 
 def _loss(model: Net, rank: int, step: int) -> torch.Tensor:
     g = torch.Generator().manual_seed(100 * step + rank)
     n = SIZES[step][rank]
+    if n == 0:  # the table stays out of the graph: no gradient for it on this rank
+        return ((model.head(torch.ones(1, 128, dtype=torch.float64)) - 1) ** 2).mean()
     ids = torch.randperm(2048, generator=g)[:n]
     target = torch.randn(n, 1024, generator=g, dtype=torch.float64)
     return ((model(ids) - target) ** 2).mean()
@@ -104,13 +108,14 @@ def _train():
     model = Net().double()
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
                                named_parameters=model.named_parameters(), pack_threshold=1 << 20)
-    log = []
+    log, table_grad_none = [], []
     for step in range(len(SIZES)):
         opt.zero_grad()
         _loss(model, rank, step).backward()
         log.append((opt.stats.gathers, opt.stats.all_reduces))
+        table_grad_none.append(model.table.weight.grad is None)
         opt.step()
-    return [p.detach().clone() for p in model.parameters()], log
+    return [p.detach().clone() for p in model.parameters()], log, table_grad_none
 
 
 def _reference(world: int):
@@ -128,16 +133,18 @@ def _reference(world: int):
 def test_an_embedding_table_trains_like_one_process_as_rows_overflow_and_go_dense(no_leftover_processes):
     results = run_world(_train, 3, timeout=WORLD_TIMEOUT)
     reference = _reference(3)
-    for params, log in results:
+    for params, log, table_grad_none in results:
         for got, want in zip(params, reference):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
         gathers = [g for g, _ in log]
         # step 0 probes both matrices (the dense one overflows and stops for good); the table's
         # rows travel until rank 2 has more of them than a quarter of the dense bytes pays for.
-        assert gathers == [2, 1, 1, 1, 1, 0], log
+        assert gathers == [2, 1, 1, 1, 1, 1, 1, 0], log
         all_reduces = [a for _, a in log]
-        # Overflow rounds add one dense all-reduce of the table, at steps 2 and 4.
-        assert all_reduces[2] == all_reduces[1] + 1 and all_reduces[4] == all_reduces[3] + 1, log
-    for params, _ in results[1:]:
+        # Overflow rounds add one dense all-reduce of the table, at steps 2 and 6.
+        assert all_reduces[2] == all_reduces[1] + 1 and all_reduces[6] == all_reduces[5] + 1, log
+        # Used on some ranks: averaged with their zeros; used on none: no gradient, as in one process.
+        assert table_grad_none == [False] * 5 + [True] + [False] * 2
+    for params, _, _ in results[1:]:
         for a, b in zip(params, results[0][0]):
             assert torch.equal(a, b)
