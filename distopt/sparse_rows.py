@@ -12,9 +12,9 @@ sends a fixed *capacity* of rows (padding) with its true count in front, in one
 asynchronous all-gather launched where the all-reduce would have been. If some
 rank had more rows than the capacity, every rank sees it in the counts and the
 gradient is all-reduced densely instead, that round. The capacity then follows
-the largest count (twice it, shrinking when counts fall a lot); a gradient with
-more non-zero rows than a quarter of its dense bytes would pay for (a dense
-weight) stops trying for good. Every decision is a function of the gathered
+the largest count (twice it, shrinking when counts fall a lot); a gradient whose
+rows, gathered from every rank, would take more than a quarter of its dense bytes
+(a dense weight) stops trying for good. Every decision is a function of the gathered
 counts, which every rank holds alike, so the ranks never disagree on the path.
 
 Only CPU gradients take this path: on a GPU, finding the non-zero rows would
@@ -23,7 +23,7 @@ block the host until backward had computed the gradient.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -73,9 +73,12 @@ def _nbytes(cap: int, row_numel: int, itemsize: int) -> int:
     return _INDEX + _INDEX * cap + -(-cap * row_numel * itemsize // 8) * 8
 
 
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.finfo(dtype).bits // 8
+
+
 def _buffers(state: RowSparse) -> None:
-    itemsize = torch.empty((), dtype=state.dtype).element_size()
-    n = _nbytes(state.cap, state.row_numel, itemsize)
+    n = _nbytes(state.cap, state.row_numel, _itemsize(state.dtype))
     state.send = torch.zeros(n, dtype=torch.uint8)
     state.recv = torch.empty(state.world * n, dtype=torch.uint8)
 
@@ -118,14 +121,14 @@ def capacity_after(cap: int, max_cap: int, largest: int) -> int:
     return cap
 
 
-def _sections(state: RowSparse, buffer: Tensor):
+def _sections(state: RowSparse, buffer: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     """``(count, indices, rows)`` views of one rank's bytes."""
     cap = state.cap
     count = buffer[:_INDEX].view(torch.int64)
     indices = buffer[_INDEX : _INDEX + _INDEX * cap].view(torch.int64)
     start = _INDEX + _INDEX * cap
-    itemsize = torch.empty((), dtype=state.dtype).element_size()
-    rows = buffer[start : start + cap * state.row_numel * itemsize].view(state.dtype).view(cap, state.row_numel)
+    end = start + cap * state.row_numel * _itemsize(state.dtype)
+    rows = buffer[start:end].view(state.dtype).view(cap, state.row_numel)
     return count, indices, rows
 
 
