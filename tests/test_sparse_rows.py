@@ -148,3 +148,39 @@ def test_an_embedding_table_trains_like_one_process_as_rows_overflow_and_go_dens
     for params, _, _ in results[1:]:
         for a, b in zip(params, results[0][0]):
             assert torch.equal(a, b)
+
+
+def _train_unfreezing(frozen_until: int, distributed: bool):
+    rank = dist.get_rank() if distributed else 0
+    torch.manual_seed(0)
+    model = Net().double()
+    model.table.weight.requires_grad_(False)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    if distributed:
+        opt = DistributedOptimizer(opt, named_parameters=model.named_parameters(), pack_threshold=1 << 20)
+    gathers = []
+    for step in range(4):
+        if step == frozen_until:
+            model.table.weight.requires_grad_(True)
+        opt.zero_grad()
+        if distributed:
+            _loss(model, rank, step).backward()
+            gathers.append(opt.stats.gathers)
+        else:
+            (sum(_loss(model, r, step) for r in range(2)) / 2).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()], gathers
+
+
+@pytest.mark.timeout(WORLD_TIMEOUT + 30)
+def test_a_table_unfrozen_mid_training_travels_as_rows_and_trains_like_one_process(no_leftover_processes):
+    results = run_world(_train_unfreezing, 2, 2, True, timeout=WORLD_TIMEOUT)
+    reference, _ = _train_unfreezing(2, False)
+    for params, gathers in results:
+        for got, want in zip(params, reference):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        # Unfrozen at step 2 (the plan is rebuilt and that round reduced again, the table
+        # overflowing its first capacity on rank 0); from step 3 its rows travel alone.
+        assert gathers[:2] == [1, 0] and gathers[3] == 1, gathers
+    for a, b in zip(results[0][0], results[1][0]):
+        assert torch.equal(a, b)
