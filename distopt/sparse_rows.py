@@ -28,7 +28,7 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["RowSparse", "plan_rows", "capacity_after", "fill", "settle"]
+__all__ = ["RowSparse", "MIN_ROWS", "MIN_CAP", "BUDGET", "plan_rows", "capacity_after", "fill", "settle"]
 
 #: Fewest rows a gradient needs to be worth looking at row by row.
 MIN_ROWS = 1024
