@@ -4,16 +4,17 @@ Used by distopt's own tests; not part of the public API.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Callable, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 from .launching import launch
 
-__all__ = ["run_world", "run_torchrun", "live_children", "assert_no_children"]
+__all__ = ["run_world", "run_torchrun", "run_command", "kill_tree", "live_children", "assert_no_children"]
 
 
 def run_world(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120.0,
@@ -47,7 +48,8 @@ def run_torchrun(script: Union[str, Path], args: Sequence[str], cwd: Union[str, 
                  nprocs: int = 2) -> Tuple[Optional[int], str]:
     """Run ``script`` under ``torchrun --standalone`` with ``nprocs`` processes, importing this checkout.
 
-    The whole process tree is killed if it runs past ``timeout``.
+    The whole process tree is killed if it runs past ``timeout``, workers included: torchrun
+    starts each in a session of its own, beyond the reach of its process group.
 
     Returns:
         ``(exit code, output)``; the exit code is None when it timed out.
@@ -58,15 +60,46 @@ def run_torchrun(script: Union[str, Path], args: Sequence[str], cwd: Union[str, 
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(root), env.get("PYTHONPATH")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nprocs),
            str(script), *args]
-    proc = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    code, out, _ = run_command(cmd, cwd, env, timeout, merge_stderr=True)
+    return code, out
+
+
+def run_command(cmd: Sequence[Union[str, Path]], cwd: Union[str, Path, None], env: Optional[Dict[str, str]],
+                timeout: float, merge_stderr: bool = False) -> Tuple[Optional[int], str, str]:
+    """Run ``cmd``; past ``timeout`` kill it and every process under it (torchrun's workers too).
+
+    Returns:
+        ``(exit code, stdout, stderr)``; the exit code is None when it timed out.
+    """
+    proc = subprocess.Popen([str(part) for part in cmd], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
-        out, _ = proc.communicate(timeout=timeout)
+        out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        return None, out
-    return proc.returncode, out
+        kill_tree(proc.pid)
+        try:
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:  # a process we could not see still holds the pipe
+            out, err = "", ""
+        return None, out or "", err or ""
+    return proc.returncode, out, err or ""
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid``, its process group and every descendant (found before any is killed)."""
+    import psutil  # a test dependency only
+
+    try:
+        descendants = psutil.Process(pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        descendants = []
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    for child in descendants:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
+    psutil.wait_procs(descendants, timeout=5)
 
 
 def _is_resource_tracker(cmdline: List[str]) -> bool:

@@ -10,7 +10,10 @@ from typing import List
 import pytest
 
 from distopt import benchmark
+from distopt._testing import run_command
 from distopt.benchmark import BenchConfig, ModeResult, WorkloadResult, format_size, parse_size
+
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--iters", "2", "--rounds", "2", "--warmup", "1"]
@@ -18,12 +21,10 @@ TIMEOUT = 240
 
 
 def _run(args: List[str], tmp_path: Path) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        [sys.executable, "-m", "distopt.benchmark", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT,
-    )
-    assert proc.returncode == 0, f"exit code {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
-    return proc
+    cmd = [sys.executable, "-m", "distopt.benchmark", *args]
+    code, out, err = run_command(cmd, ROOT, None, TIMEOUT)  # past the timeout, its workers go too
+    assert code == 0, f"exit code {code}\nstdout:\n{out}\nstderr:\n{err}"
+    return subprocess.CompletedProcess(cmd, code, out, err)
 
 
 def test_two_ranks_all_sections(tmp_path: Path) -> None:

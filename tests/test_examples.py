@@ -8,9 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
-from typing import List
+from typing import Dict, List, Optional
 
 import pytest
+
+from distopt._testing import kill_tree, run_command
+
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "examples" / "train_digits.py"
@@ -21,10 +25,11 @@ MIN_ONE_EPOCH_ACCURACY = {"adamw": 50.0, "sgd": 25.0}
 TIMEOUT = 240
 
 
-def _run(args: List[str], tmp_path: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        args, cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT,
-    )
+def _run(args: List[str], tmp_path: Path, env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
+    # Past the timeout the whole tree goes, torchrun's workers (sessions of their own) included.
+    code, out, err = run_command(args, tmp_path, env, TIMEOUT)
+    assert code is not None, f"timed out after {TIMEOUT} s\nstdout:\n{out}\nstderr:\n{err}"
+    return subprocess.CompletedProcess(args, code, out, err)
 
 
 def _check_one_epoch(proc: subprocess.CompletedProcess, ranks: int, optimizer: str = "adamw") -> None:
@@ -106,7 +111,7 @@ def _load_example() -> ModuleType:
 )
 def test_bad_flags_are_rejected(argv: List[str], message: str, capsys: pytest.CaptureFixture) -> None:
     example = _load_example()
-    with pytest.raises(SystemExit) as exc:
+    with pytest.raises(SystemExit, match="^2$") as exc:
         example.parse_args(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
@@ -140,7 +145,7 @@ def test_a_worker_killed_mid_training_restarts_and_resumes_to_the_same_result(tm
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "--max-restarts", "1", str(SCRIPT), "--epochs", "4", "--optimizer", "sgd"]
-    plain = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT, env=env)
+    plain = _run(command, tmp_path, env)
     assert plain.returncode == 0, plain.stdout + plain.stderr
     ckpt = tmp_path / "ckpt"
     proc = subprocess.Popen(command + ["--checkpoint-dir", str(ckpt)], cwd=tmp_path, env=env, text=True,
@@ -161,7 +166,7 @@ def test_a_worker_killed_mid_training_restarts_and_resumes_to_the_same_result(tm
         proc.wait(timeout=TIMEOUT)
     finally:
         if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+            kill_tree(proc.pid)
             proc.wait()
     text = "".join(out)
     assert killed and proc.returncode == 0, text

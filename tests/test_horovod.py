@@ -799,8 +799,9 @@ def _check_compressed_training_converges() -> None:
             first, last, weights = _regression(compression, steps)
             assert _same_on_all_ranks(weights.tolist()), compression.__name__  # compressed all-reduce ran
             assert torch.allclose(weights, reference, atol=tolerance), (compression.__name__, steps, weights - reference)
-        assert last < 1e-3 * first or steps < 80, (compression.__name__, first, last)
-    assert torch.allclose(weights, true_w, atol=3e-2)
+            if steps == 80:  # every compression converges, to the least-squares solution
+                assert last < 1e-3 * first, (compression.__name__, first, last)
+                assert torch.allclose(weights, true_w, atol=3e-2), (compression.__name__, weights - true_w)
 
 
 def _check_fp16_gradients_do_not_overflow() -> None:

@@ -209,10 +209,20 @@ def test_the_newest_wrapper_takes_the_parameters_over_and_the_old_one_refuses_to
     DistributedOptimizer(sgd(model))  # released by close()
 
 
-def test_a_dropped_wrapper_releases_its_parameters():
+def test_a_dropped_wrapper_is_collected_and_a_closed_one_lets_go_of_its_parameters():
+    import gc
+    import weakref
+
     model = make_model()
-    DistributedOptimizer(sgd(model))
-    DistributedOptimizer(sgd(model))  # the first one is garbage: no error
+    first = DistributedOptimizer(sgd(model))
+    dropped = weakref.ref(first)
+    del first
+    gc.collect()
+    assert dropped() is None  # neither its hooks nor the parameters keep it alive
+    second = DistributedOptimizer(sgd(model))
+    assert all(p._distopt_owner() is second for p in model.parameters())
+    second.close()
+    assert not any(hasattr(p, "_distopt_owner") for p in model.parameters())
 
 
 def test_the_wrapper_refuses_to_be_pickled_and_says_what_to_save():

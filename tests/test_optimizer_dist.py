@@ -146,7 +146,7 @@ def random_reduction_worker(cases):
             # Which parameters each rank uses, and in what order, differs by rank and round.
             used = {r: [i for i in range(n) if random.Random(hash((case, rnd, r))).random() < 0.7 or n == 1] for r in range(world)}
             order = list(used[rank])
-            random.Random(hash((case, rnd, rank, "order"))).shuffle(order)
+            random.Random(f"{case}-{rnd}-{rank}-order").shuffle(order)  # str seeds: the same in every run
             anchor = torch.zeros((), requires_grad=True)  # backward must run even with nothing used
             loss = anchor * 0
             for i in order:

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from distopt._testing import kill_tree, run_command
+
 pytestmark = [pytest.mark.usefixtures("no_leftover_processes"), pytest.mark.timeout(240)]
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -81,7 +83,7 @@ def _finish(procs, timeout=150):
     finally:
         for proc in procs:
             if proc.poll() is None:
-                os.killpg(proc.pid, 9)
+                kill_tree(proc.pid)  # torchrun's workers run in sessions of their own
                 proc.wait()
     return outs
 
@@ -140,10 +142,9 @@ def test_torchrun_with_c10d_rendezvous_across_two_hosts_matches_one_host(two_hos
     """One torchrun agent per host, c10d rendezvous, the main job: the same result as on one host."""
     example = ROOT / "examples" / "train_digits.py"
     args = [example, "--epochs", "3"]
-    one_host = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                               *map(str, args)], capture_output=True, text=True, timeout=120,
-                              env=dict(os.environ, PYTHONPATH=str(ROOT)))
-    assert one_host.returncode == 0, one_host.stdout + one_host.stderr
+    code, out, err = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                                  "2", *map(str, args)], None, dict(os.environ, PYTHONPATH=str(ROOT)), 120)
+    assert code == 0, out + err
     (ns_a, host_a, addr_a), (ns_b, host_b, addr_b) = two_hosts
     rdzv = ["-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1", "--rdzv-backend", "c10d",
             "--rdzv-endpoint", f"{addr_a}:29615", "--rdzv-id", "two-hosts"]
@@ -156,7 +157,7 @@ def test_torchrun_with_c10d_rendezvous_across_two_hosts_matches_one_host(two_hos
     # rank 0 prints the result; its line names the accuracy and that the ranks are bitwise identical
     final = [_accuracy(out) for out in outs if "final test accuracy" in out]
     assert final and "bitwise identical" in final[0], outs
-    assert final[0].split(" after")[0] == _accuracy(one_host.stdout + one_host.stderr).split(" after")[0]
+    assert final[0].split(" after")[0] == _accuracy(out + err).split(" after")[0]
 
 
 def test_a_link_going_down_is_a_clear_error_within_the_collective_timeout(two_hosts, tmp_path):
