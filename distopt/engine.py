@@ -9,7 +9,9 @@ of the reducing backward pass (an autograd engine callback) the rest is flushed
 and everything is awaited in ``finish_round``, the one place that waits
 (:mod:`distopt.round_end`, a mixin of the engine). A pack of one large CPU
 gradient that is mostly zero rows (an embedding table's) all-gathers its non-zero
-rows instead of all-reducing the whole (:mod:`distopt.sparse_rows`).
+rows instead of all-reducing the whole (:mod:`distopt.sparse_rows`); a small CPU pack
+is all-gathered once and summed locally, in rank order, instead of passing the ring
+twice (:func:`distopt.rounds.sums_by_gather`).
 
 A *round* is what happens between two ``step()``/``zero_grad()`` calls: backward
 passes accumulate locally (``IDLE``), the reducing pass runs (``ACTIVE``), and
@@ -49,7 +51,8 @@ from .packing import LaunchOrder
 from .packs import Pack, adopt_current_grads, build_packs, gather, gather_early, gather_nothing, release, scratch
 from .private_groups import PrivateGroup
 from .round_end import RoundEnd
-from .rounds import ACTIVE, DONE, IDLE, PHASE_BACKWARD, PHASE_EXPLICIT, PHASE_IMPLICIT, Sent, labelled
+from .rounds import (ACTIVE, DONE, IDLE, PHASE_BACKWARD, PHASE_EXPLICIT, PHASE_IMPLICIT, GATHER_SUM_MAX_BYTES, Sent,
+                     gather_buffer, labelled, sums_by_gather)
 from .stalls import Progress
 from .stats import StepStats
 
@@ -98,6 +101,9 @@ class GradientEngine(RoundEnd):
         self.contributed_last = True  # this rank contributed to the last round that had contributors
         self.scale = scale
         self.op = op
+        self.rows_allowed = True  # large gradients of mostly zero rows may travel as rows
+        # Bytes a rank may receive for a small sum to travel as a gather (rounds.sums_by_gather).
+        self.gather_sum_limit = GATHER_SUM_MAX_BYTES
         self.pack_threshold = pack_threshold
         self.wire_dtype = wire_dtype
         self.sparse_as_dense = sparse_as_dense
@@ -158,7 +164,7 @@ class GradientEngine(RoundEnd):
     def build_packs(self, order: Sequence[int]) -> None:
         packs = build_packs(self.params, self.names, order, self.pack_threshold, self.wire_dtype)
         for pack in packs:
-            if pack.direct:
+            if pack.direct and self.rows_allowed:
                 pack.rows = sparse_rows.plan_rows(pack.params[0], self.world_size)
         if self.packs:  # a re-plan: gradients move from the old buffers to the new ones
             adopt_current_grads(packs)
@@ -185,6 +191,7 @@ class GradientEngine(RoundEnd):
         self.arrivals: List[int] = []
         self._phase = PHASE_BACKWARD
         self._pending_versions: Optional[List[int]] = None
+        self._touched = False  # gradients changed while the round was pending
         self._patience_used = 0.0
         self._control: Optional[Tensor] = None  # this rank's control flags, set at its first launch
         self.launch_order.reset()
@@ -200,6 +207,16 @@ class GradientEngine(RoundEnd):
         """Begin counting a round launched outside backward (``phase`` says where, for the control flags)."""
         self.stats = StepStats()
         self._phase = phase
+
+    def forbid_rows(self) -> None:
+        """Never send a gradient as its rows (a mode that exchanges parameters).
+
+        A rank that has joined sends zeros in the shape of whatever the others send, and
+        cannot tell an exchange (always dense) from a gradient round (rows, where they pay).
+        """
+        self.rows_allowed = False
+        for pack in self.packs:
+            pack.rows = None
 
     def synchronize(self, explicit: bool) -> None:
         """Reduce whatever is not reduced yet this round and wait for it; a no-op once DONE.
@@ -310,14 +327,22 @@ class GradientEngine(RoundEnd):
         self.stats.packs += 1
 
     def _send(self, tensor: Tensor, pack: Pack, index: int, carries_flags: bool) -> None:
-        # The group's own method, as DDP's reducer calls it: dist.all_reduce's Python layer costs
+        # The group's own methods, as DDP's reducer calls them: dist.all_reduce's Python layer costs
         # ~20 µs a call and does nothing a private group needs.
-        options = dist.AllreduceOptions()
-        options.reduceOp = self.op
-        options.asyncOp = True
-        work = self.channel.group.allreduce([torch.view_as_real(tensor) if tensor.is_complex() else tensor], options)
+        flat = torch.view_as_real(tensor).view(-1) if tensor.is_complex() else tensor
+        copies = None
+        if self.op == dist.ReduceOp.SUM and sums_by_gather(flat.numel() * flat.element_size(), self.world_size,
+                                                           flat.device, self.gather_sum_limit):
+            copies = gather_buffer(pack, flat, self.world_size)
+            work = self.channel.group._allgather_base(copies, flat)
+        else:
+            options = dist.AllreduceOptions()
+            options.reduceOp = self.op
+            options.asyncOp = True
+            work = self.channel.group.allreduce([flat], options)
         seq = self.progress.issue() if self.progress is not None else 0
-        self.inflight.append(Sent(work, pack, index, seq, carries_flags))
+        self.inflight.append(Sent(work, pack, index, seq, carries_flags, copies=copies,
+                                  into=None if copies is None else flat))
         self.stats.all_reduces += 1
         self.stats.bytes += tensor.numel() * tensor.element_size()
 

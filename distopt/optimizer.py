@@ -278,7 +278,10 @@ class DistributedOptimizer(InnerOptimizerSurface):
         Args:
             set_to_none: set ``.grad`` to None instead of zeroing it (default: True).
         """
-        self._engine.wait()  # a reduction may still write into the buffers
+        engine = self._engine
+        if engine.inflight:  # a round left pending: settle it (plan, capacities, checks) as the other ranks did
+            with engine.lock:
+                engine.finish_round()
         self.optimizer.zero_grad(set_to_none)
         self._engine.reset_round()
 

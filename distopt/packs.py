@@ -18,7 +18,7 @@ gradient (memory) and the copy into it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional, Sequence, Set
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import Tensor
@@ -62,6 +62,8 @@ class Pack:
     direct: bool = False  # one large gradient, all-reduced where autograd left it
     moved: Set[int] = field(default_factory=set)  # members moved in by their hook this round
     rows: Optional[RowSparse] = None  # direct packs whose gradient may travel as its non-zero rows
+    # Room for every rank's copy of each small sum this pack sends as a gather, by (numel, dtype).
+    copies: Dict[Tuple[int, torch.dtype], Tensor] = field(default_factory=dict)
 
 
 def metas(params: Sequence[Tensor]) -> List[ParamMeta]:

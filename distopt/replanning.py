@@ -75,7 +75,14 @@ def adopt_unfrozen(engine: "GradientEngine") -> None:
     names = [n for p, n in zip(frozen, frozen_names) if p.requires_grad]
     engine.frozen_names = [n for p, n in zip(frozen, frozen_names) if not p.requires_grad]
     engine.frozen = [p for p in frozen if not p.requires_grad]
+    # The other gradients are averaged already. The round is sent again in the new plan, for the
+    # unfrozen ones, and then the others get their averaged values back: sent again, a sum
+    # would be summed twice and a join's rescale applied twice. A copy of them, once per unfreeze.
+    final = [(p, p.grad.detach().clone()) for p in engine.params if p.grad is not None]
     engine.hook(params, names)  # re-plans; the gradients move into the new packs
-    # The old parameters' gradients are averaged already; averaging them again changes
-    # nothing but rounding, and keeps one plan for every parameter.
     engine.reduce_again()
+    for p, grad in final:
+        if p.grad is None:
+            p.grad = grad
+        else:
+            p.grad.copy_(grad)

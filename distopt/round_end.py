@@ -17,7 +17,7 @@ from torch import Tensor
 from . import collectives, replanning, sparse_rows, stalls, waiting
 from .control import CONTROL_FLAGS, Totals
 from .packs import Pack
-from .rounds import DONE, PHASE_EXCHANGE, labelled
+from .rounds import DONE, PHASE_EXCHANGE, labelled, sum_copies
 
 if TYPE_CHECKING:
     from .rounds import Sent
@@ -50,9 +50,13 @@ class RoundEnd:
     _passes: int
     _slowest_wait: float
     _pending_versions: Optional[List[int]]
+    _touched: bool
     _patience_used: Optional[float]
 
     def _control_flags(self) -> Tensor:
+        raise NotImplementedError
+
+    def _send(self, tensor: Tensor, pack: Pack, index: int, carries_flags: bool) -> None:
         raise NotImplementedError
 
     def wait(self, patience: Optional[float] = None) -> bool:
@@ -98,20 +102,11 @@ class RoundEnd:
             ValueError: the ranks unfroze different parameters.
         """
         start = time.perf_counter()
-        if not self.wait(patience):
-            # Remember the buffers' versions: changing a gradient before it is averaged is an error.
-            self._pending_versions = [_written(sent.pack)._version for sent in self.inflight]
-            self._patience_used = patience
+        if not self._arrive(patience):
             return
         if patience is not None:
             self._slowest_wait = max(self._slowest_wait, time.perf_counter() - start)
-        touched = self._pending_versions is not None and any(
-            _written(sent.pack)._version != version for sent, version in zip(self.inflight, self._pending_versions)
-        )
-        self._pending_versions = None
-        for sent in self.inflight:
-            if sent.gathered and not sparse_rows.settle(sent.pack.rows, sent.pack.data):
-                self._reduce_densely(sent)
+        touched, self._touched = self._touched, False
         totals = None
         for sent in self.inflight:
             if not sent.carries_flags:
@@ -143,16 +138,38 @@ class RoundEnd:
             raise RuntimeError(_TOUCHED_WHILE_PENDING.format(self._patience_used))
         self._settle(totals)
 
-    def _reduce_densely(self, sent: "Sent") -> None:
-        """Some rank had more non-zero rows than the gather could hold: all-reduce the gradient now."""
-        data = sent.pack.data
-        if self.scale is not None:
-            data.mul_(self.scale)
-        with stalls.inspected(self.progress, f"pack {sent.index + 1}/{len(self.packs)} (dense, after its rows "
-                                             "overflowed)"):
-            dist.all_reduce(data, op=self.op, group=self.channel.group)
-        self.stats.all_reduces += 1
-        self.stats.bytes += data.numel() * data.element_size()
+    def _arrive(self, patience: Optional[float]) -> bool:
+        """Wait for everything in flight and complete it: add up the gathered copies of small
+        sums, sum the gathered rows, and all-reduce densely (then wait for) each gradient whose
+        rows overflowed somewhere. False if it gave up: the round stays pending, and a later
+        call goes on from where this one stopped."""
+        deadline = None if patience is None else time.perf_counter() + patience
+        while True:
+            if not self.wait(None if deadline is None else max(deadline - time.perf_counter(), 0.0)):
+                # Remember the buffers' versions: changing a gradient before it is averaged is an error.
+                self._pending_versions = [_written(sent.pack)._version for sent in self.inflight]
+                self._patience_used = patience
+                return False
+            if self._pending_versions is not None:
+                self._touched |= any(_written(sent.pack)._version != version
+                                     for sent, version in zip(self.inflight, self._pending_versions))
+                self._pending_versions = None
+            overflowed = False
+            for k, sent in list(enumerate(self.inflight)):
+                if sent.copies is not None:
+                    sum_copies(sent.copies, sent.into, self.world_size)
+                    self.inflight[k] = sent._replace(copies=None, into=None)
+                elif sent.gathered:
+                    self.inflight[k] = sent._replace(gathered=False)
+                    if not sparse_rows.settle(sent.pack.rows, sent.pack.data):
+                        # Some rank had more rows than the gather held: the gradient (this rank's
+                        # own, unscaled) is all-reduced instead, watched and bounded like the rest.
+                        if self.scale is not None:
+                            sent.pack.data.mul_(self.scale)
+                        self._send(sent.pack.data, sent.pack, sent.index, carries_flags=False)
+                        overflowed = True
+            if not overflowed:
+                return True
 
     def _totals(self, flags: List[float]) -> Totals:
         totals = Totals.read(flags, self.world_size, averaged=self.op == dist.ReduceOp.AVG)

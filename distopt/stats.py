@@ -15,7 +15,8 @@ class StepStats:
         all_reduces: all-reduces launched: one per pack, two for a pack of one large
             gradient, which is sent where autograd left it and its flags apart (only
             the flags' when the gradient is gathered as rows, and one more when its
-            rows overflowed and it went dense).
+            rows overflowed and it went dense). A small CPU sum sent as an all-gather
+            and added up locally (:func:`distopt.rounds.sums_by_gather`) counts here too.
         packs_at_flush: of those, how many launched only at the end of backward
             (the rest overlapped with backward).
         gathers: all-gathers launched: a large gradient whose rows are mostly zero

@@ -52,33 +52,48 @@ def state_tensors(optimizer, params):
     return out
 
 
-def reference(counts, opt_name, divide_by_world=False, bcast_period=0):
-    """Single-process training: at step t, average the gradients of the ranks with more than t batches."""
+def reference(counts, opt_name, divide_by_world=False, bcast_period=0, unfreeze_at=None):
+    """Single-process training: at step t, average the gradients of the ranks with more than t batches.
+
+    With ``unfreeze_at``, the first layer is frozen until that step.
+    """
     model = make_model()
+    set_first_layer_frozen(model, unfreeze_at is not None)
     opt = OPTIMIZERS[opt_name](model.parameters())
     world = len(counts)
     for step in range(max(counts)):
+        if step == unfreeze_at:
+            set_first_layer_frozen(model, False)
         present = [r for r in range(world) if counts[r] > step]
         grads = [torch.zeros_like(p) for p in model.parameters()]
         for r in present:
             model.zero_grad()
             loss_of(model, *batch(r, step)).backward()
             for g, p in zip(grads, model.parameters()):
-                g += p.grad
+                if p.grad is not None:
+                    g += p.grad
         for g, p in zip(grads, model.parameters()):
-            p.grad = g / (world if divide_by_world else len(present))
+            p.grad = g / (world if divide_by_world else len(present)) if p.requires_grad else None
         opt.step()
     return list(model.parameters()), state_tensors(opt, list(model.parameters()))
 
 
+def set_first_layer_frozen(model, frozen):
+    for p in model[0].parameters():
+        p.requires_grad_(not frozen)
+
+
 def train_uneven(counts, opt_name, *, passes=1, compression=None, divide_by_world=False, bcast_period=0,
-                 no_sync_first=False, threshold=64):
+                 no_sync_first=False, threshold=64, unfreeze_at=None):
     rank = dist.get_rank()
     model = make_model(seed=rank)  # the construction broadcast aligns them
+    set_first_layer_frozen(model, unfreeze_at is not None)
     opt = DistributedOptimizer(OPTIMIZERS[opt_name](model.parameters()), backward_passes_per_step=passes,
                                compression=compression, bcast_period=bcast_period, pack_threshold=threshold)
     with opt.join(divide_by_world=divide_by_world):
         for step in range(counts[rank]):
+            if step == unfreeze_at:  # the ranks that joined already follow
+                set_first_layer_frozen(model, False)
             x, y = batch(rank, step)
             opt.zero_grad()
             if no_sync_first:  # half the batch without communication, the other half reduces
@@ -95,7 +110,7 @@ def train_uneven(counts, opt_name, *, passes=1, compression=None, divide_by_worl
     everyone = distopt.all_gather_object(mine)
     identical = all(all(torch.equal(a, b) for a, b in zip(mine, other)) and len(mine) == len(other)
                     for other in everyone)
-    ref_params, ref_state = reference(counts, opt_name, divide_by_world)
+    ref_params, ref_state = reference(counts, opt_name, divide_by_world, unfreeze_at=unfreeze_at)
     diff = max((a - b).abs().max().item() for a, b in zip(params + state_tensors(opt, params),
                                                             ref_params + ref_state))
     steps = opt._steps
@@ -226,6 +241,10 @@ CASES = {
     "one pack per gradient": (2, train_uneven, ([4, 7], "momentum"), {"threshold": 0}),
     "divide by world": (3, train_uneven, ([7, 3, 5], "momentum"), {"divide_by_world": True}),
     "bcast_period": (3, train_uneven, ([7, 3, 5], "adam"), {"bcast_period": 2}),
+    # the round is sent again for the unfrozen layer; the others' gradients must not be rescaled twice
+    "unfreeze after a rank joined": (2, train_uneven, ([5, 2], "momentum"), {"unfreeze_at": 3}),
+    "unfreeze after a rank joined, divide by world": (3, train_uneven, ([6, 2, 4], "momentum"),
+                                                     {"unfreeze_at": 3, "divide_by_world": True}),
     "compression": (2, train_uneven, ([6, 9], "momentum"), {"compression": "bf16"}),
     "lbfgs": (2, train_lbfgs_uneven, ([3, 5],), {}),
     "join on one rank only": (2, join_on_some_ranks_only, (), {}),

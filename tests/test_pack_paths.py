@@ -6,7 +6,9 @@ buffer by its own hook the moment it is ready (larger members, so autograd's cop
 is freed at once); alone in a *direct* pack, all-reduced where autograd left it;
 or, alone and mostly zero rows, as its non-zero rows in an all-gather
 (:mod:`distopt.sparse_rows`; here every matrix does, from a capacity of 2 rows,
-so rounds that overflow it and fall back to a dense all-reduce are covered too). Each case trains the same model once per way in one world, and all must
+so rounds that overflow it and fall back to a dense all-reduce are covered too). The first
+way sends every sum as an all-reduce; the others, all of whose sums are small, as an
+all-gather and a local sum. Each case trains the same model once per way in one world, and all must
 agree to rounding, with every rank identical, in every mode and on every path: a
 parameter used on one rank only, one used on none, accumulation with
 ``no_sync``, sparse gradients made dense, uneven inputs under ``join()``, sharded
@@ -61,18 +63,23 @@ def _loss(model: Net, rank: int, step: int, part: int = 0) -> torch.Tensor:
 
 
 #: (direct packs from this many bytes, tiny members below this mean size moved at launch,
-#: direct gradients of this many rows may travel as rows)
+#: direct gradients of this many rows may travel as rows, sums a rank receives this many bytes
+#: of travel as an all-gather and a local sum; -1: every sum is an all-reduce)
 WAYS = {
-    "moved at launch": (1 << 62, 1 << 62, 1 << 62),
-    "moved by hooks": (1 << 62, 0, 1 << 62),
-    "direct": (0, 0, 1 << 62),
-    "rows": (0, 0, 1),
+    "moved at launch": (1 << 62, 1 << 62, 1 << 62, -1),
+    "moved by hooks": (1 << 62, 0, 1 << 62, 1 << 62),
+    "direct": (0, 0, 1 << 62, 1 << 62),
+    "rows": (0, 0, 1, 1 << 62),
 }
 
 
 def _set_way(way: str) -> None:
-    packs.DIRECT_MIN_BYTES, packs._BATCH_GATHER_BELOW, sparse_rows.MIN_ROWS = WAYS[way]
+    packs.DIRECT_MIN_BYTES, packs._BATCH_GATHER_BELOW, sparse_rows.MIN_ROWS, _ = WAYS[way]
     sparse_rows.MIN_CAP, sparse_rows.BUDGET = 2, 100.0
+
+
+def _set_transport(opt: DistributedOptimizer, way: str) -> None:
+    opt._engine.gather_sum_limit = WAYS[way][3]
 
 
 def _train(way: str, *, threshold: int = 0, accumulate: bool = False, sparse: bool = False,
@@ -89,6 +96,7 @@ def _train(way: str, *, threshold: int = 0, accumulate: bool = False, sparse: bo
         named_parameters=model.named_parameters(), sparse_as_dense=sparse, shard_state=shard_state,
         sync_every=sync_every, **kwargs,
     )
+    _set_transport(opt, way)
     rank = dist.get_rank()
     steps = 6 - 3 * rank if join else 6
     kinds = sorted({"direct" if p.direct else "batched" if p.batched else "hooks" for p in opt._engine.packs})
@@ -109,7 +117,8 @@ def _train(way: str, *, threshold: int = 0, accumulate: bool = False, sparse: bo
             opt.step()
             sent.append((opt.stats.packs, opt.stats.all_reduces + opt.stats.gathers, opt.stats.gathers))
     grads_none = [name for name, p in model.named_parameters() if p.grad is None]
-    return [p.detach().clone() for p in model.parameters()], kinds, sent, grads_none
+    summed_by_gather = [bool(pack.copies) for pack in opt._engine.packs]  # every pack's sums are small
+    return [p.detach().clone() for p in model.parameters()], kinds, sent, grads_none, summed_by_gather
 
 
 def _default_plan():
@@ -128,6 +137,7 @@ def _complex_gradient_error(way: str) -> float:
     torch.manual_seed(0)
     param = nn.Parameter(torch.randn(4, 3, dtype=torch.complex128))
     opt = DistributedOptimizer(torch.optim.SGD([param], lr=0.1), pack_threshold=0)
+    _set_transport(opt, way)
 
     def loss(p: torch.Tensor, rank: int) -> torch.Tensor:
         x = torch.randn(3, 2, dtype=torch.complex128, generator=torch.Generator().manual_seed(rank))
@@ -161,9 +171,10 @@ def results():
 def test_every_way_a_gradient_travels_trains_alike(case, way, results, no_leftover_processes):
     per_rank = [r[case] for r in results]
     for rank, ways in enumerate(per_rank):
-        params, kinds, sent, grads_none = ways[way]
-        ref_params, ref_kinds, _, ref_none = ways["moved at launch"]
+        params, kinds, sent, grads_none, summed_by_gather = ways[way]
+        ref_params, ref_kinds, _, ref_none, ref_summed_by_gather = ways["moved at launch"]
         assert ref_kinds == ["batched"]
+        assert not any(ref_summed_by_gather) and all(summed_by_gather), (ref_summed_by_gather, summed_by_gather)
         direct = way in ("direct", "rows")
         assert kinds == (["direct", "hooks"] if direct and "large" in case
                          else ["direct"] if direct else ["hooks"])
@@ -185,12 +196,12 @@ def test_every_way_a_gradient_travels_trains_alike(case, way, results, no_leftov
 
 
 @pytest.mark.timeout(WORLD_TIMEOUT + 30)
-def test_at_the_default_settings_a_gradient_of_10_mib_is_sent_where_autograd_left_it(results):
+def test_at_the_default_settings_a_gradient_of_10_mib_is_sent_where_autograd_left_it(results, no_leftover_processes):
     for per_rank in results:
         assert per_rank["default plan"] == [(True, ["param_groups[0][0]"]), (False, ["param_groups[0][1]"])]
 
 
 @pytest.mark.timeout(WORLD_TIMEOUT + 30)
-def test_a_complex_gradient_is_averaged_whichever_way_it_travels(results):
+def test_a_complex_gradient_is_averaged_whichever_way_it_travels(results, no_leftover_processes):
     for per_rank in results:
         assert all(error < 1e-12 for error in per_rank["complex"].values()), per_rank["complex"]

@@ -5,6 +5,8 @@ then train an embedding table and a dense weight against a single-process
 reference, through rounds whose rows fit, overflow the capacity (dense that round)
 and outgrow the path for good (dense from then on).
 """
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -12,9 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+import distopt.engine
 from distopt import DistributedOptimizer
 from distopt._testing import run_world
 from distopt.sparse_rows import MIN_CAP, capacity_after, fill, plan_rows, settle
+
+from _worlds import Worlds
 
 WORLD_TIMEOUT = 120
 
@@ -182,5 +187,124 @@ def test_a_table_unfrozen_mid_training_travels_as_rows_and_trains_like_one_proce
         # Unfrozen at step 2 (the plan is rebuilt and that round reduced again, the table
         # overflowing its first capacity on rank 0); from step 3 its rows travel alone.
         assert gathers[:2] == [1, 0] and gathers[3] == 1, gathers
+    for a, b in zip(results[0][0], results[1][0]):
+        assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------- a rank that is late
+
+#: Ids per rank at each step of the late-rank checks: the table's rows overflow at step 1.
+LATE_SIZES = [(20, 20), (20, 100), (20, 20), (20, 20)]
+
+
+def _late_loss(model: Net, rank: int, step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    n = LATE_SIZES[step][rank]
+    ids = torch.randperm(2048, generator=g)[:n]
+    return ((model(ids) - torch.randn(n, 1024, generator=g, dtype=torch.float64)) ** 2).mean()
+
+
+def _late_reference(skipped: int = -1):
+    torch.manual_seed(0)
+    model = Net().double()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    for step in range(len(LATE_SIZES)):
+        if step == skipped:
+            continue
+        opt.zero_grad()
+        (sum(_late_loss(model, r, step) for r in range(2)) / 2).backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _table_cap(opt: DistributedOptimizer, model: Net) -> int:
+    return next(pack.rows.cap for pack in opt._engine.packs if pack.params[0] is model.table.weight)
+
+
+def _late_rank(then: str):
+    """Rank ``step % 2`` of step 1 arrives 2 s late; the other leaves its round pending after 0.5 s.
+
+    ``then="log"``: every rank all-reduces its loss (a collective of its own) before ``step()``,
+    while the overflowed rows' dense all-reduce is still to come. ``then="skip"``: every rank
+    drops step 1 with ``zero_grad()``, never stepping on it.
+    """
+    distopt.engine.BACKWARD_PATIENCE = 0.5
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = Net().double()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
+                               pack_threshold=1 << 20, stall_timeout=20)
+    late = {"log": 0, "skip": 1}[then]  # the late rank: the one that overflows, or the other
+    caps = []
+    try:
+        for step in range(len(LATE_SIZES)):
+            opt.zero_grad()
+            if step == 1 and rank == late:
+                time.sleep(2)
+            loss = _late_loss(model, rank, step)
+            loss.backward()
+            if step == 1 and then == "skip":
+                opt.zero_grad()
+                caps.append(_table_cap(opt, model))
+                continue
+            if then == "log":
+                dist.all_reduce(loss.detach().clone())
+            opt.step()
+            caps.append(_table_cap(opt, model))
+    finally:
+        distopt.engine.BACKWARD_PATIENCE = 60.0
+    return [p.detach().clone() for p in model.parameters()], caps
+
+
+def _local_sgd_join_with_a_table():
+    """Local SGD in a join block: rank 1 stops after 3 steps and sends zeros for rank 0's exchanges."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = Net().double()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5), pack_threshold=1 << 20,
+                               sync_every=2, stall_timeout=20)
+    with opt.join():
+        for step in range(6 if rank == 0 else 3):
+            opt.zero_grad()
+            _late_loss(model, rank, 0).backward()
+            opt.step()
+    return [p.detach().clone() for p in model.parameters()], [pack.rows for pack in opt._engine.packs]
+
+
+LATE = Worlds({
+    "log": (2, _late_rank, ("log",)),
+    "skip": (2, _late_rank, ("skip",)),
+    "local SGD": (2, _local_sgd_join_with_a_table, ()),
+}, timeout=WORLD_TIMEOUT)
+
+
+@pytest.mark.timeout(WORLD_TIMEOUT + 30)
+def test_rows_that_overflow_after_a_round_was_left_pending_do_not_block_the_users_own_collective(
+        no_leftover_processes):
+    results = LATE.results("log")
+    reference = _late_reference()
+    for params, caps in results:
+        for got, want in zip(params, reference):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        assert caps[1] == 200, caps  # step 1 overflowed (dense) and the capacity grew
+    for a, b in zip(results[0][0], results[1][0]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.timeout(WORLD_TIMEOUT + 30)
+def test_zero_grad_settles_a_pending_round_as_the_other_ranks_did(no_leftover_processes):
+    results = LATE.results("skip")
+    reference = _late_reference(skipped=1)
+    assert results[0][1] == results[1][1] and results[0][1][1] == 200, [caps for _, caps in results]
+    for params, _ in results:
+        for got, want in zip(params, reference):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.timeout(WORLD_TIMEOUT + 30)
+def test_local_sgd_never_sends_rows_so_a_joined_rank_matches_the_exchanges(no_leftover_processes):
+    results = LATE.results("local SGD")
+    for _, rows in results:
+        assert rows and all(r is None for r in rows), rows
     for a, b in zip(results[0][0], results[1][0]):
         assert torch.equal(a, b)

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
+from .. import stalls
 from ..optimizer import DistributedOptimizer
 from .config import BenchConfig
 from .process import fresh_model, sync
@@ -111,13 +112,6 @@ def _distopt(model: nn.Module, sgd: torch.optim.Optimizer, device: torch.device,
     return model, DistributedOptimizer(sgd, **kwargs)
 
 
-class _Uninspected(DistributedOptimizer):
-    """distopt without the stall inspector, only to measure what the inspector costs."""
-
-    def _watch(self, channel: Any) -> None:
-        return None
-
-
 def _distopt_join(model: nn.Module, sgd: torch.optim.Optimizer, device: torch.device,
                   variant: Optional[int]) -> Tuple[nn.Module, Any]:
     opt = DistributedOptimizer(sgd)
@@ -134,7 +128,19 @@ def _distopt_sharded(model: nn.Module, sgd: torch.optim.Optimizer, device: torch
 
 def _distopt_uninspected(model: nn.Module, sgd: torch.optim.Optimizer, device: torch.device,
                          variant: Optional[int]) -> Tuple[nn.Module, Any]:
-    return model, _Uninspected(sgd)
+    # Without its position the wrapper waits plainly and records nothing per collective. The
+    # inspector's thread stays: it serves every wrapper of the process, so it costs all modes alike.
+    opt = DistributedOptimizer(sgd)
+    stalls.retire(opt._engine.progress)
+    opt._engine.progress = None
+    return model, opt
+
+
+def _distopt_allreduce(model: nn.Module, sgd: torch.optim.Optimizer, device: torch.device,
+                       variant: Optional[int]) -> Tuple[nn.Module, Any]:
+    opt = DistributedOptimizer(sgd)
+    opt._engine.gather_sum_limit = -1  # every sum an all-reduce, however small
+    return model, opt
 
 
 def _distopt_local4(model: nn.Module, sgd: torch.optim.Optimizer, device: torch.device,
@@ -156,6 +162,8 @@ MODES: Dict[str, ModeSpec] = {
     "distopt+shard": ModeSpec(_distopt_sharded, distributed_only=True, optional=True),
     # distopt with the stall inspector off: what the inspector costs.
     "distopt-noinspect": ModeSpec(_distopt_uninspected, distributed_only=True, memory_probe=False, optional=True),
+    # distopt with every sum an all-reduce: what gathering small sums saves.
+    "distopt-allreduce": ModeSpec(_distopt_allreduce, distributed_only=True, memory_probe=False, optional=True),
     # local SGD: gradients stay local, parameters are averaged every 4th step (sync_every=4).
     "distopt-local4": ModeSpec(_distopt_local4, distributed_only=True, memory_probe=False, optional=True,
                                count_steps=4),

@@ -85,6 +85,7 @@ class LocalSGDMode(Mode):
                 "outer_optimizer": self._factory is not None}
 
     def attach(self, owner: "DistributedOptimizer") -> None:
+        owner._engine.forbid_rows()
         self._track(owner)
         self._set_local(owner, owner._steps >= self.local_warmup)
 

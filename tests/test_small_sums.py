@@ -1,0 +1,136 @@
+"""A small sum on CPU travels as one all-gather and a local sum, in rank order.
+
+Gloo's all-reduce passes the ring twice (reduce-scatter, then all-gather); for a
+pack of a few hundred KiB the latency of a pass, not bandwidth, is the cost, so
+distopt gathers every rank's copy once and adds them up itself
+(:mod:`distopt.rounds`). Every rank adds the same copies in the same order, so the
+ranks hold the same bits; at two ranks these are the all-reduce's values. The
+rule is pure and checked here without processes; training with it is checked
+against one process at three ranks, and against the all-reduce in
+``test_pack_paths.py``.
+"""
+import functools
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from distopt import DistributedOptimizer
+from distopt.packing import PackSpec
+from distopt.packs import Pack
+from distopt.rounds import GATHER_SUM_MAX_BYTES, gather_buffer, sum_copies, sums_by_gather
+from distopt._testing import run_world
+
+WORLD_TIMEOUT = 120
+
+
+@given(world=st.integers(1, 64), nbytes=st.integers(1, 4 << 20))
+def test_smaller_sums_and_fewer_ranks_gather_sooner_and_gpus_never(world, nbytes):
+    cpu = torch.device("cpu")
+    if sums_by_gather(nbytes, world, cpu):
+        assert world >= 2
+        assert sums_by_gather(nbytes - 1, world, cpu) and (world == 2 or sums_by_gather(nbytes, world - 1, cpu))
+    assert not sums_by_gather(nbytes, world, torch.device("cuda", 0))
+    assert not sums_by_gather(nbytes, world, cpu, limit=-1)
+
+
+def test_the_limit_is_what_a_rank_receives():
+    cpu = torch.device("cpu")
+    assert GATHER_SUM_MAX_BYTES == 512 << 10
+    assert sums_by_gather(512 << 10, 2, cpu) and not sums_by_gather((512 << 10) + 1, 2, cpu)
+    assert sums_by_gather(256 << 10, 3, cpu) and not sums_by_gather((256 << 10) + 1, 3, cpu)
+    assert sums_by_gather(0, 2, cpu) and not sums_by_gather(0, 1, cpu)
+    assert sums_by_gather(100, 5, cpu, limit=400) and not sums_by_gather(101, 5, cpu, limit=400)
+
+
+@settings(max_examples=60, deadline=None)
+@given(world=st.integers(2, 6), numel=st.integers(1, 300),
+       dtype=st.sampled_from([torch.float32, torch.float64, torch.bfloat16, torch.float16]),
+       seed=st.integers(0, 2**31 - 1))
+def test_copies_are_added_in_rank_order(world, numel, dtype, seed):
+    copies = (torch.randn(world * numel, generator=torch.Generator().manual_seed(seed)) * 1e3).to(dtype)
+    into = torch.empty(numel, dtype=dtype)
+    sum_copies(copies, into, world)
+    parts = list(copies.view(world, numel))
+    assert torch.equal(into, functools.reduce(torch.add, parts))
+
+
+def _pack() -> Pack:
+    buffer = torch.zeros(8)
+    return Pack(PackSpec((torch.device("cpu"), torch.float32), (0,), (0,), (5,), 5, 4), buffer, buffer[:5], [],
+                buffer[5:], [], [], False, None, [])
+
+
+def test_a_pack_keeps_room_for_the_copies_of_each_of_its_sums_from_round_to_round():
+    pack = _pack()
+    first = gather_buffer(pack, pack.buffer, 3)
+    assert first.shape == (24,) and first.dtype == torch.float32
+    flags = gather_buffer(pack, pack.flags, 3)
+    assert flags.shape == (9,)
+    assert gather_buffer(pack, pack.buffer, 3) is first and gather_buffer(pack, pack.flags, 3) is flags
+    assert gather_buffer(pack, pack.flags.double(), 3).dtype == torch.float64
+
+
+def _data(rank: int, step: int):
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(4, 8, generator=g, dtype=torch.float64), torch.randn(4, 2, generator=g, dtype=torch.float64)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 2)).double()
+
+
+def _train_gathered(world: int, limit: int):
+    model = _model()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    opt._engine.gather_sum_limit = limit
+    for step in range(4):
+        x, y = _data(dist.get_rank(), step)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    gathered = [bool(pack.copies) for pack in opt._engine.packs]
+    return [p.detach().clone() for p in model.parameters()], gathered
+
+
+def _reference(world: int):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(4):
+        opt.zero_grad()
+        losses = [nn.functional.mse_loss(model(x), y) for x, y in (_data(r, step) for r in range(world))]
+        (sum(losses) / world).backward()
+        opt.step()
+    return [p.detach() for p in model.parameters()]
+
+
+def _both(world: int):
+    return {"gathered": _train_gathered(world, GATHER_SUM_MAX_BYTES), "all-reduced": _train_gathered(world, -1)}
+
+
+@pytest.mark.timeout(WORLD_TIMEOUT + 30)
+def test_at_two_ranks_the_gathered_sums_are_the_all_reduces_bit_for_bit(no_leftover_processes):
+    per_rank = run_world(_both, 2, 2, timeout=WORLD_TIMEOUT)
+    for result in per_rank:
+        assert result["gathered"][1] == [True] and result["all-reduced"][1] == [False]
+        for a, b in zip(result["gathered"][0], result["all-reduced"][0]):
+            assert torch.equal(a, b)
+
+
+@pytest.mark.timeout(WORLD_TIMEOUT + 30)
+def test_three_ranks_summing_by_gather_train_like_one_process_and_like_the_all_reduce(no_leftover_processes):
+    per_rank = run_world(_both, 3, 3, timeout=WORLD_TIMEOUT)
+    reference = _reference(3)
+    for rank, result in enumerate(per_rank):
+        params, gathered = result["gathered"]
+        assert gathered == [True]
+        assert result["all-reduced"][1] == [False]
+        for a, b, c in zip(params, result["all-reduced"][0], reference):
+            assert torch.allclose(a, c, rtol=0, atol=1e-12), (rank, (a - c).abs().max())
+            assert torch.allclose(a, b, rtol=0, atol=1e-12), (rank, (a - b).abs().max())
+        for a, b in zip(params, per_rank[0]["gathered"][0]):
+            assert torch.equal(a, b)  # every rank added the same copies in the same order
