@@ -48,11 +48,12 @@ from torch.autograd import Variable
 from . import sparse_rows, stalls
 from .control import CONTROL_FLAGS, Control
 from .packing import LaunchOrder
-from .packs import Pack, adopt_current_grads, build_packs, gather, gather_early, gather_nothing, release, scratch
+from .packs import (Pack, adopt_current_grads, build_packs, gather, gather_early, gather_nothing, release, scratch,
+                    sums)
 from .private_groups import PrivateGroup
 from .round_end import RoundEnd
 from .rounds import (ACTIVE, DONE, IDLE, PHASE_BACKWARD, PHASE_EXPLICIT, PHASE_IMPLICIT, GATHER_SUM_MAX_BYTES, Sent,
-                     gather_buffer, labelled, sums_by_gather)
+                     gather_buffer, labelled, plan_gathers, sums_by_gather)
 from .stalls import Progress
 from .stats import StepStats
 
@@ -166,6 +167,11 @@ class GradientEngine(RoundEnd):
         for pack in packs:
             if pack.direct and self.rows_allowed:
                 pack.rows = sparse_rows.plan_rows(pack.params[0], self.world_size)
+        planned = [(pack, nbytes) for pack in packs for nbytes in sums(pack)]
+        for (pack, nbytes), gathers in zip(planned, plan_gathers([(n, p.spec.key[0]) for p, n in planned],
+                                                                 self.world_size)):
+            if gathers:
+                pack.gathers.add(nbytes)
         if self.packs:  # a re-plan: gradients move from the old buffers to the new ones
             adopt_current_grads(packs)
         self.packs = packs
@@ -330,9 +336,10 @@ class GradientEngine(RoundEnd):
         # The group's own methods, as DDP's reducer calls them: dist.all_reduce's Python layer costs
         # ~20 µs a call and does nothing a private group needs.
         flat = torch.view_as_real(tensor).view(-1) if tensor.is_complex() else tensor
+        nbytes = flat.numel() * flat.element_size()
         copies = None
-        if self.op == dist.ReduceOp.SUM and sums_by_gather(flat.numel() * flat.element_size(), self.world_size,
-                                                           flat.device, self.gather_sum_limit):
+        if (self.op == dist.ReduceOp.SUM and nbytes in pack.gathers
+                and sums_by_gather(nbytes, self.world_size, flat.device, self.gather_sum_limit)):
             copies = gather_buffer(pack, flat, self.world_size)
             work = self.channel.group._allgather_base(copies, flat)
         else:

@@ -28,7 +28,7 @@ from .packing import PackSpec, ParamMeta, plan_packs
 from .sparse_rows import RowSparse
 
 __all__ = ["Pack", "DIRECT_MIN_BYTES", "build_packs", "adopt_current_grads", "gather", "gather_nothing", "scratch",
-           "release", "gather_early", "metas"]
+           "release", "gather_early", "metas", "sums"]
 
 #: Bytes from which a pack of one gradient sends that gradient itself: below it, the flags'
 #: extra all-reduce would cost more than the copy saves.
@@ -62,8 +62,17 @@ class Pack:
     direct: bool = False  # one large gradient, all-reduced where autograd left it
     moved: Set[int] = field(default_factory=set)  # members moved in by their hook this round
     rows: Optional[RowSparse] = None  # direct packs whose gradient may travel as its non-zero rows
-    # Room for every rank's copy of each small sum this pack sends as a gather, by (numel, dtype).
+    gathers: Set[int] = field(default_factory=set)  # bytes of the sums it sends as a gather (rounds.plan_gathers)
+    # Room for every rank's copy of each of those sums, by (numel, dtype).
     copies: Dict[Tuple[int, torch.dtype], Tensor] = field(default_factory=dict)
+
+
+def sums(pack: Pack) -> List[int]:
+    """Bytes of each sum the pack sends in a round: its buffer, or a direct pack's gradient and flags."""
+    if pack.direct:
+        return [pack.spec.nbytes, pack.flags.numel() * pack.flags.element_size()]
+    sent = pack.buffer if pack.wire is None else pack.wire
+    return [sent.numel() * sent.element_size()]
 
 
 def metas(params: Sequence[Tensor]) -> List[ParamMeta]:

@@ -8,7 +8,7 @@ on CPU it travels as one all-gather, and each rank adds the copies in rank order
 from __future__ import annotations
 
 import contextlib
-from typing import Any, NamedTuple, Optional
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -16,12 +16,17 @@ from torch import Tensor
 from .packs import Pack
 
 __all__ = ["IDLE", "ACTIVE", "DONE", "PHASE_BACKWARD", "PHASE_EXPLICIT", "PHASE_IMPLICIT", "PHASE_EXCHANGE",
-           "Sent", "labelled", "GATHER_SUM_MAX_BYTES", "sums_by_gather", "gather_buffer", "sum_copies"]
+           "Sent", "labelled", "GATHER_SUM_MAX_BYTES", "GATHER_COPIES_BUDGET", "sums_by_gather", "plan_gathers",
+           "gather_buffer", "sum_copies"]
 
 #: Bytes every rank may receive (the other ranks' copies) for a CPU sum to be done as one
 #: all-gather and a local sum, one ring pass instead of the all-reduce's two: below it the
 #: latency of a pass, not bandwidth, sets the cost (0.2 MiB at 2 ranks: 10-20 % of a step).
 GATHER_SUM_MAX_BYTES = 512 << 10
+#: Bytes of room for the copies a wrapper keeps from round to round: the first small sums of
+#: the plan that fit in it gather, the rest are all-reduced (a small ``pack_threshold`` makes
+#: every pack small, and copies of them all would double the gradients' memory).
+GATHER_COPIES_BUDGET = 4 << 20
 
 # Round states: gradients accumulate locally (IDLE), the reducing backward is
 # running (ACTIVE), gradients are averaged and final (DONE).
@@ -53,6 +58,22 @@ def sums_by_gather(nbytes: int, world: int, device: torch.device, limit: int = G
     bounds the bytes each rank receives (default: :data:`GATHER_SUM_MAX_BYTES`).
     """
     return device.type == "cpu" and world >= 2 and (world - 1) * nbytes <= limit
+
+
+def plan_gathers(sums: Sequence[Tuple[int, torch.device]], world: int,
+                 budget: int = GATHER_COPIES_BUDGET) -> List[bool]:
+    """Which of a plan's sums, ``(bytes, device)`` in plan order, travel as a gather (pure).
+
+    Those that :func:`sums_by_gather` allows, first come first served, while the room for
+    their copies (``world`` times their bytes) fits ``budget`` in all. Every rank holds the
+    same plan, so every rank decides alike.
+    """
+    used, out = 0, []
+    for nbytes, device in sums:
+        fits = sums_by_gather(nbytes, world, device) and used + world * nbytes <= budget
+        used += world * nbytes if fits else 0
+        out.append(fits)
+    return out
 
 
 def gather_buffer(pack: Pack, tensor: Tensor, world: int) -> Tensor:

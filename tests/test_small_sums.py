@@ -21,7 +21,7 @@ from torch import nn
 from distopt import DistributedOptimizer
 from distopt.packing import PackSpec
 from distopt.packs import Pack
-from distopt.rounds import GATHER_SUM_MAX_BYTES, gather_buffer, sum_copies, sums_by_gather
+from distopt.rounds import GATHER_COPIES_BUDGET, GATHER_SUM_MAX_BYTES, gather_buffer, plan_gathers, sum_copies, sums_by_gather
 from distopt._testing import run_world
 
 WORLD_TIMEOUT = 120
@@ -44,6 +44,25 @@ def test_the_limit_is_what_a_rank_receives():
     assert sums_by_gather(256 << 10, 3, cpu) and not sums_by_gather((256 << 10) + 1, 3, cpu)
     assert sums_by_gather(0, 2, cpu) and not sums_by_gather(0, 1, cpu)
     assert sums_by_gather(100, 5, cpu, limit=400) and not sums_by_gather(101, 5, cpu, limit=400)
+
+
+def test_the_first_small_sums_of_the_plan_gather_while_room_for_their_copies_lasts():
+    cpu, gpu = torch.device("cpu"), torch.device("cuda", 0)
+    assert plan_gathers([(100, cpu)] * 7, 2, budget=1000) == [True] * 5 + [False] * 2
+    # a sum too large for a gather takes no room; one that would overflow the room is skipped, later small ones not
+    assert plan_gathers([(100, cpu), (10**6, cpu), (450, cpu), (300, cpu)], 2, budget=1000) == [True, False, False,
+                                                                                               True]
+    assert plan_gathers([(100, gpu), (100, cpu)], 2, budget=200) == [False, True]
+    assert GATHER_COPIES_BUDGET == 4 << 20
+
+
+@given(sums=st.lists(st.integers(0, 1 << 20), max_size=30), world=st.integers(1, 8),
+       budget=st.integers(0, 8 << 20))
+def test_the_room_kept_for_copies_never_exceeds_the_budget(sums, world, budget):
+    cpu = torch.device("cpu")
+    chosen = plan_gathers([(n, cpu) for n in sums], world, budget)
+    assert sum(world * n for n, c in zip(sums, chosen) if c) <= budget
+    assert all(sums_by_gather(n, world, cpu) for n, c in zip(sums, chosen) if c)
 
 
 @settings(max_examples=60, deadline=None)
