@@ -197,6 +197,7 @@ class GradientEngine(RoundEnd):
         self.arrivals: List[int] = []
         self._phase = PHASE_BACKWARD
         self._pending_versions: Optional[List[int]] = None
+        self._pending_grads: Optional[List[Optional[Tensor]]] = None  # each .grad when the round was left pending
         self._touched = False  # gradients changed while the round was pending
         self._patience_used = 0.0
         self._control: Optional[Tensor] = None  # this rank's control flags, set at its first launch

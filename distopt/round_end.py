@@ -50,6 +50,7 @@ class RoundEnd:
     _passes: int
     _slowest_wait: float
     _pending_versions: Optional[List[int]]
+    _pending_grads: Optional[List[Optional[Tensor]]]
     _touched: bool
     _patience_used: Optional[float]
 
@@ -146,14 +147,17 @@ class RoundEnd:
         deadline = None if patience is None else time.perf_counter() + patience
         while True:
             if not self.wait(None if deadline is None else max(deadline - time.perf_counter(), 0.0)):
-                # Remember the buffers' versions: changing a gradient before it is averaged is an error.
+                # Remember the buffers' versions and the gradients themselves: changing a gradient
+                # before it is averaged, in place or by setting another, is an error.
                 self._pending_versions = [_written(sent.pack)._version for sent in self.inflight]
+                self._pending_grads = [p.grad for p in self.params]
                 self._patience_used = patience
                 return False
             if self._pending_versions is not None:
                 self._touched |= any(_written(sent.pack)._version != version
                                      for sent, version in zip(self.inflight, self._pending_versions))
-                self._pending_versions = None
+                self._touched |= any(p.grad is not grad for p, grad in zip(self.params, self._pending_grads))
+                self._pending_versions = self._pending_grads = None
             overflowed = False
             for k, sent in list(enumerate(self.inflight)):
                 if sent.copies is not None:
