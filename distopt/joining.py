@@ -172,6 +172,13 @@ def _shadow_together(optimizers: Sequence["DistributedOptimizer"],
             pending = next(((sent.index, sent.seq) for sent in engine.inflight if not sent.work.is_completed()), None)
             if pending is None:
                 progressed = True
+                if finals.get(id(engine)) is None:
+                    with engine.lock:
+                        arrived = engine._arrive(0.0)
+                    if not arrived:
+                        # A gradient's rows overflowed: its dense all-reduce is polled like the rest. Waiting
+                        # for it here could wait on a rank that is itself waiting for another optimizer's.
+                        continue
                 if _shadow_finish(engine, finals.pop(id(engine), None)):
                     opt._mode.shadow_step(opt)
                     _shadow_launch(engine)
