@@ -4,8 +4,9 @@ This is the public front: the arguments, the ``torch.optim.Optimizer`` surface
 (param groups, state dicts, hooks, schedulers) and ``step``/``zero_grad``/
 ``synchronize``. The hot path lives in :class:`distopt.engine.GradientEngine`;
 what happens at ``step()`` is the mode's (:mod:`distopt.modes`); the channel,
-engine and mode are built in :mod:`distopt.wiring`; argument and cross-rank checks
-are in :mod:`distopt.checks`.
+engine and mode are built in :mod:`distopt.wiring`; parameters are taken on
+(claimed, checked across ranks, broadcast) in :mod:`distopt.tracking`; argument
+and cross-rank checks are in :mod:`distopt.checks`.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
-from . import checks, collectives, joining, stalls, wiring
+from . import checks, collectives, joining, stalls, tracking, wiring
 from .collectives.groups import check_member
 from .rounds import IDLE
 from .forwarding import InnerOptimizerSurface
@@ -394,50 +395,10 @@ class DistributedOptimizer(InnerOptimizerSurface):
         return channel.group if channel is not None else self.process_group
 
     def _settings(self) -> Dict[str, Any]:
-        """Every setting that decides which collectives run; they must match on every rank."""
-        return {
-            "reduce_op": self.reduce_op,
-            "pack_threshold": self.pack_threshold,
-            "compression": self.compression,
-            "bcast_period": self.bcast_period,
-            "backward_passes_per_step": self.backward_passes_per_step,
-            "sparse_as_dense": self.sparse_as_dense,
-            "root_rank": self.root_rank,
-            "shard_state": self.shard_state,
-            "mode": type(self._mode).__name__,
-            **self._mode.settings(),
-        }
+        return tracking.settings(self)
 
     def _track_new_params(self) -> None:
-        """Take on parameters not held yet: check them across ranks, broadcast them, reduce their gradients.
-
-        Frozen parameters are broadcast too, and reduced once they become trainable.
-        """
-        known = {id(p) for p in self._params}
-        new: List[Tensor] = []
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                if id(p) not in known:
-                    known.add(id(p))
-                    new.append(p)
-        names = [self._names_by_id.get(id(p), f"param_groups[{g}][{j}]")
-                 for g, j, p in checks.positions(self.optimizer, new)]
-        for p in new:
-            previous = checks.claim(p, self)
-            if previous is not None:
-                previous._retire()
-        self._params.extend(new)
-        if self.world_size == 1 or not new:
-            self._engine.reset_round()
-            return
-        progress = self._engine.progress
-        with stalls.inspected(progress, "the check that every rank built the same optimizer"):
-            checks.check_agreement(self._settings(), new, names, self._group(), self.root_rank)
-        if self.bcast_period != -1:
-            with torch.no_grad(), stalls.inspected(progress, "the broadcast of the initial parameters"):
-                collectives.broadcast_parameters(new, src=self.root_rank, group=self._group())
-        self._engine.track(new, names)
-        self._mode.on_track(self, new)
+        tracking.track_new_params(self)
 
     def _retire(self) -> None:
         """A newer wrapper took this one's parameters over: stop reducing, for good."""

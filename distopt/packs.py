@@ -34,7 +34,7 @@ __all__ = ["Pack", "DIRECT_MIN_BYTES", "build_packs", "adopt_current_grads", "ga
 #: extra all-reduce would cost more than the copy saves.
 DIRECT_MIN_BYTES = 1 << 20
 
-# Mean member size (elements) under which a pack is gathered with one cat: below it the
+# Mean member size (elements) under which a pack is gathered with one fused copy: below it the
 # per-tensor dispatch cost dominates; above it one fused copy-and-scale pass per tensor wins.
 _BATCH_GATHER_BELOW = 1 << 12
 
@@ -56,7 +56,7 @@ class Pack:
     flags: Tensor  # presence and control flags
     params: List[Tensor]  # the members' parameters
     names: List[str]  # the members' names, for errors
-    batched: bool  # small members: gather with one cat instead of one copy each
+    batched: bool  # small members: gather with one fused copy instead of one copy each
     wire: Optional[Tensor]  # 16-bit copy sent instead of ``buffer`` when compressing
     absent: List[int]  # members that had no local gradient this round
     direct: bool = False  # one large gradient, all-reduced where autograd left it
@@ -138,7 +138,7 @@ def gather_early(pack: Pack, j: int, scale: Optional[float], sparse_as_dense: bo
     """Move member ``j``'s gradient in as soon as it is ready, so autograd's copy is freed at once.
 
     For packs of larger members only (``not pack.batched``): tiny ones are moved in
-    together, with one ``cat``, when the pack launches.
+    together, with one fused copy, when the pack launches.
     """
     try:
         if _adopt_grad(pack.params[j], pack.names[j], pack.views[j], scale, sparse_as_dense):
@@ -208,8 +208,9 @@ def _gather(pack: Pack, scale: Optional[float], sparse_as_dense: bool) -> None:
         return
     grads = [p.grad for p in pack.params]
     if pack.batched and all(g is not None and g is not v and not g.is_sparse for g, v in zip(grads, pack.views)):
-        # Many small gradients: one cat and one scale beat a copy per tensor.
-        torch.cat([g.reshape(-1) for g in grads], out=pack.data)
+        # Many small gradients: one fused copy and one scale beat a copy per tensor (and cat: 3x slower
+        # at 100 tensors of 4 KiB).
+        torch._foreach_copy_(pack.views, grads)
         if scale is not None:
             pack.data.mul_(scale)
         for p, view in zip(pack.params, pack.views):
