@@ -308,6 +308,8 @@ class GradientEngine(RoundEnd):
         pack = self.packs[index]
         # Exchanged values (local SGD) are not sparse: only gradients travel as rows.
         rows = pack.rows if pack.rows is not None and pack.rows.cap and self.exchange_fill is None else None
+        if rows is None and pack.rows is not None and self.exchange_fill is None:
+            sparse_rows.dense_round(pack.rows)  # sent densely this round; rows again once the wait is over
         if self.joined:
             gather_nothing(pack)
         else:

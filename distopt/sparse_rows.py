@@ -14,8 +14,12 @@ rank had more rows than the capacity, every rank sees it in the counts and the
 gradient is all-reduced densely instead, that round. The capacity then follows
 the largest count (twice it, shrinking when counts fall a lot); a gradient whose
 rows, gathered from every rank, would take more than a quarter of its dense bytes
-(a dense weight) stops trying for good. Every decision is a function of the gathered
-counts, which every rank holds alike, so the ranks never disagree on the path.
+(a dense weight) goes dense. It tries rows again after :data:`RETRY_FIRST` rounds sent
+densely, and after twice as many each time it goes dense again (at most
+:data:`RETRY_MAX`), so one batch that touched unusually many rows does not cost the
+path for the rest of training, while a dense weight pays a try ever more rarely.
+Every decision is a function of the gathered counts and of the rounds every rank
+sent alike, so the ranks never disagree on the path.
 
 Only CPU gradients take this path: on a GPU, finding the non-zero rows would
 block the host until backward had computed the gradient.
@@ -28,7 +32,8 @@ from typing import List, Optional, Tuple
 import torch
 from torch import Tensor
 
-__all__ = ["RowSparse", "MIN_ROWS", "MIN_CAP", "BUDGET", "plan_rows", "capacity_after", "fill", "settle"]
+__all__ = ["RowSparse", "MIN_ROWS", "MIN_CAP", "BUDGET", "RETRY_FIRST", "RETRY_MAX", "plan_rows", "capacity_after",
+           "retry_after", "dense_round", "fill", "settle"]
 
 #: Fewest rows a gradient needs to be worth looking at row by row.
 MIN_ROWS = 1024
@@ -36,6 +41,10 @@ MIN_ROWS = 1024
 MIN_CAP = 64
 #: Share of the dense gradient's bytes the gathered rows of all ranks may take at most.
 BUDGET = 0.25
+#: Rounds a gradient that went dense is sent densely before it tries rows again, the first time.
+RETRY_FIRST = 16
+#: The longest wait between tries (the wait doubles each time the gradient goes dense again).
+RETRY_MAX = 4096
 
 _INDEX = 8  # bytes of one row index (int64)
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -51,7 +60,10 @@ class RowSparse:
         dtype: the gradient's dtype.
         world: ranks that gather.
         max_cap: the capacity above which sending rows would cost more than :data:`BUDGET` of dense.
-        cap: rows each rank sends this round; 0 once the gradient goes dense for good.
+        cap: rows each rank sends this round; 0 while the gradient is sent densely.
+        first_cap: the capacity a try starts from.
+        wait: rounds to send densely before the next try (0 until the gradient first goes dense).
+        dense_rounds: rounds sent densely since the gradient last went dense.
         send: this rank's count, indices and rows (bytes), for ``cap``.
         recv: every rank's ``send``, one after the other.
         mine: this round's non-zero rows of this rank.
@@ -66,6 +78,9 @@ class RowSparse:
     send: Tensor = field(repr=False)
     recv: Tensor = field(repr=False)
     mine: Optional[Tensor] = field(default=None, repr=False)
+    first_cap: int = 0
+    wait: int = 0
+    dense_rounds: int = 0
 
 
 def _nbytes(cap: int, row_numel: int, itemsize: int) -> int:
@@ -102,7 +117,7 @@ def plan_rows(param: Tensor, world: int) -> Optional[RowSparse]:
         return None
     cap = min(max_cap, max(MIN_CAP, rows // 64))
     empty = torch.empty(0, dtype=torch.uint8)
-    state = RowSparse(rows, row_numel, param.dtype, world, max_cap, cap, empty, empty)
+    state = RowSparse(rows, row_numel, param.dtype, world, max_cap, cap, empty, empty, first_cap=cap)
     _buffers(state)
     return state
 
@@ -119,6 +134,25 @@ def capacity_after(cap: int, max_cap: int, largest: int) -> int:
     if largest > cap or (4 * largest < cap and cap > MIN_CAP):
         return min(max_cap, max(2 * largest, MIN_CAP))
     return cap
+
+
+def retry_after(wait: int) -> int:
+    """Rounds to send densely before the next try, for a gradient that just went dense (pure).
+
+    Args:
+        wait: the previous wait (0 if the gradient never went dense before).
+    """
+    return RETRY_FIRST if wait <= 0 else min(RETRY_MAX, 2 * wait)
+
+
+def dense_round(state: RowSparse) -> None:
+    """Count one round in which the gradient was sent densely; once the wait is over, the next
+    round tries rows again, at the first capacity."""
+    state.dense_rounds += 1
+    if state.dense_rounds >= state.wait:
+        state.cap = state.first_cap
+        state.dense_rounds = 0
+        _buffers(state)
 
 
 def _sections(state: RowSparse, buffer: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
@@ -183,4 +217,5 @@ def settle(state: RowSparse, grad: Tensor) -> bool:
             _buffers(state)
         else:
             state.send = state.recv = torch.empty(0, dtype=torch.uint8)
+            state.wait = retry_after(state.wait)
     return fits

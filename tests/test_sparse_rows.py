@@ -3,7 +3,8 @@
 The capacity rule and the row encoding are checked without processes; three ranks
 then train an embedding table and a dense weight against a single-process
 reference, through rounds whose rows fit, overflow the capacity (dense that round)
-and outgrow the path for good (dense from then on).
+and outgrow the path (dense for a number of rounds that doubles each time, then
+tried again).
 """
 import time
 
@@ -15,9 +16,10 @@ from hypothesis import strategies as st
 from torch import nn
 
 import distopt.engine
-from distopt import DistributedOptimizer
+from distopt import DistributedOptimizer, sparse_rows
 from distopt._testing import run_world
-from distopt.sparse_rows import MIN_CAP, capacity_after, fill, plan_rows, settle
+from distopt.sparse_rows import (MIN_CAP, RETRY_FIRST, RETRY_MAX, capacity_after, dense_round, fill, plan_rows,
+                                 retry_after, settle)
 
 from _worlds import Worlds
 
@@ -70,6 +72,33 @@ def test_gathered_rows_sum_to_the_scaled_dense_sum_on_every_rank(rows, width, wo
         sr.MIN_ROWS, sr.BUDGET = old
 
 
+@given(tries=st.integers(1, 20))
+def test_the_wait_before_trying_rows_again_doubles_up_to_a_bound(tries):
+    waits = [retry_after(0)]
+    for _ in range(tries):
+        waits.append(retry_after(waits[-1]))
+    assert waits[0] == RETRY_FIRST
+    assert all(b == min(RETRY_MAX, 2 * a) for a, b in zip(waits, waits[1:])), waits
+
+
+def test_a_gradient_gone_dense_tries_rows_again_at_its_first_capacity_once_the_wait_is_over():
+    state = plan_rows(torch.zeros(2048, 16), world=2)
+    first = state.cap
+    grad = torch.ones(2048, 16)  # every row non-zero: far more than rows can pay for
+    fill(state, grad, None)
+    state.recv.view(2, -1).copy_(state.send.repeat(2, 1))  # both ranks sent the same count
+    assert not settle(state, grad) and state.cap == 0 and state.send.numel() == 0
+    assert state.wait == RETRY_FIRST
+    for _ in range(RETRY_FIRST - 1):
+        dense_round(state)
+        assert state.cap == 0
+    dense_round(state)
+    assert state.cap == first and state.send.numel() > 0 and state.dense_rounds == 0
+    fill(state, grad, None)
+    state.recv.view(2, -1).copy_(state.send.repeat(2, 1))
+    assert not settle(state, grad) and state.cap == 0 and state.wait == 2 * RETRY_FIRST
+
+
 def test_small_matrices_vectors_and_gpu_tensors_stay_dense():
     assert plan_rows(torch.zeros(100, 8), 2) is None  # too few rows
     assert plan_rows(torch.zeros(1 << 20), 2) is None  # not a matrix
@@ -97,9 +126,9 @@ SIZES = [(20, 20, 20), (20, 20, 20), (100, 20, 20), (20, 100, 20), (0, 20, 20), 
          (20, 20, 20)]
 
 
-def _loss(model: Net, rank: int, step: int) -> torch.Tensor:
+def _loss(model: Net, rank: int, step: int, sizes=SIZES) -> torch.Tensor:
     g = torch.Generator().manual_seed(100 * step + rank)
-    n = SIZES[step][rank]
+    n = sizes[step][rank]
     if n == 0:  # the table stays out of the graph: no gradient for it on this rank
         return ((model.head(torch.ones(1, 128, dtype=torch.float64)) - 1) ** 2).mean()
     ids = torch.randperm(2048, generator=g)[:n]
@@ -123,13 +152,13 @@ def _train():
     return [p.detach().clone() for p in model.parameters()], log, table_grad_none
 
 
-def _reference(world: int):
+def _reference(world: int, sizes=SIZES):
     torch.manual_seed(0)
     model = Net().double()
     opt = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    for step in range(len(SIZES)):
+    for step in range(len(sizes)):
         opt.zero_grad()
-        (sum(_loss(model, r, step) for r in range(world)) / world).backward()
+        (sum(_loss(model, r, step, sizes) for r in range(world)) / world).backward()
         opt.step()
     return [p.detach().clone() for p in model.parameters()]
 
@@ -142,8 +171,8 @@ def test_an_embedding_table_trains_like_one_process_as_rows_overflow_and_go_dens
         for got, want in zip(params, reference):
             torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
         gathers = [g for g, _ in log]
-        # step 0 probes both matrices (the dense one overflows and stops for good); the table's
-        # rows travel until rank 2 has more of them than a quarter of the dense bytes pays for.
+        # step 0 probes both matrices (the dense one overflows and goes dense); the table's rows
+        # travel until rank 2 has more of them than a quarter of the dense bytes pays for.
         assert gathers == [2, 1, 1, 1, 1, 1, 1, 0], log
         all_reduces = [a for _, a in log]
         # Overflow rounds add one dense all-reduce of the table, at steps 2 and 6.
@@ -271,7 +300,34 @@ def _local_sgd_join_with_a_table():
     return [p.detach().clone() for p in model.parameters()], [pack.rows for pack in opt._engine.packs]
 
 
+#: Ids per rank (two ranks) for the retries: rank 1 touches more of the table than rows pay for
+#: at steps 2 and 6.
+RETRY_SIZES = [(20, 20), (20, 20), (20, 400), (20, 20), (20, 20), (20, 20), (20, 400)] + [(20, 20)] * 7
+
+
+def _retrying():
+    """Both matrices go dense and try rows again, after 2 dense rounds, then 4 (the bound here)."""
+    rank = dist.get_rank()
+    saved = sparse_rows.RETRY_FIRST, sparse_rows.RETRY_MAX
+    sparse_rows.RETRY_FIRST, sparse_rows.RETRY_MAX = 2, 4
+    try:
+        torch.manual_seed(0)
+        model = Net().double()
+        opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9),
+                                   pack_threshold=1 << 20)
+        gathers = []
+        for step in range(len(RETRY_SIZES)):
+            opt.zero_grad()
+            _loss(model, rank, step, RETRY_SIZES).backward()
+            gathers.append(opt.stats.gathers)
+            opt.step()
+    finally:
+        sparse_rows.RETRY_FIRST, sparse_rows.RETRY_MAX = saved
+    return [p.detach().clone() for p in model.parameters()], gathers
+
+
 LATE = Worlds({
+    "retry": (2, _retrying, ()),
     "log": (2, _late_rank, ("log",)),
     "skip": (2, _late_rank, ("skip",)),
     "local SGD": (2, _local_sgd_join_with_a_table, ()),
@@ -306,5 +362,22 @@ def test_local_sgd_never_sends_rows_so_a_joined_rank_matches_the_exchanges(no_le
     results = LATE.results("local SGD")
     for _, rows in results:
         assert rows and all(r is None for r in rows), rows
+    for a, b in zip(results[0][0], results[1][0]):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.timeout(WORLD_TIMEOUT + 30)
+def test_a_gradient_that_went_dense_tries_rows_again_ever_more_rarely(no_leftover_processes):
+    results = LATE.results("retry")
+    reference = _reference(2, RETRY_SIZES)
+    for params, gathers in results:
+        for got, want in zip(params, reference):
+            torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+        # The table: rows at 0-2 (2 overflows: dense, wait 2), dense 3-4, rows 5-6 (6 overflows:
+        # wait 4), dense 7-10, rows from 11. The dense weight: tries at 0, 3 (after 2 dense
+        # rounds), 8 and 13 (after 4, the bound).
+        table = [0, 1, 2, 5, 6, 11, 12, 13]
+        head = [0, 3, 8, 13]
+        assert gathers == [(step in table) + (step in head) for step in range(len(RETRY_SIZES))], gathers
     for a, b in zip(results[0][0], results[1][0]):
         assert torch.equal(a, b)
