@@ -10,8 +10,8 @@ and everything is awaited in ``finish_round``, the one place that waits
 (:mod:`distopt.round_end`, a mixin of the engine). A pack of one large CPU
 gradient that is mostly zero rows (an embedding table's) all-gathers its non-zero
 rows instead of all-reducing the whole (:mod:`distopt.sparse_rows`); a small CPU pack
-is all-gathered once and summed locally, in rank order, instead of passing the ring
-twice (:func:`distopt.rounds.sums_by_gather`).
+travels once, as one broadcast from each rank, and is summed locally, in rank order,
+instead of passing the ring twice (:func:`distopt.rounds.sums_by_gather`).
 
 A *round* is what happens between two ``step()``/``zero_grad()`` calls: backward
 passes accumulate locally (``IDLE``), the reducing pass runs (``ACTIVE``), and
@@ -53,7 +53,7 @@ from .packs import (Pack, adopt_current_grads, build_packs, gather, gather_early
 from .private_groups import PrivateGroup
 from .round_end import RoundEnd
 from .rounds import (ACTIVE, DONE, IDLE, PHASE_BACKWARD, PHASE_EXPLICIT, PHASE_IMPLICIT, GATHER_SUM_MAX_BYTES, Sent,
-                     gather_buffer, labelled, plan_gathers, sums_by_gather)
+                     gather_buffer, gather_by_broadcasts, labelled, plan_gathers, sums_by_gather)
 from .stalls import Progress
 from .stats import StepStats
 
@@ -344,7 +344,7 @@ class GradientEngine(RoundEnd):
         if (self.op == dist.ReduceOp.SUM and nbytes in pack.gathers
                 and sums_by_gather(nbytes, self.world_size, flat.device, self.gather_sum_limit)):
             copies = gather_buffer(pack, flat, self.world_size)
-            work = self.channel.group._allgather_base(copies, flat)
+            work = gather_by_broadcasts(self.channel.group, copies, flat, self.world_size)
         else:
             options = dist.AllreduceOptions()
             options.reduceOp = self.op

@@ -63,7 +63,7 @@ class Pack:
     moved: Set[int] = field(default_factory=set)  # members moved in by their hook this round
     rows: Optional[RowSparse] = None  # direct packs whose gradient may travel as its non-zero rows
     gathers: Set[int] = field(default_factory=set)  # bytes of the sums it sends as a gather (rounds.plan_gathers)
-    # Room for every rank's copy of each of those sums, by (numel, dtype).
+    # Room for the other ranks' copies of each of those sums, by (numel, dtype).
     copies: Dict[Tuple[int, torch.dtype], Tensor] = field(default_factory=dict)
 
 

@@ -161,7 +161,7 @@ class RoundEnd:
             overflowed = False
             for k, sent in list(enumerate(self.inflight)):
                 if sent.copies is not None:
-                    sum_copies(sent.copies, sent.into, self.world_size)
+                    sum_copies(sent.copies, sent.into, self.channel.group.rank(), self.world_size)
                     self.inflight[k] = sent._replace(copies=None, into=None)
                 elif sent.gathered:
                     self.inflight[k] = sent._replace(gathered=False)

@@ -2,22 +2,26 @@
 
 Shared by the engine (:mod:`distopt.engine`, which launches) and the end of a round
 (:mod:`distopt.round_end`, which waits and settles), with the rule for a small sum:
-on CPU it travels as one all-gather, and each rank adds the copies in rank order
-(:func:`sums_by_gather`, :func:`sum_copies`).
+on CPU every rank's copy travels once, as one broadcast from each rank, and each rank
+adds the copies in rank order (:func:`sums_by_gather`, :func:`gather_by_broadcasts`,
+:func:`sum_copies`).
 """
 from __future__ import annotations
 
 import contextlib
+import time
+from datetime import timedelta
 from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from .packs import Pack
 
 __all__ = ["IDLE", "ACTIVE", "DONE", "PHASE_BACKWARD", "PHASE_EXPLICIT", "PHASE_IMPLICIT", "PHASE_EXCHANGE",
            "Sent", "labelled", "GATHER_SUM_MAX_BYTES", "GATHER_COPIES_BUDGET", "sums_by_gather", "plan_gathers",
-           "gather_buffer", "sum_copies"]
+           "gather_buffer", "gather_by_broadcasts", "Broadcasts", "sum_copies"]
 
 #: Bytes every rank may receive (the other ranks' copies) for a CPU sum to be done as one
 #: all-gather and a local sum, one ring pass instead of the all-reduce's two: below it the
@@ -47,7 +51,7 @@ class Sent(NamedTuple):
     seq: int  # the collective's number on the channel, for the stall inspector
     carries_flags: bool  # False for a direct pack's gradient, whose flags travel apart
     gathered: bool = False  # a direct pack's non-zero rows, gathered (distopt.sparse_rows)
-    copies: Optional[Tensor] = None  # a small sum done as a gather: every rank's copy, to add into ``into``
+    copies: Optional[Tensor] = None  # a small sum done as a gather: the other ranks' copies, to add into ``into``
     into: Optional[Tensor] = None
 
 
@@ -65,35 +69,108 @@ def plan_gathers(sums: Sequence[Tuple[int, torch.device]], world: int,
     """Which of a plan's sums, ``(bytes, device)`` in plan order, travel as a gather (pure).
 
     Those that :func:`sums_by_gather` allows, first come first served, while the room for
-    their copies (``world`` times their bytes) fits ``budget`` in all. Every rank holds the
-    same plan, so every rank decides alike.
+    the other ranks' copies (``world - 1`` times their bytes) fits ``budget`` in all. Every
+    rank holds the same plan, so every rank decides alike.
     """
     used, out = 0, []
     for nbytes, device in sums:
-        fits = sums_by_gather(nbytes, world, device) and used + world * nbytes <= budget
-        used += world * nbytes if fits else 0
+        room = (world - 1) * nbytes
+        fits = sums_by_gather(nbytes, world, device) and used + room <= budget
+        used += room if fits else 0
         out.append(fits)
     return out
 
 
 def gather_buffer(pack: Pack, tensor: Tensor, world: int) -> Tensor:
-    """Room for every rank's copy of ``tensor``, kept on ``pack`` from round to round."""
+    """Room for the other ranks' copies of ``tensor``, kept on ``pack`` from round to round."""
     key = (tensor.numel(), tensor.dtype)
     copies = pack.copies.get(key)
     if copies is None:
-        copies = pack.copies[key] = torch.empty(world * tensor.numel(), dtype=tensor.dtype, device=tensor.device)
+        copies = pack.copies[key] = torch.empty((world - 1) * tensor.numel(), dtype=tensor.dtype,
+                                                device=tensor.device)
     return copies
 
 
-def sum_copies(copies: Tensor, into: Tensor, world: int) -> None:
-    """``into`` = the sum of every rank's copy, added in rank order, so every rank gets the same bits.
+class Broadcasts:
+    """The broadcasts of one gather, waited for as one collective's work.
 
-    For two ranks these are the all-reduce's values (a + b == b + a).
+    Args:
+        works: one broadcast's work per rank.
     """
-    parts = copies.view(world, -1)
+
+    __slots__ = ("works", "failed")
+
+    def __init__(self, works: List[Any]) -> None:
+        self.works = works
+        self.failed = False
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        """Wait for every broadcast; raises ``RuntimeError`` as a work does (timeout or failure)."""
+        deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
+        for work in self.works:
+            try:
+                if deadline is None:
+                    work.wait()
+                else:
+                    work.wait(timeout=timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+            except RuntimeError:
+                self.failed |= work.is_completed()  # completed with an error: a peer left, or the group timed out
+                raise
+        return True
+
+    def is_completed(self) -> bool:
+        """Every broadcast is done, or one failed (its error is the one to explain)."""
+        return self.failed or all(work.is_completed() for work in self.works)
+
+
+def gather_by_broadcasts(group: Any, others: Tensor, tensor: Tensor, world: int) -> Broadcasts:
+    """The other ranks' ``tensor`` into ``others`` (in rank order), as one broadcast from each rank.
+
+    Each rank broadcasts its own ``tensor`` where it lies. gloo's all-gather would stage its
+    output in a fresh buffer on every call and copy it out, and those allocations grew a
+    two-rank process by 2-3 MiB over a few hundred steps; a broadcast sends and receives in
+    place, and the broadcasts run side by side.
+
+    Args:
+        group: the process group (its own methods are called, as DDP's reducer does).
+        others: room for ``world - 1`` copies of ``tensor``.
+        tensor: this rank's part.
+        world: ranks in ``group``.
+    """
+    rank = group.rank()
+    parts = others.view(world - 1, -1)
+    mine = tensor.view(-1)
+    works = []
+    for root in range(world):
+        options = dist.BroadcastOptions()
+        options.rootRank = root
+        options.rootTensor = 0
+        options.asyncOp = True
+        part = mine if root == rank else parts[root if root < rank else root - 1]
+        works.append(group.broadcast([part], options))
+    return Broadcasts(works)
+
+
+def sum_copies(others: Tensor, into: Tensor, rank: int, world: int) -> None:
+    """``into`` (this rank's part) becomes the sum of every rank's part, added in rank order.
+
+    Every rank makes the same additions of the same values in the same order, so every rank
+    gets the same bits; for two ranks these are the all-reduce's values (a + b == b + a).
+
+    Args:
+        others: the other ranks' parts, in rank order; spent (the first takes the partial sum).
+        into: this rank's part, replaced by the sum.
+        rank: this rank.
+        world: ranks.
+    """
+    parts = others.view(world - 1, -1)
     out = into.view(-1)
-    torch.add(parts[0], parts[1], out=out)
-    for r in range(2, world):
+    if rank > 0:
+        before = parts[0]
+        for r in range(1, rank):
+            before.add_(parts[r])
+        torch.add(before, out, out=out)
+    for r in range(rank, world - 1):  # parts[r] is rank r + 1's
         out.add_(parts[r])
 
 
