@@ -24,8 +24,9 @@ __all__ = ["IDLE", "ACTIVE", "DONE", "PHASE_BACKWARD", "PHASE_EXPLICIT", "PHASE_
            "gather_buffer", "gather_by_broadcasts", "Broadcasts", "sum_copies"]
 
 #: Bytes every rank may receive (the other ranks' copies) for a CPU sum to be done as one
-#: all-gather and a local sum, one ring pass instead of the all-reduce's two: below it the
-#: latency of a pass, not bandwidth, sets the cost (0.2 MiB at 2 ranks: 10-20 % of a step).
+#: gather (a broadcast from each rank) and a local sum, one pass instead of the all-reduce's
+#: two: below it the latency of a pass, not bandwidth, sets the cost (0.2 MiB at 2 ranks:
+#: 10-20 % of a step).
 GATHER_SUM_MAX_BYTES = 512 << 10
 #: Bytes of room for the copies a wrapper keeps from round to round: the first small sums of
 #: the plan that fit in it gather, the rest are all-reduced (a small ``pack_threshold`` makes
