@@ -36,7 +36,14 @@ def test_every_rank_owns_at_most_its_share_plus_the_largest_parameter(sizes, wor
     for r in range(world):
         assert loads[r] == sum(n for n, o in zip(sizes, owners) if o == r)
         assert loads[r] <= sum(sizes) / world + max(sizes, default=0)
-    assert assign_owners(sizes, world) == (owners, loads)  # the same on every rank
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 10_000), max_size=40).flatmap(lambda s: st.tuples(st.just(s), st.permutations(s))),
+       st.integers(1, 8))
+def test_every_ranks_share_depends_on_the_sizes_alone_not_on_their_order(sizes_and_shuffled, world):
+    sizes, shuffled = sizes_and_shuffled
+    assert assign_owners(shuffled, world)[1] == assign_owners(sizes, world)[1]
 
 
 def test_parameters_added_later_keep_the_earlier_owners():
