@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .packs import Pack
+from .waiting import completed_failure
 
 __all__ = ["IDLE", "ACTIVE", "DONE", "PHASE_BACKWARD", "PHASE_EXPLICIT", "PHASE_IMPLICIT", "PHASE_EXCHANGE",
            "Sent", "labelled", "GATHER_SUM_MAX_BYTES", "GATHER_COPIES_BUDGET", "sums_by_gather", "plan_gathers",
@@ -115,8 +116,12 @@ class Broadcasts:
                 else:
                     work.wait(timeout=timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
             except RuntimeError:
-                self.failed |= work.is_completed()  # completed with an error: a peer left, or the group timed out
-                raise
+                if not work.is_completed():
+                    raise  # the time ran out first
+                failure = completed_failure(work)  # else it completed just after the time ran out
+                if failure is not None:
+                    self.failed = True  # a peer left, or the group timed out
+                    raise failure from None
         return True
 
     def is_completed(self) -> bool:

@@ -17,7 +17,21 @@ from typing import Any, Optional
 from . import stalls
 from .stalls import Progress
 
-__all__ = ["wait_for"]
+__all__ = ["wait_for", "completed_failure"]
+
+
+def completed_failure(work: Any) -> Optional[RuntimeError]:
+    """The error a completed ``work`` failed with, or None if it succeeded.
+
+    A wait with a timeout that runs out raises, and the work may complete in the instant
+    before ``is_completed()`` is asked: only a wait without a timeout, on a work that is
+    completed, tells a failure from a timeout.
+    """
+    try:
+        work.wait()
+    except RuntimeError as exc:
+        return exc
+    return None
 
 
 def wait_for(work: Any, is_cuda: bool, progress: Optional[Progress], seq: int, what: str,
@@ -60,11 +74,15 @@ def wait_for(work: Any, is_cuda: bool, progress: Optional[Progress], seq: int, w
                     work.wait()
                 return True
             except RuntimeError as exc:
-                if work.is_completed():  # the collective itself failed: a peer left, or the group's timeout
-                    better = stalls.translate(progress, seq, what, exc)
+                if work.is_completed():
+                    failure = completed_failure(work)
+                    if failure is None:  # it completed just after the slice ran out: not a failure
+                        return True
+                    # The collective itself failed: a peer left, or the group's timeout.
+                    better = stalls.translate(progress, seq, what, failure)
                     if better is None:
-                        raise
-                    raise better from exc
+                        raise failure from exc
+                    raise better from failure
             if progress.raise_after is not None and progress.waited() >= progress.raise_after:
                 raise stalls.stall_error(progress, seq, what)
             if deadline is not None and time.perf_counter() >= deadline:

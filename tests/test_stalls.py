@@ -10,6 +10,7 @@ crashing".
 import logging
 import re
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -19,8 +20,50 @@ from torch import nn
 
 from distopt import DistributedOptimizer, StallError
 from distopt._testing import run_torchrun, run_world
+from distopt.rounds import Broadcasts
+from distopt.stalls import Progress
+from distopt.waiting import wait_for
 
 pytestmark = [pytest.mark.usefixtures("no_leftover_processes"), pytest.mark.timeout(120)]
+
+
+class LateWork:
+    """A work that completes (or fails) in the instant after a wait with a timeout runs out."""
+
+    def __init__(self, error=None):
+        self.error = error
+        self.done = False
+
+    def wait(self, timeout=None):
+        if timeout is not None and not self.done:
+            self.done = True
+            raise RuntimeError("Operation timed out!")
+        if self.error is not None:
+            raise RuntimeError(self.error)
+        return True
+
+    def is_completed(self):
+        return self.done
+
+
+def _progress():
+    return Progress(group="g", ranks=[0, 1], rank=0, warn_after=None, raise_after=None)
+
+
+def test_a_collective_that_completes_as_a_wait_slice_runs_out_is_done_not_a_stall():
+    assert wait_for(LateWork(), False, _progress(), 1, "pack 1/1", time.perf_counter() + 0.01)
+    broadcasts = Broadcasts([LateWork(), LateWork()])
+    assert broadcasts.wait(timedelta(seconds=0.01)) and broadcasts.is_completed()
+
+
+def test_a_collective_that_failed_as_a_wait_slice_ran_out_raises_its_own_error():
+    with pytest.raises(RuntimeError, match="Connection closed by peer") as info:
+        wait_for(LateWork("Connection closed by peer"), False, _progress(), 1, "pack 1/1", time.perf_counter() + 0.01)
+    assert not isinstance(info.value, StallError)
+    broadcasts = Broadcasts([LateWork(), LateWork("Connection closed by peer")])
+    with pytest.raises(RuntimeError, match="Connection closed by peer"):
+        broadcasts.wait(timedelta(seconds=0.01))
+    assert broadcasts.is_completed()  # the failure is what the wait explains
 
 
 def make_model():
