@@ -8,10 +8,11 @@ every rank holds identically (:class:`distopt.packing.LaunchOrder`). At the end
 of the reducing backward pass (an autograd engine callback) the rest is flushed
 and everything is awaited in ``finish_round``, the one place that waits
 (:mod:`distopt.round_end`, a mixin of the engine). A pack of one large CPU
-gradient that is mostly zero rows (an embedding table's) all-gathers its non-zero
-rows instead of all-reducing the whole (:mod:`distopt.sparse_rows`); a small CPU pack
-travels once, as one broadcast from each rank, and is summed locally, in rank order,
-instead of passing the ring twice (:func:`distopt.rounds.sums_by_gather`).
+gradient that is mostly zero rows (an embedding table's) gathers its non-zero rows
+instead of all-reducing the whole (:mod:`distopt.sparse_rows`); a small CPU pack
+travels once and is summed locally, in rank order, instead of passing the ring twice
+(:func:`distopt.rounds.sums_by_gather`). Both gather as one broadcast from each rank
+(:func:`distopt.rounds.broadcast_each`).
 
 A *round* is what happens between two ``step()``/``zero_grad()`` calls: backward
 passes accumulate locally (``IDLE``), the reducing pass runs (``ACTIVE``), and
@@ -53,7 +54,7 @@ from .packs import (Pack, adopt_current_grads, build_packs, gather, gather_early
 from .private_groups import PrivateGroup
 from .round_end import RoundEnd
 from .rounds import (ACTIVE, DONE, IDLE, PHASE_BACKWARD, PHASE_EXPLICIT, PHASE_IMPLICIT, GATHER_SUM_MAX_BYTES, Sent,
-                     gather_buffer, gather_by_broadcasts, labelled, plan_gathers, sums_by_gather)
+                     broadcast_each, gather_buffer, gather_by_broadcasts, labelled, plan_gathers, sums_by_gather)
 from .stalls import Progress
 from .stats import StepStats
 
@@ -65,8 +66,6 @@ __all__ = ["GradientEngine", "BACKWARD_PATIENCE"]
 #: saves a checkpoint or evaluates while the others start the next step.
 BACKWARD_PATIENCE = 60.0
 
-# all_gather_into_tensor's new name (torch 2.13 warns on the old one, which older torch alone has).
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 class GradientEngine(RoundEnd):
     """Averages the gradients of the parameters it tracks, during backward.
@@ -165,8 +164,8 @@ class GradientEngine(RoundEnd):
     def build_packs(self, order: Sequence[int]) -> None:
         packs = build_packs(self.params, self.names, order, self.pack_threshold, self.wire_dtype)
         for pack in packs:
-            if pack.direct and self.rows_allowed:
-                pack.rows = sparse_rows.plan_rows(pack.params[0], self.world_size)
+            if pack.direct and self.rows_allowed and self.channel is not None:
+                pack.rows = sparse_rows.plan_rows(pack.params[0], self.world_size, self.channel.group.rank())
         planned = [(pack, nbytes) for pack in packs for nbytes in sums(pack)]
         for (pack, nbytes), gathers in zip(planned, plan_gathers([(n, p.spec.key[0]) for p, n in planned],
                                                                  self.world_size)):
@@ -358,7 +357,7 @@ class GradientEngine(RoundEnd):
 
     def _gather_rows(self, rows: sparse_rows.RowSparse, pack: Pack, index: int) -> None:
         send = sparse_rows.fill(rows, pack.data, self.row_scale)
-        work = _all_gather_single(rows.recv, send, group=self.channel.group, async_op=True)
+        work = broadcast_each(self.channel.group, list(rows.recv.view(self.world_size, -1)))
         seq = self.progress.issue() if self.progress is not None else 0
         self.inflight.append(Sent(work, pack, index, seq, carries_flags=False, gathered=True))
         self.stats.gathers += 1

@@ -22,7 +22,7 @@ from .waiting import completed_failure
 
 __all__ = ["IDLE", "ACTIVE", "DONE", "PHASE_BACKWARD", "PHASE_EXPLICIT", "PHASE_IMPLICIT", "PHASE_EXCHANGE",
            "Sent", "labelled", "GATHER_SUM_MAX_BYTES", "GATHER_COPIES_BUDGET", "sums_by_gather", "plan_gathers",
-           "gather_buffer", "gather_by_broadcasts", "Broadcasts", "sum_copies"]
+           "gather_buffer", "gather_by_broadcasts", "broadcast_each", "Broadcasts", "sum_copies"]
 
 #: Bytes every rank may receive (the other ranks' copies) for a CPU sum to be done as one
 #: gather (a broadcast from each rank) and a local sum, one pass instead of the all-reduce's
@@ -129,32 +129,42 @@ class Broadcasts:
         return self.failed or all(work.is_completed() for work in self.works)
 
 
-def gather_by_broadcasts(group: Any, others: Tensor, tensor: Tensor, world: int) -> Broadcasts:
-    """The other ranks' ``tensor`` into ``others`` (in rank order), as one broadcast from each rank.
+def broadcast_each(group: Any, parts: Sequence[Tensor]) -> Broadcasts:
+    """Rank ``r``'s ``parts[r]`` to every rank, one broadcast from each rank, side by side.
 
-    Each rank broadcasts its own ``tensor`` where it lies. gloo's all-gather would stage its
-    output in a fresh buffer on every call and copy it out, and those allocations grew a
-    two-rank process by 2-3 MiB over a few hundred steps; a broadcast sends and receives in
-    place, and the broadcasts run side by side.
+    An all-gather in broadcasts: gloo's all-gather stages its output in a fresh buffer on
+    every call and then copies it out, and those allocations, in the group's own threads,
+    grew a two-rank process by 2-3 MiB over a few hundred steps; a broadcast sends and
+    receives in place.
 
     Args:
         group: the process group (its own methods are called, as DDP's reducer does).
+        parts: one contiguous tensor per rank of ``group``, alike in shape and dtype: this
+            rank's is sent, the others are received into.
+    """
+    works = []
+    for root, part in enumerate(parts):
+        options = dist.BroadcastOptions()
+        options.rootRank = root
+        options.rootTensor = 0
+        options.asyncOp = True
+        works.append(group.broadcast([part], options))
+    return Broadcasts(works)
+
+
+def gather_by_broadcasts(group: Any, others: Tensor, tensor: Tensor, world: int) -> Broadcasts:
+    """The other ranks' ``tensor`` into ``others`` (in rank order); this rank sends ``tensor`` where it lies.
+
+    Args:
+        group: the process group.
         others: room for ``world - 1`` copies of ``tensor``.
         tensor: this rank's part.
         world: ranks in ``group``.
     """
     rank = group.rank()
-    parts = others.view(world - 1, -1)
-    mine = tensor.view(-1)
-    works = []
-    for root in range(world):
-        options = dist.BroadcastOptions()
-        options.rootRank = root
-        options.rootTensor = 0
-        options.asyncOp = True
-        part = mine if root == rank else parts[root if root < rank else root - 1]
-        works.append(group.broadcast([part], options))
-    return Broadcasts(works)
+    parts = list(others.view(world - 1, -1))
+    parts.insert(rank, tensor.view(-1))
+    return broadcast_each(group, parts)
 
 
 def sum_copies(others: Tensor, into: Tensor, rank: int, world: int) -> None:

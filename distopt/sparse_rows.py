@@ -9,7 +9,8 @@ gives; only the sign of a zero may differ).
 
 The ranks cannot agree beforehand how many rows each will send, so every rank
 sends a fixed *capacity* of rows (padding) with its true count in front, in one
-asynchronous all-gather launched where the all-reduce would have been. If some
+asynchronous gather (a broadcast from each rank, :func:`distopt.rounds.broadcast_each`)
+launched where the all-reduce would have been. If some
 rank had more rows than the capacity, every rank sees it in the counts and the
 gradient is all-reduced densely instead, that round. The capacity then follows
 the largest count (twice it, shrinking when counts fall a lot); a gradient whose
@@ -64,7 +65,8 @@ class RowSparse:
         first_cap: the capacity a try starts from.
         wait: rounds to send densely before the next try (0 until the gradient first goes dense).
         dense_rounds: rounds sent densely since the gradient last went dense.
-        send: this rank's count, indices and rows (bytes), for ``cap``.
+        rank: this rank, whose part of ``recv`` is ``send``.
+        send: this rank's count, indices and rows (bytes), for ``cap``: its part of ``recv``.
         recv: every rank's ``send``, one after the other.
         mine: this round's non-zero rows of this rank.
     """
@@ -81,6 +83,7 @@ class RowSparse:
     first_cap: int = 0
     wait: int = 0
     dense_rounds: int = 0
+    rank: int = 0
 
 
 def _nbytes(cap: int, row_numel: int, itemsize: int) -> int:
@@ -94,12 +97,12 @@ def _itemsize(dtype: torch.dtype) -> int:
 
 def _buffers(state: RowSparse) -> None:
     n = _nbytes(state.cap, state.row_numel, _itemsize(state.dtype))
-    state.send = torch.zeros(n, dtype=torch.uint8)
-    state.recv = torch.empty(state.world * n, dtype=torch.uint8)
+    state.recv = torch.zeros(state.world * n, dtype=torch.uint8)
+    state.send = state.recv.view(state.world, n)[state.rank]  # sent from where every rank's rows are read
 
 
-def plan_rows(param: Tensor, world: int) -> Optional[RowSparse]:
-    """The row-sparse state for ``param``'s gradient, or None where rows cannot pay off.
+def plan_rows(param: Tensor, world: int, rank: int = 0) -> Optional[RowSparse]:
+    """The row-sparse state for ``param``'s gradient on ``rank``, or None where rows cannot pay off.
 
     Eligible: a CPU floating-point parameter of at least two dimensions and :data:`MIN_ROWS`
     rows, in a world of at least two ranks. Depends only on what every rank agreed on at
@@ -117,7 +120,7 @@ def plan_rows(param: Tensor, world: int) -> Optional[RowSparse]:
         return None
     cap = min(max_cap, max(MIN_CAP, rows // 64))
     empty = torch.empty(0, dtype=torch.uint8)
-    state = RowSparse(rows, row_numel, param.dtype, world, max_cap, cap, empty, empty, first_cap=cap)
+    state = RowSparse(rows, row_numel, param.dtype, world, max_cap, cap, empty, empty, first_cap=cap, rank=rank)
     _buffers(state)
     return state
 

@@ -48,7 +48,7 @@ def test_gathered_rows_sum_to_the_scaled_dense_sum_on_every_rank(rows, width, wo
     sr.MIN_ROWS, sr.BUDGET = 1, 1000.0
     try:
         param = torch.zeros(rows, width, dtype=dtype)
-        states = [plan_rows(param, world) for _ in range(world)]
+        states = [plan_rows(param, world, rank) for rank in range(world)]
         grads = []
         for _ in range(world):
             g = torch.zeros(rows, width, dtype=dtype)
@@ -59,8 +59,11 @@ def test_gathered_rows_sum_to_the_scaled_dense_sum_on_every_rank(rows, width, wo
         expected = sum((g * scale for g in grads), torch.zeros(rows, width, dtype=dtype))
         sends = [fill(state, g, scale) for state, g in zip(states, grads)]
         fits = max(int(torch.count_nonzero(g.ne(0).any(1))) for g in grads) <= states[0].cap
+        for rank, (state, send) in enumerate(zip(states, sends)):
+            assert send.data_ptr() == state.recv.view(world, -1)[rank].data_ptr()  # sent from its own part
+        gathered = torch.cat(sends)
         for state in states:
-            state.recv.copy_(torch.cat(sends))
+            state.recv.copy_(gathered)
         results = [settle(state, g) for state, g in zip(states, grads)]
         assert results == [fits] * world
         if fits:
