@@ -305,3 +305,37 @@ def test_every_helper_on_every_rank(world, tmp_path):
     assert len({r["seed"] for r in reports}) == 1
     if world == 3:
         assert [r["sub"] for r in reports] == [None, (4.0, None), (4.0, [1, 2])]
+
+
+def _unpicklable_objects_raise_instead_of_hanging(tmpdir):
+    """An object one rank cannot pickle raises TypeError there and wherever it would be received."""
+    import threading
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    last = world - 1
+    with pytest.raises(TypeError, match=rf"broadcast_object_list: data\[1\] on rank {last} cannot be serialized "
+                                        r"\(a lock: TypeError.*every rank of the group raises this error"):
+        C.broadcast_object_list(["fine", threading.Lock() if rank == last else None], src=last)
+    with pytest.raises(TypeError, match=r"data\[0\] on rank 0 cannot be serialized .*no lambdas"):
+        C.broadcast_object_list([lambda: 1])
+    with pytest.raises(TypeError, match=r"all_gather_object: the object of rank 1 cannot be serialized \(a lock"):
+        C.all_gather_object(threading.Lock() if rank == 1 else rank)
+    # gather_object: the rank that failed and the receiver raise; the others receive nothing anyway.
+    if rank == 2:
+        assert C.gather_object(rank, dst=0) is None
+    else:
+        message = r"gather_object: the object of rank\(s\) \[1\] cannot be pickled" if rank == 0 else \
+            r"gather_object: the object of this rank \(1\) cannot be serialized"
+        with pytest.raises(TypeError, match=message):
+            C.gather_object(threading.Lock() if rank == 1 else rank, dst=0)
+    for kwargs in ({"device": "cpu", "tmpdir": tmpdir}, {"device": "gpu"}):
+        with pytest.raises(TypeError, match=r"the (results|object) of rank 1 cannot be serialized"):
+            C.collect_results([threading.Lock()] if rank == 1 else [rank], world, **kwargs)
+    dist.barrier()
+    assert os.listdir(tmpdir) == []  # the failed call's directory is cleaned up
+    return C.all_reduce(torch.ones(1)).item()  # nothing was left half-sent: the ranks are in step
+
+
+@pytest.mark.timeout(200)
+def test_an_object_that_cannot_be_pickled_raises_instead_of_hanging(tmp_path):
+    assert run_world(_unpicklable_objects_raise_instead_of_hanging, 3, str(tmp_path), timeout=150) == [3.0] * 3

@@ -401,7 +401,7 @@ def _check_join_stands_in_for_sums_and_refuses_the_rest() -> None:
             refused = rf"cannot run while rank\(s\) \[{first}\] have called hvd.join\(\)"
             for call in (lambda: hvd.allgather(torch.ones(2, 2)), lambda: hvd.broadcast(torch.ones(2), r),
                          lambda: hvd.allreduce(torch.ones(2), op=hvd.Max)):
-                with pytest.raises(RuntimeError, match=refused):
+                with pytest.raises(hvd.HorovodInternalError, match=refused):  # as Horovod's
                     call()
         last = hvd.join()
         assert last == 1 - first and hvd.allgather_object(last) == [last, last]
@@ -441,6 +441,138 @@ def test_collectives_follow_horovod_semantics(no_leftover_processes):
         _check_collective_gradients,
         _check_broadcast_parameters_forms,
         _check_join_stands_in_for_sums_and_refuses_the_rest,
+    ])
+
+
+# ====================================================================== as horovod.torch: signatures, scaling, errors, dtypes
+
+
+def _check_reducescatter_takes_compression_in_horovods_slot() -> None:
+    r = hvd.rank()
+    t = torch.ones(4, 1) * (r + 1)
+    positional = hvd.reducescatter(t, "rs", hvd.Compression.none, hvd.Sum)  # name, compression, op
+    assert positional.tolist() == [[3.0], [3.0]]
+    (grouped,) = hvd.grouped_reducescatter([t], None, hvd.Compression.none, hvd.Sum)
+    assert grouped.tolist() == [[3.0], [3.0]]
+    # fp16 on the wire, the input's dtype back; Average divides before the cast, so 2 x 40000 cannot overflow.
+    big = torch.full((2, 3), 40000.0 + r, dtype=torch.float64)
+    mean = hvd.reducescatter(big, compression=hvd.Compression.fp16)
+    assert mean.dtype == torch.float64 and torch.allclose(mean, torch.full((1, 3), 40000.5, dtype=torch.float64),
+                                                          rtol=1e-3)
+    (summed,) = hvd.grouped_reducescatter([t], compression=hvd.Compression.fp16, op=hvd.Sum)
+    assert summed.dtype == torch.float32 and summed.tolist() == [[3.0], [3.0]]
+    x = torch.ones(4, 2, requires_grad=True)  # differentiable with compression too
+    (hvd.reducescatter(x, compression=hvd.Compression.fp16, op=hvd.Sum) * (r + 1)).sum().backward()
+    assert x.grad.tolist() == [[2.0] * 2] * 2 + [[4.0] * 2] * 2
+
+
+def _check_integer_average_scales_the_sum_once_by_postscale_over_size() -> None:
+    # Horovod: Average of integers is the sum times postscale / size, truncated once: 3 * 3 / 2 = 4.5 -> 4.
+    r = hvd.rank()
+    mean = hvd.allreduce(torch.tensor([1 + r], dtype=torch.int32), postscale_factor=3.0)
+    assert mean.dtype == torch.int32 and mean.tolist() == [4]
+    in_place = torch.tensor([1 + r, -1 - r])
+    assert hvd.allreduce_(in_place, op=hvd.Average, postscale_factor=3.0) is in_place
+    assert in_place.tolist() == [4, -4]
+    assert hvd.reducescatter(torch.tensor([1 + r, 1 + r]), postscale_factor=3.0).tolist() == [4]
+    # Sum with a postscale scales in float64 and truncates once too: 7 * 0.5 = 3.5 -> 3.
+    assert hvd.allreduce(torch.tensor([3 + r]), op=hvd.Sum, postscale_factor=0.5).tolist() == [3]
+    # Without a postscale the mean stays exact integer division, truncated toward zero.
+    assert hvd.allreduce(torch.tensor([2**61 + 1, -3 - r])).tolist() == [2**61 + 1, -3]  # float64 would lose it
+
+
+def _check_alltoall_async_synchronizes_to_output_and_received_splits() -> None:
+    r = hvd.rank()
+    output, received = hvd.synchronize(hvd.alltoall_async(torch.tensor([10 * r, 10 * r + 1])))
+    assert output.tolist() == [r, 10 + r] and received.dtype == torch.int32 and received.tolist() == [1, 1]
+    output, received = hvd.synchronize(hvd.alltoall_async(torch.tensor([r, r, r]), splits=torch.tensor([1, 2])))
+    assert output.tolist() == ([0, 1] if r == 0 else [0, 0, 1, 1]) and received.tolist() == [1 + r, 1 + r]
+    # alltoall itself, as Horovod's: the output alone without splits, with them also the counts.
+    assert isinstance(hvd.alltoall(torch.tensor([r, r])), Tensor)
+    assert isinstance(hvd.alltoall(torch.tensor([r, r]), splits=[1, 1]), tuple)
+
+
+def _check_failed_collectives_raise_horovod_internal_error() -> None:
+    r = hvd.rank()
+    with pytest.raises(hvd.HorovodInternalError, match=r"Mismatched allreduce shapes across ranks \(rank 0: \[2\], "
+                                                       r"rank 1: \[3\]\); every rank must call allreduce"):
+        hvd.allreduce(torch.ones(2 + r))
+    handle = hvd.allgather_async(torch.ones(1, 2 + r))
+    with pytest.raises(hvd.HorovodInternalError, match=r"Mismatched allgather shapes"):
+        hvd.synchronize(handle)
+    with pytest.raises(hvd.HorovodInternalError, match=r"Mismatched reducescatter shapes"):
+        hvd.reducescatter(torch.ones(2, 1 + r))
+    with pytest.raises(hvd.HorovodInternalError, match=r"Mismatched broadcast root ranks"):
+        hvd.broadcast_(torch.ones(1), root_rank=r)
+    # Misuse found before anything is sent stays a ValueError, as Horovod's argument checks are.
+    with pytest.raises(ValueError, match="divisible by the 2 ranks"):
+        hvd.alltoall(torch.zeros(3))
+    assert hvd.allreduce(torch.tensor([float(r)]), op=hvd.Sum).tolist() == [1.0]  # still in step
+
+
+def _check_complex_reduces_and_wrong_dtypes_are_refused_on_every_rank() -> None:
+    r = hvd.rank()
+    assert hvd.allreduce(torch.tensor([1 + 1j * r])).tolist() == [1 + 0.5j]
+    assert hvd.allreduce(torch.tensor([1 + 1j * r]), op=hvd.Sum, prescale_factor=2.0).tolist() == [4 + 2j]
+    assert hvd.allreduce(torch.tensor([1j * r], dtype=torch.complex128), postscale_factor=4.0).tolist() == [2j]
+    assert hvd.reducescatter(torch.tensor([1j * r, 1.0 + r])).tolist() == ([0.5j] if r == 0 else [1.5 + 0j])
+    assert hvd.allreduce(torch.tensor([True, bool(r)]), op=hvd.Max).tolist() == [True, True]  # any rank
+    assert hvd.allreduce(torch.tensor([True, bool(r)]), op=hvd.Min).tolist() == [True, False]  # every rank
+    refused = [
+        (lambda: hvd.allreduce(torch.tensor([1j]), op=hvd.Max), r"op=hvd.Max is not supported for complex64"),
+        (lambda: hvd.allreduce(torch.tensor([1j]), op=hvd.Product), r"op=hvd.Product is not supported for complex"),
+        (lambda: hvd.allreduce(torch.tensor([True])), r"op=hvd.Average is not supported for bool tensors.*tensor.int"),
+        (lambda: hvd.allreduce_(torch.tensor([True]), op=hvd.Sum), r"op=hvd.Sum is not supported for bool"),
+        (lambda: hvd.reducescatter(torch.tensor([True, False])), r"hvd.reducescatter with op=hvd.Average"),
+        (lambda: hvd.allreduce(torch.tensor([True]), op=hvd.Max, prescale_factor=2.0), "takes no scale factors"),
+        (lambda: hvd.allreduce(torch.ones(2, dtype=torch.uint16), op=hvd.Sum),
+         r"Tensor type uint16 is not supported by hvd.allreduce; cast it"),
+        (lambda: hvd.synchronize(hvd.allreduce_async(torch.tensor([False]))), "not supported for bool"),
+    ]
+    for call, message in refused:
+        with pytest.raises(ValueError, match=message):
+            call()
+    # A refused dtype on one rank only: the ranks' dtypes differ, and every rank says so instead of hanging.
+    with pytest.raises(hvd.HorovodInternalError, match=r"Mismatched allreduce data types .*complex64.*float32"):
+        hvd.allreduce(torch.tensor([1j]) if r == 0 else torch.tensor([1.0]), op=hvd.Max)
+    assert hvd.allreduce(torch.tensor([float(r)]), op=hvd.Sum).tolist() == [1.0]  # nothing was sent
+
+
+def _check_objects_travel_by_cloudpickle_and_a_failure_raises_on_every_rank() -> None:
+    import sys
+    import threading
+
+    r = hvd.rank()
+    scale = 3
+    schedule = hvd.broadcast_object({"lr_lambda": lambda epoch: 0.1 * scale ** epoch} if r == 0 else None, 0)
+    assert schedule["lr_lambda"](2) == pytest.approx(0.9)  # a closure, as Horovod's cloudpickle sends it
+
+    def local(x: int) -> int:
+        return x + r
+
+    assert [f(10) for f in hvd.allgather_object(local)] == [10, 11]
+    unpicklable = r"broadcast_object: obj on rank 0 cannot be serialized \(a lock: TypeError"
+    with pytest.raises(TypeError, match=unpicklable + r".*every rank of the group raises this error"):
+        hvd.broadcast_object(threading.Lock() if r == 0 else None, root_rank=0)
+    with pytest.raises(TypeError, match=r"allgather_object: the object of rank 1 cannot be serialized"):
+        hvd.allgather_object(threading.Lock() if r == 1 else r)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(sys.modules, "cloudpickle", None)  # as if not installed: pickle, which cannot send a lambda
+        with pytest.raises(TypeError, match=r"obj on rank 1 cannot be serialized .*pip install cloudpickle"):
+            hvd.broadcast_object(lambda: 1, root_rank=1)
+        assert hvd.broadcast_object({"plain": r}, root_rank=1) == {"plain": 1}
+    assert hvd.allreduce(torch.tensor([float(r)]), op=hvd.Sum).tolist() == [1.0]  # still in step
+
+
+@pytest.mark.timeout(WORLD_TIMEOUT + 30)
+def test_collectives_match_horovod_in_signatures_scaling_errors_and_dtypes(no_leftover_processes):
+    _in_world_of_two([
+        _check_reducescatter_takes_compression_in_horovods_slot,
+        _check_integer_average_scales_the_sum_once_by_postscale_over_size,
+        _check_alltoall_async_synchronizes_to_output_and_received_splits,
+        _check_failed_collectives_raise_horovod_internal_error,
+        _check_complex_reduces_and_wrong_dtypes_are_refused_on_every_rank,
+        _check_objects_travel_by_cloudpickle_and_a_failure_raises_on_every_rank,
     ])
 
 
@@ -531,12 +663,38 @@ def _check_resume_on_root_then_broadcast() -> None:
     opt.close()
 
 
+def _check_model_makes_the_zero_gradients_of_sparse_embeddings_sparse() -> None:
+    # Horovod's model= tells which parameters are sparse embeddings: their zero gradients are sparse, as
+    # backward makes them, so the next backward adds to them sparsely.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(10, 3, sparse=True), nn.Linear(3, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    hvd.broadcast_optimizer_state(opt, root_rank=0, model=model)
+    rows, head = model[0].weight, model[1].weight
+    assert rows.grad.is_sparse and rows.grad.sparse_dim() == 1 and not rows.grad.to_dense().any()
+    assert not head.grad.is_sparse and not head.grad.any()
+    model(torch.tensor([hvd.rank()])).sum().backward()
+    assert rows.grad.is_sparse
+    opt.step()
+    # SparseAdam takes sparse gradients only: all of its zero gradients are sparse, with or without model.
+    embedding = nn.Embedding(10, 3, sparse=True)
+    sparse_adam = torch.optim.SparseAdam(list(embedding.parameters()), lr=0.1)
+    hvd.broadcast_optimizer_state(sparse_adam, 1)
+    embedding(torch.tensor([1, 2])).sum().backward()
+    assert embedding.weight.grad.is_sparse
+    sparse_adam.step()
+    with pytest.raises(TypeError, match=r"model must be a torch.nn.Module \(to find its sparse embeddings\) or "
+                                        r"None, got list"):
+        hvd.broadcast_optimizer_state(opt, root_rank=0, model=[model])
+
+
 @pytest.mark.timeout(WORLD_TIMEOUT + 30)
 def test_broadcast_optimizer_state(no_leftover_processes):
     _in_world_of_two([
         _check_broadcast_state_of_every_optimizer,
         _check_broadcast_state_does_not_step,
         _check_resume_on_root_then_broadcast,
+        _check_model_makes_the_zero_gradients_of_sparse_embeddings_sparse,
     ])
 
 
@@ -930,6 +1088,9 @@ def test_misuse_and_unsupported_features_say_what_to_do(job_of_one):
         (lambda: hvd.add_process_set([0, 1]), ValueError, r"ranks in 0..0, got \[0, 1\]"),
         (lambda: hvd.init(comm=[0]), NotImplementedError, "torchrun"),
         (lambda: hvd.broadcast_optimizer_state(nn.Linear(1, 1), 0), TypeError, "torch.optim.Optimizer"),
+        (lambda: hvd.broadcast_optimizer_state(sgd, 0, model="net"), TypeError, "model must be a torch.nn.Module"),
+        (lambda: hvd.allreduce(torch.tensor([1j]), op=hvd.Min), ValueError, "op=hvd.Min is not supported for complex"),
+        (lambda: hvd.reducescatter(torch.tensor([True]), op=hvd.Sum), ValueError, "not supported for bool tensors"),
         (lambda: hvd.sparse_allreduce_async(torch.ones(2)), TypeError, "sparse COO tensor"),
         (lambda: hvd.SyncBatchNorm, AttributeError, "convert_sync_batchnorm"),
     ]
@@ -956,7 +1117,14 @@ def test_horovods_names_and_defaults():
         "broadcast": "(tensor, root_rank, name=None, process_set=<global>)",
         "broadcast_": "(tensor, root_rank, name=None, process_set=<global>)",
         "broadcast_parameters": "(params, root_rank)",
-        "broadcast_optimizer_state": "(optimizer, root_rank)",
+        "broadcast_optimizer_state": "(optimizer, root_rank, model=None)",
+        "reducescatter": "(tensor, name=None, compression=<NoneCompressor>, op=<Average>, process_set=<global>, "
+                         "prescale_factor=1.0, postscale_factor=1.0)",
+        "grouped_reducescatter": "(tensors, name=None, compression=<NoneCompressor>, op=<Average>, "
+                                 "process_set=<global>, prescale_factor=1.0, postscale_factor=1.0)",
+        "reducescatter_async": "(tensor, name=None, op=<Average>, process_set=<global>, prescale_factor=1.0, "
+                               "postscale_factor=1.0)",
+        "alltoall_async": "(tensor, splits=None, name=None, process_set=<global>)",
         "broadcast_object": "(obj, root_rank=0, name=None, process_set=<global>)",
         "allgather_object": "(obj, name=None, process_set=<global>)",
         "init": "(comm=None, process_sets=None)",

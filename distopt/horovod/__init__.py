@@ -13,7 +13,11 @@ Where Horovod has sharp edges they are fixed rather than copied:
   optimizer step, so no rank's parameters or moments move;
 * ``zero_grad(set_to_none=...)`` is accepted, and ``zero_grad()`` right after
   ``backward()`` is safe (distopt waits for in-flight reductions);
-* misuse raises ``ValueError``/``RuntimeError`` (never ``AssertionError``);
+* misuse raises ``ValueError``/``TypeError``/``RuntimeError`` (never ``AssertionError``),
+  and a failed collective Horovod's ``HorovodInternalError`` (a ``RuntimeError``), on every
+  rank alike;
+* an object the root cannot serialize raises ``TypeError`` on every rank, where Horovod's
+  other ranks would wait for it (objects travel by cloudpickle when installed, as Horovod's);
 * fp16 compression divides by the number of ranks *before* the 16-bit cast, so
   averaging large gradients does not overflow.
 

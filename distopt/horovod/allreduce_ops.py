@@ -66,41 +66,104 @@ class _Reduction:
     group: Any  # the process set's lane (see .background); None in a job of one process
 
 
-def _start_allreduce(tensor: Tensor, out: Tensor, how: _Reduction, compression: Type[Compressor]) -> Handle:
-    """Reduce ``tensor`` into ``out`` (which may be ``tensor`` itself) asynchronously."""
+# What a reduction can combine, and how: floats and integers with every op; complex numbers
+# (as pairs of floats on the wire) only summed; bools only by the logical ops.
+_REDUCIBLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64,
+              torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+_COMPLEX = (torch.complex64, torch.complex128)
+
+
+def _unsupported(operation: str, dtype: torch.dtype, how: _Reduction) -> Optional[ValueError]:
+    """The error for a dtype ``how`` cannot reduce correctly (Horovod rejects them up front), or None."""
+    op = f"op=hvd.{how.op.name.title()}"
+    kind = str(dtype).replace("torch.", "")
+    if dtype in _COMPLEX:
+        if how.op in (Average, Sum):
+            return None
+        return ValueError(
+            f"hvd.{operation} with {op} is not supported for {kind} tensors (complex numbers have no order, "
+            "and the product is not elementwise on the wire); use op=hvd.Sum or op=hvd.Average, or reduce "
+            "tensor.abs() or torch.view_as_real(tensor)"
+        )
+    if dtype is torch.bool:
+        if how.op in (Average, Sum):
+            return ValueError(
+                f"hvd.{operation} with {op} is not supported for bool tensors (the sum of bools is their "
+                "logical or, not a count); cast first (tensor.int() to count, tensor.float() for the "
+                "fraction of ranks), or use op=hvd.Max for any rank, op=hvd.Min for every rank"
+            )
+        if how.prescale != 1.0 or how.postscale != 1.0:
+            return ValueError(
+                f"hvd.{operation} of bool tensors takes no scale factors, got prescale_factor={how.prescale!r} "
+                f"and postscale_factor={how.postscale!r}; cast the tensor first (tensor.float())"
+            )
+        return None
+    if dtype not in _REDUCIBLE:
+        return ValueError(
+            f"Tensor type {kind} is not supported by hvd.{operation}; cast it to a supported type first "
+            "(float16, bfloat16, float32, float64, uint8, int8, int16, int32, int64; complex for Sum and Average)"
+        )
+    return None
+
+
+def _start_allreduce(tensor: Tensor, out: Tensor, how: _Reduction, compression: Type[Compressor],
+                     operation: str = "allreduce") -> Handle:
+    """Reduce ``tensor`` into ``out`` (which may be ``tensor`` itself) asynchronously.
+
+    A dtype the reduction cannot handle raises ``ValueError`` from the handle, on every rank
+    alike: after the announcement (so ranks whose dtypes differ raise that instead), before any data.
+    """
     group = how.group
     world = collectives.get_world_size(group)
     pre, post = how.prescale, how.postscale
-    if how.op is Average and tensor.is_floating_point():
+    problem = _unsupported(operation, tensor.dtype, how)
+    floats = tensor.is_floating_point() or tensor.is_complex()
+    if how.op is Average and floats:
         pre /= world  # before the wire, so a 16-bit sum of large values cannot overflow
-    with torch.no_grad():
-        source = tensor.detach()
-        if pre != 1.0:
-            # Integers are scaled in float64 and truncated back on each rank before the sum, as Horovod does.
-            source = source * pre if source.is_floating_point() else (source.double() * pre).to(source.dtype)
-        compressed, ctx = compression.compress(source)
-        # The reduction may write into the caller's tensor only when it asked for in place.
-        wire = _on_wire(compressed, group, fresh=compressed is source and out is not tensor)
+    wire: Optional[Tensor] = None
+    ctx: Any = None
+    if problem is None:
+        with torch.no_grad():
+            source = tensor.detach()
+            if pre != 1.0:
+                # Integers are scaled in float64 and truncated back on each rank before the sum, as Horovod does.
+                source = source * pre if floats else (source.double() * pre).to(source.dtype)
+            compressed, ctx = compression.compress(source)
+            # The reduction may write into the caller's tensor only when it asked for in place.
+            wire = _on_wire(compressed, group, fresh=compressed is source and out is not tensor)
 
     def finish() -> Tensor:
         with torch.no_grad():
             result = compression.decompress(wire, ctx)
-            if how.op is Average and not result.is_floating_point():
-                result = result.div(world, rounding_mode="trunc")
-            if post != 1.0:
-                result = result * post
+            if result.is_floating_point() or result.is_complex():
+                if post != 1.0:
+                    result = result * post
+            elif how.op is Average and post == 1.0:
+                result = result.div(world, rounding_mode="trunc")  # exact for every int64
+            elif how.op is Average or post != 1.0:
+                # Horovod's integer Average is a Sum scaled once by postscale / size, in float64, then
+                # truncated once (scaling by postscale after a truncated mean would truncate twice).
+                scale = post / world if how.op is Average else post
+                result = (result.double() * scale).to(result.dtype)
             if result.data_ptr() != out.data_ptr() or result.shape != out.shape:
                 out.copy_(result)
             return out
 
     if group is None or world == 1:
-        return start(lambda: ([], finish), background=False)
+        def alone() -> Launched:
+            if problem is not None:
+                raise problem
+            return [], finish
+
+        return start(alone, background=False)
     name = current_name()
 
     def launch() -> Launched:
-        summed = _TORCH_OPS[how.op] == dist.ReduceOp.SUM
-        agree("allreduce", tensor, group, summed=wire if summed else None, name=name,
+        summed = _TORCH_OPS[how.op] == dist.ReduceOp.SUM and problem is None
+        agree(operation, tensor, group, summed=wire if summed else None, name=name,
               reduction=f"{how.op.name.title()} (prescale {how.prescale!r}, postscale {how.postscale!r})")
+        if problem is not None:  # every rank has this dtype and op (they agreed): every rank raises
+            raise problem
         return [dist.all_reduce(wire, op=_TORCH_OPS[how.op], group=group, async_op=True)], finish
 
     return start(launch, background=True)
@@ -145,6 +208,10 @@ def allreduce(
 
     Differentiable for Average and Sum: the gradient is reduced the same way.
 
+    Integers keep their dtype: scaled in float64 and truncated, as Horovod's (prescale on
+    each rank before the sum; for Average, the sum times ``postscale_factor / size``, truncated
+    once). Complex tensors take Sum and Average; bool tensors Min, Max and Product.
+
     Args:
         tensor: the tensor to reduce; same shape and dtype on every rank.
         average: deprecated: True for Average, False for Sum; use ``op``.
@@ -160,8 +227,10 @@ def allreduce(
         A new tensor with the reduced value.
 
     Raises:
-        ValueError: if both ``op`` and ``average`` are given, or ``op`` is unknown.
-        NotImplementedError: for ``hvd.Adasum`` or another process set.
+        ValueError: if both ``op`` and ``average`` are given, ``op`` is unknown, or the dtype
+            cannot be reduced with ``op`` (on every rank, before anything is sent).
+        NotImplementedError: for ``hvd.Adasum``.
+        HorovodInternalError: the collective failed, e.g. the ranks' shapes differ (on every rank).
     """
     how = _reduction(op, average, prescale_factor, postscale_factor, process_set)
     return named(name, lambda: _AllreduceFunction.apply(tensor, how, _compressor_class(compression)))

@@ -21,6 +21,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from .errors import _internal_errors
+
 __all__ = ["Handle"]  # the rest is the machinery of the collectives here
 
 #: What a launch returns: the works to wait for, and what turns them into the result.
@@ -50,7 +52,12 @@ class Handle:
         raise NotImplementedError
 
     def wait(self) -> Any:
-        """Block until the operation finished and return its result; the same result on every call."""
+        """Block until the operation finished and return its result; the same result on every call.
+
+        Raises:
+            HorovodInternalError: the collective failed (e.g. the ranks' tensors differ), as Horovod's do.
+            ValueError: the arguments cannot work on any rank (checked before anything is sent).
+        """
         raise NotImplementedError
 
 
@@ -83,10 +90,11 @@ class _Started(Handle):
 
     def wait(self) -> Any:
         if not self._finished:
-            self._take()
-            for work in self._works:
-                work.wait()
-            self._result = self._finish() if self._finish is not None else None
+            with _internal_errors():  # a failed collective is Horovod's HorovodInternalError
+                self._take()
+                for work in self._works:
+                    work.wait()
+                self._result = self._finish() if self._finish is not None else None
             self._finished, self._works, self._finish = True, [], None
         return self._result
 

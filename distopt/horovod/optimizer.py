@@ -16,6 +16,7 @@ from torch.optim import Optimizer
 
 from ..optimizer import DistributedOptimizer as _CoreDistributedOptimizer
 from .basics import _require_init, _world
+from .errors import _internal_errors
 from .compression import BF16Compressor, Compression, FP16Compressor, NoneCompressor, _compressor_class, _CompressorLike
 from .reduce_op import Adasum, Average, ReduceOp, Sum
 from .process_sets import ProcessSet, _alone, global_process_set, group_of
@@ -232,16 +233,21 @@ class DistributedOptimizer(_CoreDistributedOptimizer):
 
         Then take the step inside :meth:`skip_synchronize`. Also reduces when fewer
         than ``backward_passes_per_step`` passes ran. Never reduces twice.
+
+        Raises:
+            HorovodInternalError: the reduction failed, as Horovod's ``synchronize`` raises it.
         """
         if self._skipping_reduction:
             return
-        super().synchronize()
+        with _internal_errors():
+            super().synchronize()
         self._restore_sparse()
         self._synchronized = True
 
     def _reduce_for_step(self) -> None:
         if not self._skipping_reduction:
-            super()._reduce_for_step()
+            with _internal_errors():  # step() waits for the reduction here: Horovod's synchronize
+                super()._reduce_for_step()
         self._restore_sparse()
 
     def _restore_sparse(self) -> None:

@@ -1,7 +1,7 @@
 """``hvd.reducescatter`` and ``hvd.alltoall`` (and their grouped and asynchronous variants).
 
 ``reducescatter`` reduces like :func:`~distopt.horovod.allreduce` (same ops,
-scale factors, checks and int16 handling, through the same path) and keeps this
+scale factors, compression, dtype checks and int16 handling, through the same path) and keeps this
 rank's rows: the first dimension split as Horovod splits it, the first
 ``n % size`` ranks taking one row more. ``alltoall`` sends the ``i``-th block of
 rows to rank ``i`` of the set (equal blocks, or ``splits`` rows each) with
@@ -9,7 +9,7 @@ rows to rank ``i`` of the set (equal blocks, or ``splits`` rows each) with
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
 import torch.distributed as dist
@@ -20,9 +20,9 @@ from ..collectives.tensors import _comm_dtype
 from .agreement import agree
 from .allgather_ops import _start_allgather
 from .allreduce_ops import _reduction, _start_allreduce, _wire_device
-from .compression import NoneCompressor
+from .compression import Compression, Compressor, NoneCompressor, _compressor_class, _CompressorLike
 from .process_sets import global_process_set, lane_of
-from .reduce_op import ReduceOp, Sum
+from .reduce_op import Average, ReduceOp, Sum
 from .background import Handle, Launched, current_name, grouped, named, start, then
 
 __all__ = [
@@ -44,14 +44,14 @@ def _rows(n: int, size: int, rank: int) -> Tuple[int, int]:
     return rank * base + min(rank, extra), base + (1 if rank < extra else 0)
 
 
-def _start_reducescatter(tensor: Tensor, how: Any) -> Handle:
+def _start_reducescatter(tensor: Tensor, how: Any, compression: Type[Compressor] = NoneCompressor) -> Handle:
     if tensor.dim() == 0:
         raise ValueError("reducescatter needs a tensor with at least one dimension, got a scalar; use tensor.view(1)")
     group = how.group
     size = _size(group)
     me = dist.get_rank(group) if group is not None else 0
     first, rows = _rows(tensor.shape[0], size, me)
-    reduced = _start_allreduce(tensor, torch.empty_like(tensor), how, NoneCompressor)
+    reduced = _start_allreduce(tensor, torch.empty_like(tensor), how, compression, operation="reducescatter")
     return then(reduced, lambda out: out.narrow(0, first, rows).clone())
 
 
@@ -60,32 +60,32 @@ class _ReducescatterFunction(torch.autograd.Function):
     gradient, gathered in rank order, times the scale factors (and the set's size for Sum)."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: Tensor, how: Any) -> Tensor:
+    def forward(ctx: Any, tensor: Tensor, how: Any, compression: Type[Compressor]) -> Tensor:
         ctx.how = how
-        return _start_reducescatter(tensor, how).wait()
+        return _start_reducescatter(tensor, how, compression).wait()
 
     @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> Tuple[Tensor, None]:
+    def backward(ctx: Any, grad: Tensor) -> Tuple[Tensor, None, None]:
         how = ctx.how
         scale = how.prescale * how.postscale
         if how.op is Sum:
             scale *= _size(how.group)
         gathered, _ = _start_allgather(grad.contiguous() * scale if scale != 1.0 else grad.contiguous(), how.group)
-        return gathered.wait(), None
+        return gathered.wait(), None, None
 
 
-def _reducescatter(tensor: Tensor, how: Any) -> Tensor:
+def _reducescatter(tensor: Tensor, how: Any, compression: Type[Compressor]) -> Tensor:
     if torch.is_grad_enabled() and tensor.requires_grad:
-        return _ReducescatterFunction.apply(tensor, how)
-    return _start_reducescatter(tensor, how).wait()
+        return _ReducescatterFunction.apply(tensor, how, compression)
+    return _start_reducescatter(tensor, how, compression).wait()
 
 
-def reducescatter_async(tensor: Tensor, name: Optional[str] = None, op: Optional[ReduceOp] = None,
+def reducescatter_async(tensor: Tensor, name: Optional[str] = None, op: ReduceOp = Average,
                         process_set: Any = global_process_set, prescale_factor: float = 1.0,
                         postscale_factor: float = 1.0) -> Handle:
     """Start :func:`reducescatter`; :func:`synchronize` returns this rank's rows.
 
-    Args: as :func:`reducescatter`.
+    Args: as :func:`reducescatter` (without ``compression``, as Horovod's).
 
     Returns:
         A handle for :func:`synchronize` and :func:`poll`.
@@ -94,8 +94,8 @@ def reducescatter_async(tensor: Tensor, name: Optional[str] = None, op: Optional
     return named(name, lambda: _start_reducescatter(tensor, how))
 
 
-def reducescatter(tensor: Tensor, name: Optional[str] = None, op: Optional[ReduceOp] = None,
-                  process_set: Any = global_process_set, prescale_factor: float = 1.0,
+def reducescatter(tensor: Tensor, name: Optional[str] = None, compression: _CompressorLike = Compression.none,
+                  op: ReduceOp = Average, process_set: Any = global_process_set, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0) -> Tensor:
     """Reduce ``tensor`` over the ranks and keep this rank's rows of the result.
 
@@ -103,6 +103,8 @@ def reducescatter(tensor: Tensor, name: Optional[str] = None, op: Optional[Reduc
         tensor: the same shape on every rank, at least one dimension.
         name: optional; while an operation of that name is in flight on this rank, another raises
             ``ValueError`` (Horovod's rule). Ranks match collectives by call order, not by name.
+        compression: e.g. ``hvd.Compression.fp16`` to send float tensors in 16 bits (as
+            :func:`allreduce`, Average divides before the cast); the result keeps the input's dtype.
         op: ``hvd.Average`` (default) or ``hvd.Sum``, ``Min``, ``Max``, ``Product``.
         process_set: the ranks taking part (default: all).
         prescale_factor: multiplies the input before the reduction (default: 1.0).
@@ -115,28 +117,38 @@ def reducescatter(tensor: Tensor, name: Optional[str] = None, op: Optional[Reduc
         times the scale factors and, for Sum, the set's size (Horovod's rule).
 
     Raises:
-        RuntimeError: the ranks' shapes, dtypes or devices differ.
+        ValueError: a scalar, or a dtype :func:`allreduce` cannot reduce with ``op``.
+        HorovodInternalError: the ranks' shapes, dtypes or devices differ.
     """
     how = _reduction(op, None, prescale_factor, postscale_factor, process_set)
-    return named(name, lambda: _reducescatter(tensor, how))
+    cls = _compressor_class(compression)
+    return named(name, lambda: _reducescatter(tensor, how, cls))
 
 
 def grouped_reducescatter_async(tensors: Sequence[Tensor], name: Optional[str] = None,
-                                op: Optional[ReduceOp] = None, process_set: Any = global_process_set,
+                                op: ReduceOp = Average, process_set: Any = global_process_set,
                                 prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
     """Start :func:`reducescatter` of each tensor; :func:`synchronize` returns the list."""
     how = _reduction(op, None, prescale_factor, postscale_factor, process_set)
     return named(name, lambda: grouped([_start_reducescatter(t, how) for t in tensors]))
 
 
-def grouped_reducescatter(tensors: Sequence[Tensor], name: Optional[str] = None, op: Optional[ReduceOp] = None,
+def grouped_reducescatter(tensors: Sequence[Tensor], name: Optional[str] = None,
+                          compression: _CompressorLike = Compression.none, op: ReduceOp = Average,
                           process_set: Any = global_process_set, prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> List[Tensor]:
-    """:func:`reducescatter` of each tensor in ``tensors``, in one call (differentiable like it)."""
+    """:func:`reducescatter` of each tensor in ``tensors``, in one call (differentiable like it).
+
+    Args: as :func:`reducescatter`, with a list of tensors.
+
+    Returns:
+        This rank's rows of each reduction, in order.
+    """
+    how = _reduction(op, None, prescale_factor, postscale_factor, process_set)
+    cls = _compressor_class(compression)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        how = _reduction(op, None, prescale_factor, postscale_factor, process_set)
-        return named(name, lambda: [_reducescatter(t, how) for t in tensors])
-    return grouped_reducescatter_async(tensors, name, op, process_set, prescale_factor, postscale_factor).wait()
+        return named(name, lambda: [_reducescatter(t, how, cls) for t in tensors])
+    return named(name, lambda: grouped([_start_reducescatter(t, how, cls) for t in tensors])).wait()
 
 
 # ====================================================================== alltoall
@@ -162,20 +174,33 @@ def _split_sizes(tensor: Tensor, splits: Any, size: int) -> List[int]:
 
 def alltoall_async(tensor: Tensor, splits: Any = None, name: Optional[str] = None,
                    process_set: Any = global_process_set) -> Handle:
-    """Start :func:`alltoall`; :func:`synchronize` returns what :func:`alltoall` returns."""
+    """Start :func:`alltoall`; :func:`synchronize` returns ``(output, received_splits)``.
+
+    As Horovod's: the tuple whether or not ``splits`` was given (:func:`alltoall` itself
+    returns the output alone without ``splits``).
+
+    Args: as :func:`alltoall`.
+
+    Returns:
+        A handle for :func:`synchronize` and :func:`poll`.
+    """
     lane = lane_of(process_set)
-    return named(name, lambda: _start_alltoall(tensor, splits, lane))
+    return named(name, lambda: _start_alltoall(tensor, splits, lane, counts=True))
 
 
 def _start_alltoall(tensor: Tensor, splits: Any, group: Optional[dist.ProcessGroup],
                     counts: bool = False) -> Handle:
-    """Start the exchange; its result is the rows, with the received counts if ``splits`` or ``counts``."""
+    """Start the exchange; its result is the rows, with the received counts if ``splits`` or ``counts``.
+
+    The counts are int32, on the device of ``splits`` when it is a tensor (else the CPU), as Horovod's.
+    """
     size = _size(group)
     with_counts = counts or splits is not None
+    counts_device = splits.device if isinstance(splits, Tensor) else torch.device("cpu")
     if group is None or size == 1:
         send = _split_sizes(tensor, splits, size)
         out = tensor.detach().clone()
-        received = torch.tensor(send, dtype=torch.int32)
+        received = torch.tensor(send, dtype=torch.int32, device=counts_device)
         return start(lambda: ([], lambda: (out, received) if with_counts else out), background=False)
     name = current_name()
 
@@ -207,7 +232,7 @@ def _start_alltoall(tensor: Tensor, splits: Any, group: Optional[dist.ProcessGro
 
         def finish() -> Union[Tensor, Tuple[Tensor, Tensor]]:
             result = out.to(tensor.device, tensor.dtype)
-            return (result, torch.tensor(recv, dtype=torch.int32)) if with_counts else result
+            return (result, torch.tensor(recv, dtype=torch.int32, device=counts_device)) if with_counts else result
 
         return [work], finish
 

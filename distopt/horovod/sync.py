@@ -11,6 +11,7 @@ import torch.distributed as dist
 from .. import collectives, joining
 from .agreement import serve_joined
 from .background import Handle, start
+from .errors import _internal_errors
 from .process_sets import global_process_set, group_of, lane_of
 
 __all__ = [
@@ -31,10 +32,13 @@ def synchronize(handle: Handle) -> Any:
         handle: what an ``*_async`` function returned.
 
     Returns:
-        The output tensor (a list of tensors for ``grouped_*``).
+        The output tensor (a list of tensors for ``grouped_*``; for ``alltoall_async``, the
+        tuple ``(output, received_splits)`` whether or not ``splits`` was given, as Horovod's).
 
     Raises:
         TypeError: if ``handle`` is not a :class:`Handle`.
+        HorovodInternalError: the collective failed (a ``RuntimeError``, as Horovod's).
+        ValueError: its arguments could not work on any rank; nothing was sent.
     """
     return _check_handle(handle).wait()
 
@@ -77,7 +81,7 @@ def join(device: int = -1) -> int:
     :meth:`distopt.DistributedOptimizer.join`), and in their ``hvd.allreduce``
     with op Sum or Average (a metric's average counts the joined ranks' zeros).
     Any other ``hvd`` tensor collective on the global process set while a rank
-    has joined raises ``RuntimeError`` on every active rank, as Horovod's does.
+    has joined raises ``HorovodInternalError`` on every active rank, as Horovod's does.
     Object collectives, collectives on other process sets and :func:`barrier`
     wait for the joined rank: call them after ``join()``.
 
@@ -86,7 +90,15 @@ def join(device: int = -1) -> int:
 
     Returns:
         The last rank to join (the same on every rank).
+
+    Raises:
+        HorovodInternalError: a collective failed meanwhile.
     """
+    with _internal_errors():
+        return _join()
+
+
+def _join() -> int:
     from .optimizer import _live_optimizers
 
     lane = lane_of(global_process_set)
@@ -110,5 +122,10 @@ def barrier(process_set: Any = global_process_set) -> None:
 
     Args:
         process_set: the ranks to wait for (default: all).
+
+    Raises:
+        HorovodInternalError: the barrier failed (e.g. a rank left).
     """
-    collectives.barrier(group_of(process_set))
+    group = group_of(process_set)
+    with _internal_errors():
+        collectives.barrier(group)
