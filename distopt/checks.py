@@ -244,7 +244,7 @@ def check_agreement(
     """Raise the same ``ValueError`` on every rank if the ranks' settings or parameters differ.
 
     Every rank's ``settings`` (whatever shapes the collectives) and each
-    parameter's name, shape, dtype and ``requires_grad``, in order, are compared
+    parameter's name, shape, dtype, ``requires_grad`` and contiguity, in order, are compared
     by a digest first (one gather of 32 bytes per rank); only when the digests
     differ are the descriptions themselves gathered, to say what differs.
 
@@ -255,7 +255,9 @@ def check_agreement(
         group: the group the wrapper communicates on.
         root: the rank whose parameters are the reference.
     """
-    mine = (settings, [(n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in zip(names, params)])
+    # Contiguity too: it decides whether a large gradient is sent where it lies or through a pack.
+    mine = (settings, [(n, tuple(p.shape), str(p.dtype), p.requires_grad, p.is_contiguous())
+                       for n, p in zip(names, params)])
     if same_everywhere(repr(mine), group):
         return
     everyone = collectives.all_gather_object(mine, group=group)
@@ -281,6 +283,12 @@ def check_agreement(
                     f"{_describe(a)} on rank {root} but {_describe(b)} on rank {rank}; build the same model "
                     f"({len(reference)} vs {len(theirs)} parameters) on every rank before wrapping the optimizer"
                 )
+            if a[0] != b[0] and sorted(e[0] for e in reference) != sorted(e[0] for e in theirs):
+                raise ValueError(
+                    f"the parameters have different names on different ranks: parameter {i} is {a[0]!r} on rank "
+                    f"{root} but {b[0]!r} on rank {rank}; pass the same named_parameters= on every rank (given "
+                    "on some ranks only, or with a prefix such as 'module.' from a wrapper on some ranks only)"
+                )
             if a[0] != b[0]:
                 raise ValueError(
                     f"the parameters are in a different order on different ranks: parameter {i} is {a[0]!r} on "
@@ -292,11 +300,24 @@ def check_agreement(
                     f"parameter {i} ({a[0]!r}) is {_trainable(a)} on rank {root} but {_trainable(b)} on rank "
                     f"{rank}; set requires_grad alike on every rank before wrapping the optimizer"
                 )
+            if a[4] != b[4]:
+                raise ValueError(
+                    f"parameter {i} ({a[0]!r}) is {_layout(a)} on rank {root} but {_layout(b)} on rank {rank}; "
+                    "convert the model's memory format (e.g. model.to(memory_format=torch.channels_last)) alike "
+                    "on every rank before wrapping the optimizer"
+                )
 
 
-def _describe(entry: Optional[Tuple[str, Tuple[int, ...], str, bool]]) -> str:
+_Entry = Tuple[str, Tuple[int, ...], str, bool, bool]
+
+
+def _describe(entry: Optional[_Entry]) -> str:
     return "missing" if entry is None else f"shape {list(entry[1])} {entry[2]}"
 
 
-def _trainable(entry: Tuple[str, Tuple[int, ...], str, bool]) -> str:
+def _trainable(entry: _Entry) -> str:
     return "trainable" if entry[3] else "frozen (requires_grad=False)"
+
+
+def _layout(entry: _Entry) -> str:
+    return "contiguous" if entry[4] else "not contiguous (e.g. channels_last)"

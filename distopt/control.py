@@ -9,7 +9,10 @@ of their own:
 - whether a parameter frozen when it was tracked is trainable now;
 - how many ranks contributed gradients (the others have joined, see
   :meth:`distopt.DistributedOptimizer.join`), whether they are inside a join
-  block, and whether they average over the contributors or the whole world.
+  block, and whether they average over the contributors or the whole world;
+- whether the contributing ranks have taken the same number of steps, to one
+  step's parity: a rank that calls ``step()`` once more than the others (and then
+  applies its gradients twice) is caught at the next round.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from torch import Tensor
 __all__ = ["CONTROL_FLAGS", "Control", "Totals"]
 
 #: Flags after the presence flags of every pack.
-CONTROL_FLAGS = 6
+CONTROL_FLAGS = 8
 
 
 @dataclass(frozen=True)
@@ -35,10 +38,13 @@ class Control:
     contributing: bool  # False once this rank has joined: it sends zeros
     in_join: bool  # inside a join block (or a Horovod optimizer, always ready to join)
     divide_by_world: bool  # joined ranks count in the average (DDP's and Horovod's way)
+    counts_steps: bool = False  # this rank's step count is comparable (a gradient round it contributes to)
+    odd_steps: bool = False  # it has taken an odd number of steps
 
     def tensor(self, dtype: torch.dtype = torch.float32) -> Tensor:
         return torch.tensor([float(f) for f in (self.during_backward, self.inside_step, self.unfrozen,
-                                                  self.contributing, self.in_join, self.divide_by_world)],
+                                                  self.contributing, self.in_join, self.divide_by_world,
+                                                  self.counts_steps, self.odd_steps)],
                             dtype=dtype)
 
 
@@ -52,6 +58,8 @@ class Totals:
     contributing: int
     in_join: int
     divide_by_world: int
+    counts_steps: int
+    odd_steps: int
 
     @classmethod
     def read(cls, flags: List[Any], world_size: int, averaged: bool) -> "Totals":
@@ -66,7 +74,8 @@ class Totals:
 
         Raises:
             RuntimeError: some ranks reduced during backward and others only inside ``step()``,
-                or only some ranks are inside a join block, or they average differently.
+                or only some ranks are inside a join block, or they have taken different numbers
+                of steps, or they average differently.
         """
         if self.during_backward and self.inside_step:
             raise RuntimeError(_MIXED_ROUND)
@@ -74,6 +83,15 @@ class Totals:
             raise RuntimeError(
                 f"{self.in_join} of {world_size} ranks are inside `with opt.join():` and the others are not; "
                 "enter the join block on every rank, around the same training loop"
+            )
+        if self.odd_steps not in (0, self.counts_steps):
+            raise RuntimeError(
+                f"the ranks have taken different numbers of steps: in this round {self.odd_steps} of "
+                f"{self.counts_steps} contributing ranks had taken an odd number and the others an even one, so "
+                "their parameters differ now. Some ranks called step() more often than the others (a step() under "
+                "a rank-dependent condition, or a second step() for one batch), or reduced gradients the others "
+                "did not (a synchronize() before backward() on some ranks only); call step() once per batch, and "
+                "synchronize() alike, on every rank"
             )
         if self.divide_by_world not in (0, world_size):
             raise RuntimeError(

@@ -53,7 +53,8 @@ from .packs import (Pack, adopt_current_grads, build_packs, gather, gather_early
                     sums)
 from .private_groups import PrivateGroup
 from .round_end import RoundEnd
-from .rounds import (ACTIVE, DONE, IDLE, PHASE_BACKWARD, PHASE_EXPLICIT, PHASE_IMPLICIT, GATHER_SUM_MAX_BYTES, Sent,
+from .rounds import (ACTIVE, DONE, IDLE, PHASE_BACKWARD, PHASE_EXCHANGE, PHASE_EXPLICIT, PHASE_IMPLICIT,
+                     GATHER_SUM_MAX_BYTES, Sent,
                      broadcast_each, gather_buffer, gather_by_broadcasts, labelled, plan_gathers, sums_by_gather)
 from .stalls import Progress
 from .stats import StepStats
@@ -110,6 +111,7 @@ class GradientEngine(RoundEnd):
         self.backward_passes_per_step = backward_passes_per_step
         self.root_rank = root_rank
         self.stats = StepStats()
+        self.steps = 0  # the owner's steps taken; its parity travels in the control flags
         self._slowest_wait = 0.0  # seconds, of the waits at the end of backward that finished
         self.params: List[Tensor] = []
         self.names: List[str] = []
@@ -143,7 +145,8 @@ class GradientEngine(RoundEnd):
     def hook(self, params: Sequence[Tensor], names: Sequence[str]) -> None:
         ref = weakref.ref(self)
         for index, p in enumerate(params, len(self.params)):
-            self.handles.append(p.register_post_accumulate_grad_hook(_make_hook(ref, index)))
+            if p.requires_grad:  # a frozen one with a gradient set by hand is gathered when its pack is sent
+                self.handles.append(p.register_post_accumulate_grad_hook(_make_hook(ref, index)))
         self.params.extend(params)
         self.names.extend(names)
         # Reverse registration order is the usual arrival order; the root's observed order replaces it later.
@@ -200,6 +203,9 @@ class GradientEngine(RoundEnd):
         self._touched = False  # gradients changed while the round was pending
         self._patience_used = 0.0
         self._control: Optional[Tensor] = None  # this rank's control flags, set at its first launch
+        # After a step: each gradient then, and its pack's version, so that a synchronize() or step()
+        # with nothing new sends nothing, rather than the averaged gradients a second time.
+        self._consumed: Optional[Any] = None
         self.launch_order.reset()
         for pack in self.packs:
             pack.absent.clear()
@@ -231,7 +237,7 @@ class GradientEngine(RoundEnd):
             explicit: the user asked for it (``synchronize()``), rather than ``step()``
                 reducing what backward did not.
         """
-        if self.state == DONE:
+        if self.state == DONE or (self.state == IDLE and self._unchanged_since_step()):
             return
         with self.lock:
             if self.state == IDLE:  # else the round is pending: launched in backward, still in flight
@@ -245,7 +251,7 @@ class GradientEngine(RoundEnd):
     def on_grad_ready(self, index: int) -> None:
         with self.lock:
             if not self._pass_open:
-                self._open_pass()
+                self._open_pass(index)
             if not self._pass_reduces:
                 return
             if self._fired[index]:
@@ -262,8 +268,11 @@ class GradientEngine(RoundEnd):
             for ready in self.launch_order.ready(self.pack_of[index]):
                 self._launch(ready)
 
-    def _open_pass(self) -> None:
+    def _open_pass(self, index: int) -> None:
         """First hook of a backward pass: decide whether it reduces, and hook its end."""
+        if self.state == DONE and self._cleared_since_round(index):
+            self.reset_round()  # e.g. model.zero_grad() after a step GradScaler skipped
+        self._consumed = None
         if self._passes >= self.backward_passes_per_step or self.state == DONE:
             raise RuntimeError(
                 f"backward() ran again after the gradients were averaged (backward_passes_per_step="
@@ -296,10 +305,13 @@ class GradientEngine(RoundEnd):
             self._control = Control(
                 during_backward=not self.joined and self._phase == PHASE_BACKWARD,
                 inside_step=not self.joined and self._phase == PHASE_IMPLICIT,
-                unfrozen=not self.joined and any(p.requires_grad for p in self.frozen),
+                unfrozen=not self.joined and any(p.requires_grad or p.grad is not None for p in self.frozen),
                 contributing=not self.joined,
                 in_join=self.in_join,
                 divide_by_world=self.divide_by_world,
+                # An exchange (local SGD) meets a rank leaving a join block at its own step count.
+                counts_steps=not self.joined and self._phase != PHASE_EXCHANGE,
+                odd_steps=not self.joined and self._phase != PHASE_EXCHANGE and self.steps % 2 == 1,
             ).tensor()
         return self._control
 

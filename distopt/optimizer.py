@@ -23,8 +23,9 @@ from . import checks, collectives, joining, stalls, tracking, wiring
 from .collectives.groups import check_member
 from .rounds import IDLE
 from .forwarding import InnerOptimizerSurface
-from .modes import Mode, ShardedMode
+from .modes import LocalSGDMode, Mode, ShardedMode
 from .modes.local_sgd import OuterFactory
+from .modes import shards
 from .modes.sharded import state_bytes
 from .stats import StepStats
 
@@ -176,6 +177,15 @@ class DistributedOptimizer(InnerOptimizerSurface):
         self._mode.attach(self)
 
     @property
+    def _steps(self) -> int:
+        """Steps taken; every rank's count travels with each round (see :mod:`distopt.control`)."""
+        return self._engine.steps
+
+    @_steps.setter
+    def _steps(self, steps: int) -> None:
+        self._engine.steps = steps
+
+    @property
     def backward_passes_per_step(self) -> int:
         """Backward passes accumulated locally before the gradients are reduced, on the last of them."""
         return self._engine.backward_passes_per_step
@@ -192,6 +202,13 @@ class DistributedOptimizer(InnerOptimizerSurface):
         stats.optimizer_state_bytes = state_bytes(self.optimizer)
         stats.extra_state_bytes = self._mode.extra_state_bytes(self)
         return stats
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """Local SGD only: ``GradScaler`` then calls ``step()`` every time, with ``found_inf`` and
+        ``grad_scale`` set on the wrapper, so a rank that skips its inner step still counts it
+        (:mod:`distopt.modes.amp`). Other modes keep ``GradScaler``'s usual path."""
+        return isinstance(self._mode, LocalSGDMode)
 
     def __repr__(self) -> str:
         return (
@@ -214,15 +231,30 @@ class DistributedOptimizer(InnerOptimizerSurface):
         """With ``shard_state=True``: this rank's shard only, without communication (fast saves of
         large models: one file per rank); :func:`distopt.merge_state_dicts` rebuilds the full dict.
 
+        In a world of one it is the only shard, the whole state, so a script that saves one
+        file per rank runs unchanged.
+
         Raises:
             RuntimeError: the wrapper does not shard its state.
         """
-        if not isinstance(self._mode, ShardedMode):
+        if isinstance(self._mode, ShardedMode):
+            return self._mode.sharded_state_dict(self)
+        if not self.shard_state:
             raise RuntimeError("sharded_state_dict() needs shard_state=True; use state_dict()")
-        return self._mode.sharded_state_dict(self)
+        return shards.shard_of(self.optimizer, 0, 1, [0] * sum(len(g["params"]) for g in self.param_groups))
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Load a state dict from this wrapper or a plain optimizer (with ``shard_state``, from any world size)."""
+        """Load a state dict from this wrapper or a plain optimizer (with ``shard_state``, from any world size).
+
+        A shard from :meth:`sharded_state_dict` loads as it is into the same rank of a sharded
+        wrapper with the same world size and owners, and anywhere if it was saved at world size 1.
+
+        Raises:
+            ValueError: a shard that lacks state this wrapper needs (merge the save's shards
+                with :func:`distopt.merge_state_dicts`), or a state dict of another optimizer.
+        """
+        if not isinstance(self._mode, ShardedMode):
+            state_dict = shards.whole(state_dict)
         self._mode.load_state_dict(self, state_dict)
 
     def __getstate__(self) -> Dict[str, Any]:
@@ -264,7 +296,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
         if engine.progress is not None:
             engine.progress.phase = "inside step()"
         loss = self._mode.step(self, closure)
-        engine.reset_round()
+        engine.after_step()
         self._steps += 1
         if engine.progress is not None:
             engine.progress.step = self._steps
@@ -367,7 +399,9 @@ class DistributedOptimizer(InnerOptimizerSurface):
         """Give every rank the root's optimizer state, e.g. when only the root loaded a checkpoint.
 
         Unlike Horovod, no optimizer step is taken to create the state first, so
-        parameters and moments are exactly the root's.
+        parameters and moments are exactly the root's. In local SGD the mode's state
+        travels too: the step count, the steps since the last sync, the last-sync
+        parameters and the outer optimizer's state.
         """
         self._check_not_retired("broadcast_optimizer_state()")
         if isinstance(self._mode, ShardedMode):
@@ -377,6 +411,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
             )
         with stalls.inspected(self._engine.progress, "the optimizer-state broadcast"):
             collectives.broadcast_optimizer_state(self.optimizer, src=self.root_rank, group=self._group())
+        self._mode.broadcast_state(self, self.root_rank)
 
     def close(self) -> None:
         """Remove the gradient hooks, destroy the private group and release the parameters."""

@@ -57,24 +57,30 @@ def adopt_unfrozen(engine: "GradientEngine") -> None:
         ValueError: the ranks unfroze different parameters.
     """
     frozen, frozen_names = engine.frozen, engine.frozen_names
-    mine = None if engine.joined else [n for p, n in zip(frozen, frozen_names) if p.requires_grad]
+    # A frozen parameter with a gradient set by hand (torch.func.grad, say) is stepped by the inner
+    # optimizer like a trainable one, so it is averaged like one.
+    mine = None if engine.joined else [
+        (n, "trainable" if p.requires_grad else "frozen, with a gradient set by hand")
+        for p, n in zip(frozen, frozen_names) if p.requires_grad or p.grad is not None
+    ]
     with stalls.inspected(engine.progress, "the exchange of unfrozen parameter names"):
         everyone = collectives.all_gather_object(mine, group=engine.channel.group)
     named = [theirs for theirs in everyone if theirs is not None]
     if any(theirs != named[0] for theirs in named):
-        detail = "; ".join(f"rank {r}: {theirs}" for r, theirs in enumerate(everyone) if theirs is not None)
+        detail = "; ".join(f"rank {r}: {dict(theirs)}" for r, theirs in enumerate(everyone) if theirs is not None)
         raise ValueError(
-            f"different ranks made different parameters trainable ({detail}); set requires_grad alike on "
-            "every rank, at the same step"
+            f"different ranks made different frozen parameters trainable or gave them gradients ({detail}); set "
+            "requires_grad, and any gradient set by hand, alike on every rank, at the same step"
         )
+    adopted = dict(named[0])
     if mine is None:
         for p, n in zip(frozen, frozen_names):
-            if n in named[0]:
+            if adopted.get(n) == "trainable":
                 p.requires_grad_(True)
-    params = [p for p in frozen if p.requires_grad]
-    names = [n for p, n in zip(frozen, frozen_names) if p.requires_grad]
-    engine.frozen_names = [n for p, n in zip(frozen, frozen_names) if not p.requires_grad]
-    engine.frozen = [p for p in frozen if not p.requires_grad]
+    params = [p for p, n in zip(frozen, frozen_names) if n in adopted]
+    names = [n for n in frozen_names if n in adopted]
+    engine.frozen = [p for p, n in zip(frozen, frozen_names) if n not in adopted]
+    engine.frozen_names = [n for n in frozen_names if n not in adopted]
     # The other gradients are averaged already. The round is sent again in the new plan, for the
     # unfrozen ones, and then the others get their averaged values back: sent again, a sum
     # would be summed twice and a join's rescale applied twice. A copy of them, once per unfreeze.

@@ -3,14 +3,18 @@
 :meth:`RoundEnd.finish_round` waits for every all-reduce in flight (through
 :func:`distopt.waiting.wait_for`), rescales the contributors' mean, settles which
 parameters end up with a gradient, checks the control flags (:mod:`distopt.control`)
-and changes the plan where they say so (:mod:`distopt.replanning`). A mixin of
-:class:`distopt.engine.GradientEngine`, which launches what it waits for.
+and changes the plan where they say so (:mod:`distopt.replanning`). Between rounds
+it tells what a new call brings: after a step, a ``synchronize()`` or ``step()``
+with no gradient changed sends nothing; a backward pass after gradients were
+cleared behind the wrapper's back (``model.zero_grad()``) starts a new round. A
+mixin of :class:`distopt.engine.GradientEngine`, which launches what it waits for.
 """
 from __future__ import annotations
 
 import time
 from typing import TYPE_CHECKING, Any, List, Optional
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -53,8 +57,13 @@ class RoundEnd:
     _pending_grads: Optional[List[Optional[Tensor]]]
     _touched: bool
     _patience_used: Optional[float]
+    frozen: List[Tensor]
+    _consumed: Optional[Any]
 
     def _control_flags(self) -> Tensor:
+        raise NotImplementedError
+
+    def reset_round(self) -> None:
         raise NotImplementedError
 
     def _send(self, tensor: Tensor, pack: Pack, index: int, carries_flags: bool) -> None:
@@ -189,6 +198,46 @@ class RoundEnd:
             replanning.adopt_unfrozen(self)
         elif not self.planned:
             replanning.fix_plan(self)
+
+    # ------------------------------------------------------------------ between rounds
+
+    def after_step(self) -> None:
+        """The inner optimizer stepped: a new round starts, with nothing new to send until a gradient changes."""
+        done = self.state == DONE
+        self.reset_round()
+        if done and self.channel is not None:
+            self._consumed = ([p.grad for p in self.params], self._grad_versions())
+
+    def _grad_versions(self) -> List[int]:
+        # Per pack, not per gradient: a gradient is a view of its pack's buffer, and views share
+        # their base's version counter; a direct pack's gradient is its own tensor.
+        versions = []
+        for pack in self.packs:
+            t = pack.params[0].grad if pack.direct else pack.buffer
+            versions.append(-1 if t is None else t._version)
+        return versions
+
+    def _unchanged_since_step(self) -> bool:
+        """Every gradient is the one the last step read, unchanged, and no frozen parameter got one."""
+        if self._consumed is None:
+            return False
+        grads, versions = self._consumed
+        return (len(grads) == len(self.params) and all(p.grad is g for p, g in zip(self.params, grads))
+                and versions == self._grad_versions() and all(p.grad is None for p in self.frozen))
+
+    def _cleared_since_round(self, index: int) -> bool:
+        """Whether the gradients were cleared behind the wrapper's back since the round ended.
+
+        Called at the first hook of a backward pass after a finished round: when every
+        other tracked gradient is None or zero (``model.zero_grad()``, e.g. after a step
+        GradScaler skipped), this pass starts a new round instead of being refused.
+        """
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                g = p.grad
+                if i != index and g is not None and (g.is_sparse or bool(g.any())):
+                    return False
+        return True
 
     def control_round(self) -> None:
         """A round without packs (nothing trainable yet): only the control flags travel."""

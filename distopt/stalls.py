@@ -271,6 +271,15 @@ def _report(progress: Progress, seq: int, what: str, store: Any, waited: Optiona
     else:
         head = f"{_ranks(waiting)} waited {_limit(progress)} at step {progress.step} for {what}"
     if not missing:
+        # Collectives pair by number: the same number on different calls means one rank made a call
+        # with a collective of its own (add_param_group(), broadcast_parameters()) that the others did not.
+        doing = {r: p["what"] for r, p in sorted(positions.items()) if p is not None and p["waiting"] == seq}
+        if len(set(doing.values())) > 1:
+            detail = "; ".join(f"rank {r} in {w}" for r, w in doing.items())
+            return (f"{head}; the ranks are in different collectives of this optimizer, paired with each other "
+                    f"({detail}): a call that communicates (add_param_group(), broadcast_parameters(), "
+                    "broadcast_optimizer_state(), synchronize() before backward) was made on some ranks only; "
+                    "make it on every rank, at the same point")
         return (f"{head}; every rank has issued it, so the data is slow to arrive (a slow or broken link, "
                 "or a rank stuck inside the transport)")
     lines = [f"rank {r} has not arrived: {_seen(positions[r], waited is not None)}" for r in missing]

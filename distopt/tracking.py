@@ -20,8 +20,17 @@ if TYPE_CHECKING:  # the front imports this module
 __all__ = ["settings", "track_new_params"]
 
 
+#: The local-SGD arguments as a wrapper in another mode has them (sync_every=1 without an outer
+#: optimizer is synchronous training), so that two ranks in different modes differ in an argument.
+_NOT_LOCAL = {"sync_every": 1, "local_warmup": 0, "outer_optimizer": False}
+
+
 def settings(opt: "DistributedOptimizer") -> Dict[str, Any]:
-    """Every setting that decides which collectives run; they must match on every rank."""
+    """Every setting that decides which collectives run; they must match on every rank.
+
+    They are the user's arguments, whatever the mode, so that an error about ranks that
+    differ names an argument; the mode itself comes last, as a backstop.
+    """
     return {
         "reduce_op": opt.reduce_op,
         "pack_threshold": opt.pack_threshold,
@@ -31,8 +40,9 @@ def settings(opt: "DistributedOptimizer") -> Dict[str, Any]:
         "sparse_as_dense": opt.sparse_as_dense,
         "root_rank": opt.root_rank,
         "shard_state": opt.shard_state,
-        "mode": type(opt._mode).__name__,
+        **_NOT_LOCAL,
         **opt._mode.settings(),
+        "mode": type(opt._mode).__name__,
     }
 
 

@@ -97,6 +97,27 @@ def order_worker():
                                                       named_parameters=named)))
 
 
+def names_worker(variant):
+    """Rank 1 passes no names ("one_rank") or names with DDP's "module." prefix ("prefix")."""
+    rank, _ = rank_world()
+    model = make_model()
+    named = list(model.named_parameters())
+    if rank == 1 and variant == "prefix":
+        named = [(f"module.{n}", p) for n, p in named]
+    kwargs = {} if rank == 1 and variant == "one_rank" else {"named_parameters": named}
+    return outcome(lambda: built(DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), **kwargs)))
+
+
+def layout_worker():
+    """Rank 1 alone converts a conv net to channels_last: a 1.2 MiB weight is sent where it lies on one rank only."""
+    torch.manual_seed(0)
+    model = nn.Conv2d(256, 320, 2).double()
+    if dist.get_rank() == 1:
+        model = model.to(memory_format=torch.channels_last)
+    return outcome(lambda: built(DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                                      pack_threshold=1 << 20)))
+
+
 SETTINGS = {
     "pack_threshold": (1024, 2048),
     "compression": (None, "bf16"),
@@ -347,12 +368,116 @@ def threshold_types_worker():
     return [o.pack_threshold for o in opts]
 
 
+# ---------------------------------------------------------------------- steps, and gradients set around them
+
+
+def extra_step_worker(who, reduce_op="mean"):
+    """``who`` calls step() a second time for batch 1: "all" (as one process may), or rank 1 only."""
+    rank, world = rank_world()
+    model, reference = make_model(), make_model()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), reduce_op=reduce_op)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    scale = world if reduce_op == "sum" else 1  # summed gradients are those of the summed losses
+
+    def train():
+        for step, (x, y) in enumerate(data(4)):
+            ref_opt.zero_grad()
+            (loss_of(reference, x, y) * scale).backward()
+            ref_opt.step()
+            opt.zero_grad()
+            loss_of(model, shard(x), shard(y)).backward()
+            opt.step()
+            if step == 1 and who == "all":
+                ref_opt.step()
+            if step == 1 and (who == "all" or rank == 1):
+                opt.step()  # the same gradients again: nothing is sent a second time
+        return max_diff(model.parameters(), reference.parameters())
+
+    return outcome(train)
+
+
+def synchronize_after_step_worker():
+    """Rank 0 alone calls synchronize() after every step (to log a gradient norm, say)."""
+    rank, _ = rank_world()
+    model, reference = make_model(), make_model()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+
+    def train():
+        for x, y in data(4):
+            ref_opt.zero_grad()
+            loss_of(reference, x, y).backward()
+            ref_opt.step()
+            opt.zero_grad()
+            loss_of(model, shard(x), shard(y)).backward()
+            opt.step()
+            if rank == 0:
+                opt.synchronize()  # a no-op: the gradients are averaged already
+        return max_diff(model.parameters(), reference.parameters()), identical_on_all_ranks(model.parameters())
+
+    return outcome(train)
+
+
+def skipped_step_model_zero_grad_worker():
+    """GradScaler skips the step of an overflowing batch, and the loop clears gradients through the model."""
+    model, reference = make_model().float(), make_model().float()
+
+    def run(net, opt, batches):
+        scaler = torch.amp.GradScaler("cpu")
+        for i, (x, y) in enumerate(batches):
+            net.zero_grad()  # not opt.zero_grad(): the wrapper sees the gradients go
+            loss = loss_of(net, x.float(), y.float()) * (1e38 if i == 1 else 1.0)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+
+    def train():
+        batches = data(4)
+        run(reference, torch.optim.SGD(reference.parameters(), lr=0.1), batches)
+        run(model, DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1)),
+            [(shard(x), shard(y)) for x, y in batches])
+        return max_diff(model.parameters(), reference.parameters())
+
+    return outcome(train)
+
+
+def hand_set_frozen_worker(who):
+    """Gradients from torch.func, set by hand on parameters that do not require grad, on ``who`` ranks."""
+    from torch.func import functional_call, grad
+
+    rank, _ = rank_world()
+    model, reference = make_model(), make_model()
+    for p in list(model.parameters()) + list(reference.parameters()):
+        p.requires_grad_(False)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+
+    def grads(net, x, y):
+        return grad(lambda ps: loss_of(lambda t: functional_call(net, ps, (t,)), x, y))(dict(net.named_parameters()))
+
+    def train():
+        for x, y in data(3):
+            for p, g in zip(reference.parameters(), grads(reference, x, y).values()):
+                p.grad = g
+            ref_opt.step()
+            if who == "all" or rank == 0:
+                for p, g in zip(model.parameters(), grads(model, shard(x), shard(y)).values()):
+                    p.grad = g
+            opt.step()
+        return max_diff(model.parameters(), reference.parameters()), identical_on_all_ranks(model.parameters())
+
+    return outcome(train)
+
+
 # ---------------------------------------------------------------------- one launch per world
 
 
 def world2_checks():
     results = {
         "order": order_worker(),
+        "names_one_rank": names_worker("one_rank"),
+        "names_prefix": names_worker("prefix"),
+        "layout": layout_worker(),
         "settings": {key: settings_worker(key) for key in SETTINGS},
         "skip_clip": skipped_batch_worker(call_synchronize=False, clip=True),
         "skip_sync_clip": skipped_batch_worker(call_synchronize=True, clip=True),
@@ -364,6 +489,13 @@ def world2_checks():
         "create_graph": create_graph_worker(),
         "int16": int16_worker(),
         "threshold_types": threshold_types_worker(),
+        "extra_step_all": extra_step_worker("all"),
+        "extra_step_all_sum": extra_step_worker("all", "sum"),
+        "extra_step_one": extra_step_worker("one"),
+        "synchronize_after_step": synchronize_after_step_worker(),
+        "skipped_step_model_zero_grad": skipped_step_model_zero_grad_worker(),
+        "hand_set_frozen": hand_set_frozen_worker("all"),
+        "hand_set_frozen_one": hand_set_frozen_worker("one"),
         "straggler": straggler_worker(clip=False),
         # last: rank 0 raises once the round is back, rank 1 goes on to the end of its loop alone
         "straggler_clip": straggler_worker(clip=True),
@@ -459,7 +591,8 @@ def test_frozen_parameters_start_identical_and_unfreezing_trains_like_one_proces
 
 def test_unfreezing_on_one_rank_only_fails_on_every_rank():
     same_error_everywhere([r["unfreeze_differently"] for r in results(2)], "ValueError",
-                          r"different ranks made different parameters trainable.*rank 0: \['param_groups\[0\]\[0\]'\]; rank 1: \[\]")
+                          r"different ranks made different frozen parameters trainable.*"
+                          r"rank 0: \{'param_groups\[0\]\[0\]': 'trainable'\}; rank 1: \{\}")
 
 
 def test_a_model_converted_after_wrapping_says_what_happened_and_what_to_do():
@@ -531,3 +664,51 @@ def test_a_group_that_is_not_a_process_group_is_a_type_error(call):
 def test_get_offsets_rejects_negative_sizes():
     with pytest.raises(ValueError, match=r"shapes\[1\] = \(2, -3\) has the size -3"):
         distopt.get_offsets([(1,), (2, -3)])
+
+
+@pytest.mark.parametrize("check", ["extra_step_all", "extra_step_all_sum"])
+def test_a_second_step_on_every_rank_applies_the_same_gradients_again_as_one_process_would(check):
+    for o in results(2):
+        assert o[check][0] == "ok", o[check]
+        assert o[check][1] < TOL
+
+
+def test_a_second_step_on_one_rank_fails_on_every_rank_at_the_next_round():
+    same_error_everywhere([r["extra_step_one"] for r in results(2)], "RuntimeError",
+                          r"different numbers of steps.*call step\(\) once per batch, and synchronize\(\) alike, on every rank")
+
+
+def test_synchronize_after_step_on_one_rank_sends_nothing_and_ranks_stay_identical():
+    for o in results(2):
+        assert o["synchronize_after_step"][0] == "ok", o["synchronize_after_step"]
+        diff, identical = o["synchronize_after_step"][1]
+        assert diff < TOL and identical
+
+
+def test_a_skipped_step_then_model_zero_grad_starts_a_new_round_and_trains_like_one_process():
+    for o in results(2):
+        assert o["skipped_step_model_zero_grad"][0] == "ok", o["skipped_step_model_zero_grad"]
+        assert o["skipped_step_model_zero_grad"][1] < 1e-6  # float32
+
+
+def test_gradients_set_by_hand_on_frozen_parameters_are_averaged():
+    for o in results(2):
+        assert o["hand_set_frozen"][0] == "ok", o["hand_set_frozen"]
+        diff, identical = o["hand_set_frozen"][1]
+        assert diff < TOL and identical
+
+
+def test_gradients_set_by_hand_on_frozen_parameters_of_one_rank_only_fail_on_every_rank():
+    same_error_everywhere([r["hand_set_frozen_one"] for r in results(2)], "ValueError",
+                          r"frozen, with a gradient set by hand.*alike on every rank")
+
+
+@pytest.mark.parametrize("check", ["names_one_rank", "names_prefix"])
+def test_names_that_differ_between_ranks_are_reported_as_names_not_as_order(check):
+    same_error_everywhere([r[check] for r in results(2)], "ValueError",
+                          r"different names on different ranks.*same named_parameters= on every rank")
+
+
+def test_a_memory_format_that_differs_between_ranks_fails_at_construction_on_every_rank():
+    same_error_everywhere([r["layout"] for r in results(2)], "ValueError",
+                          r"contiguous on rank 0 but not contiguous \(e.g. channels_last\) on rank 1.*memory format")

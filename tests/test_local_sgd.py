@@ -6,6 +6,7 @@ size) and compares against references computed inside the worker: torch's own
 single-process replay of every rank's replica and of the protocol (float64,
 1e-10). The assertions live in the tests.
 """
+import copy
 import io
 
 import pytest
@@ -15,6 +16,7 @@ from torch import nn
 
 import distopt
 from distopt import DistributedOptimizer
+from distopt.modes import local_sgd_state
 from distopt.modes.local_sgd import STATE_KEY
 
 from _worlds import Worlds
@@ -58,7 +60,7 @@ def max_diff(a, b):
     return max((x - y).abs().max().item() for x, y in zip(a, b))
 
 
-def simulate(counts, sync_every, inner="sgd", outer=None, warmup=0):
+def simulate(counts, sync_every, inner="sgd", outer=None, warmup=0, skips=frozenset()):
     """Every rank's replica in one process, and the protocol between them.
 
     Rank r runs ``counts[r]`` steps. The first ``warmup`` steps average gradients over
@@ -67,7 +69,7 @@ def simulate(counts, sync_every, inner="sgd", outer=None, warmup=0):
     its pseudo-gradient ``anchor - param``. The k-th offer of every rank meets the
     others' k-th (collectives pair by order); the mean over those present moves the
     anchors (minus it, or the outer optimizer steps on it) and each of them takes
-    the anchors.
+    the anchors. Rank r's inner step t is skipped (but counted) where ``(r, t)`` is in ``skips``.
 
     Returns:
         ``(trace, final)``: ``trace[r][t]`` is rank r's parameters after its step t;
@@ -90,13 +92,15 @@ def simulate(counts, sync_every, inner="sgd", outer=None, warmup=0):
                 mean = yield "grad", [p.grad.clone() for p in model.parameters()]
                 for p, g in zip(model.parameters(), mean):
                     p.grad = g
-                opt.step()
+                if (r, t) not in skips:
+                    opt.step()
                 if t == warmup - 1:
                     with torch.no_grad():
                         for a, p in zip(anchors, model.parameters()):
                             a.copy_(p)
             else:
-                opt.step()
+                if (r, t) not in skips:
+                    opt.step()
                 since += 1
                 if since == sync_every:
                     since = 0
@@ -332,6 +336,99 @@ def train_uneven(counts, sync_every, inner="sgd", outer=None, warmup=0, compress
     return result
 
 
+def state_of(opt):
+    """The local-SGD mode's state on this rank: step counts, anchors and outer optimizer state, in order."""
+    mode = opt._mode
+    outer = [v for s in (mode.outer.state.values() if mode.outer else []) for v in s.values() if torch.is_tensor(v)]
+    return {"steps": opt._steps, "since_sync": mode.since_sync, "anchors": [a for _, a in mode._pairs(opt)],
+            "outer": outer, "layout": local_sgd_state.outer_layout(mode, opt)}
+
+
+def root_only_resume(cut, grow, steps=9, sync_every=3):
+    """Only the root loads a DiLoCo checkpoint (with ``grow``, taken after add_param_group, into a wrapper
+    built with the final param groups); broadcast_parameters() and broadcast_optimizer_state() then give
+    every rank its state."""
+    rank = dist.get_rank()
+
+    def run(model, opt, start, stop, late=False):
+        for t in range(start, stop):
+            if t == 2 and late:
+                opt.add_param_group({"params": list(model[4].parameters())})
+            opt.zero_grad()
+            loss_of(model, *batch(rank, t)).backward()
+            opt.step()
+
+    def first_layers(model):
+        return list(model[0].parameters()) + list(model[2].parameters())
+
+    model = make_model()
+    opt = DistributedOptimizer(INNER["sgd"](first_layers(model) if grow else model.parameters()),
+                               sync_every=sync_every, outer_optimizer=OUTER["nesterov"], stall_timeout=30)
+    run(model, opt, 0, cut, late=grow)
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buffer)
+    run(model, opt, cut, steps)
+    straight = params_of(model)
+    opt.close()
+    model = make_model(seed=10 + rank)
+    groups = [{"params": first_layers(model)}, {"params": model[4].parameters()}] if grow else model.parameters()
+    opt = DistributedOptimizer(INNER["sgd"](groups), sync_every=sync_every, outer_optimizer=OUTER["nesterov"],
+                               stall_timeout=30)
+    if rank == 0:
+        buffer.seek(0)
+        saved = torch.load(buffer)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+    opt.broadcast_parameters()
+    opt.broadcast_optimizer_state()
+    mine = state_of(opt)
+    counts = distopt.all_gather_object((mine["steps"], mine["since_sync"], mine["layout"]))
+    identical_state = everyone_equal(mine["anchors"] + mine["outer"] + list(model.parameters()))
+    run(model, opt, cut, steps)
+    result = {"counts": counts, "identical_state": identical_state,
+              "identical_after": everyone_equal(model.parameters()), "diff": max_diff(params_of(model), straight)}
+    opt.close()
+    return result
+
+
+def scaled_training(steps, sync_every, infs, warmup=0, unscale=False):
+    """torch.amp.GradScaler with an inf in rank r's batch at step t for each (r, t) in ``infs``: against
+    the simulation with those steps skipped (on every rank during the warm-up, where gradients are averaged)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model(seed=rank)
+    opt = DistributedOptimizer(INNER["momentum"](model.parameters()), sync_every=sync_every, local_warmup=warmup,
+                               stall_timeout=30)  # ranks whose syncs drift apart fail in time
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    skips = {(r, t) for _, t in infs if t < warmup for r in range(world)} | {i for i in infs if i[1] >= warmup}
+    trace, _ = simulate([steps] * world, sync_every, "momentum", None, warmup, skips=skips)
+    counts, diffs, identical = [], [], []
+    for t in range(steps):
+        x, y = batch(rank, t)
+        if (rank, t) in infs:
+            x[0, 0] = float("inf")  # an overflow on this rank only
+        opt.zero_grad()
+        scaler.scale(loss_of(model, x, y)).backward()
+        if unscale:
+            scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        counts.append((opt._steps, opt._mode.since_sync))
+        diffs.append(max_diff(params_of(model), trace[rank][t]))
+        identical.append(everyone_equal(model.parameters()))
+    opt.close()
+    return {"counts": counts, "diffs": diffs, "identical": identical, "scale": scaler.get_scale()}
+
+
+def outer_optimizer_on_one_rank():
+    """Rank 0 passes sync_every=1 with an outer optimizer (DiLoCo), rank 1 neither: the error names the argument."""
+    kwargs = {"sync_every": 1, "outer_optimizer": OUTER["sgd1"]} if dist.get_rank() == 0 else {}
+    try:
+        DistributedOptimizer(INNER["sgd"](make_model().parameters()), stall_timeout=30, **kwargs).close()
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 # (world, check, args, kwargs)
 CASES = {
     "plain H=4": (2, train_against_simulation, (12, 4), {"inner": "momentum"}),
@@ -350,6 +447,12 @@ CASES = {
     "join during warm-up": (2, train_uneven, ([2, 9], 3), {"outer": "nesterov", "warmup": 4}),
     "join, a rank without data": (3, train_uneven, ([5, 0, 9], 2), {"outer": "nesterov"}),
     "join compression": (2, train_uneven, ([7, 4], 3), {"compression": "bf16"}),
+    "root-only load at a sync": (2, root_only_resume, (6, False), {}),
+    "root-only load mid-period, after add_param_group": (2, root_only_resume, (7, True), {}),
+    "settings differ": (2, outer_optimizer_on_one_rank, (), {}),
+    # last: before the fix, these ranks' syncs drift apart and leave the world out of step
+    "scaler, inf on one rank": (2, scaled_training, (9, 3, {(1, 0), (1, 4)}), {}),
+    "scaler after unscale_, warm-up": (2, scaled_training, (9, 2, {(1, 0), (0, 4)}), {"warmup": 2, "unscale": True}),
 }
 
 WORLDS = Worlds(CASES, timeout=280)
@@ -444,6 +547,39 @@ def test_join_with_compression_ends_identical(no_leftover_processes):
         assert r["diff"] < 2e-2, r
 
 
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["root-only load at a sync", "root-only load mid-period, after add_param_group"])
+def test_broadcast_optimizer_state_gives_every_rank_the_roots_local_sgd_state(name, no_leftover_processes):
+    cut, grow = CASES[name][2]
+    layout = [[0, 1, 2, 3], [4, 5]] if grow else [[0, 1, 2, 3, 4, 5]]
+    for r in results(name):
+        # the step count, the steps since the last sync and the outer groups are the root's on every rank
+        assert r["counts"] == [(cut, cut % 3, layout)] * 2, r
+        assert r["identical_state"] and r["identical_after"], r
+        if cut % 3 == 0:  # after a sync every rank had the root's state: as if never interrupted
+            assert r["diff"] == 0.0, r
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["scaler, inf on one rank", "scaler after unscale_, warm-up"])
+def test_a_gradscaler_inf_on_one_rank_skips_its_step_there_and_keeps_the_sync_schedule(name, no_leftover_processes):
+    steps, sync_every, _ = CASES[name][2]
+    warmup = CASES[name][3].get("warmup", 0)
+    (r0, r1) = results(name)
+    assert r0["counts"] == r1["counts"] == [(t + 1, 0 if t < warmup else (t + 1 - warmup) % sync_every)
+                                            for t in range(steps)]
+    for r in (r0, r1):
+        assert max(r["diffs"]) < TOL, r["diffs"]
+        assert all(r["identical"][t] for t in range(steps) if t < warmup or (t + 1 - warmup) % sync_every == 0)
+    assert r0["scale"] != r1["scale"]  # each rank's scaler saw its own inf
+
+
+@pytest.mark.timeout(300)
+def test_ranks_that_differ_in_outer_optimizer_are_told_the_argument_not_the_mode(no_leftover_processes):
+    for error in results("settings differ"):
+        assert "different outer_optimizer on different ranks (rank 0: True, rank 1: False)" in error, error
+
+
 # ---------------------------------------------------------------------- one process
 
 
@@ -516,3 +652,108 @@ def test_a_state_dict_saved_with_an_outer_optimizer_needs_one_to_load():
         other.load_state_dict(saved)
     plain = DistributedOptimizer(INNER["sgd"](model.parameters()))
     plain.load_state_dict(saved)  # synchronous: the inner part loads, the extra key is ignored
+
+
+def grown_diloco(model, history, at_construction):
+    """DiLoCo over ``model`` whose last layer joins late (``history``: "add_param_group" or "unfrozen"),
+    or is there from the start (``at_construction``, as a wrapper rebuilt from a checkpoint would be)."""
+    first = list(model[0].parameters()) + list(model[2].parameters())
+    last = list(model[4].parameters())
+    if history == "add_param_group" and not at_construction:
+        inner = INNER["momentum"](first)
+    else:
+        inner = INNER["momentum"]([{"params": first}, {"params": last}])
+        for p in last:
+            p.requires_grad_(at_construction or history != "unfrozen")
+    return DistributedOptimizer(inner, sync_every=3, outer_optimizer=OUTER["nesterov"])
+
+
+def grow(model, opt, history):
+    if history == "add_param_group":
+        opt.add_param_group({"params": list(model[4].parameters())})
+    else:
+        model[4].requires_grad_(True)
+
+
+def run_local(model, opt, start, stop):
+    for t in range(start, stop):
+        opt.zero_grad()
+        loss_of(model, *batch(0, t)).backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("rebuilt", ["with the final groups", "replaying the history"])
+@pytest.mark.parametrize("history", ["add_param_group", "unfrozen"])
+def test_a_diloco_checkpoint_after_new_outer_groups_resumes_bitwise_however_the_wrapper_is_rebuilt(history, rebuilt):
+    model = make_model()
+    opt = grown_diloco(model, history, at_construction=False)
+    run_local(model, opt, 0, 4)
+    grow(model, opt, history)
+    run_local(model, opt, 4, 8)  # mid-period: since_sync is 2
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    assert len(saved["opt"][STATE_KEY]["outer_groups"]) == 2
+    run_local(model, opt, 8, 12)
+    straight = params_of(model)
+    opt.close()
+    model = make_model(seed=1)
+    opt = grown_diloco(model, history, at_construction=rebuilt == "with the final groups")
+    if rebuilt == "replaying the history":
+        grow(model, opt, history)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    assert local_sgd_state.outer_layout(opt._mode, opt) == saved["opt"][STATE_KEY]["outer_groups"]
+    run_local(model, opt, 8, 12)
+    assert all(torch.equal(a, b) for a, b in zip(params_of(model), straight))
+
+
+def test_a_local_sgd_load_that_fails_leaves_the_wrapper_as_it_was():
+    model = make_model()
+    opt = grown_diloco(model, "add_param_group", at_construction=True)
+    run_local(model, opt, 0, 4)
+    saved = opt.state_dict()
+    other = make_model(seed=1)
+    fresh = grown_diloco(other, "add_param_group", at_construction=True)
+    run_local(other, fresh, 0, 3)  # a sync: the outer optimizer has state
+    before = state_of(fresh)
+    before = dict(before, anchors=[a.clone() for a in before["anchors"]], outer=[v.clone() for v in before["outer"]])
+    extra_group = dict(saved, param_groups=saved["param_groups"] + [dict(saved["param_groups"][0], params=[])])
+    bad_layout = dict(saved, **{STATE_KEY: dict(saved[STATE_KEY], outer_groups=[[0, 0, 1, 2, 3, 4]])})
+    with pytest.raises(ValueError, match="different number of parameter groups"):  # the inner optimizer's
+        fresh.load_state_dict(extra_group)
+    with pytest.raises(ValueError, match=r"'outer_groups'\] = \[\[0, 0, 1, 2, 3, 4\]\] does not fit"):
+        fresh.load_state_dict(bad_layout)
+    after = state_of(fresh)
+    assert (after["steps"], after["since_sync"], after["layout"]) == (3, 0, before["layout"])
+    assert len(after["outer"]) == len(before["outer"]) > 0
+    assert all(torch.equal(a, b) for a, b in zip(after["anchors"] + after["outer"], before["anchors"] + before["outer"]))
+    fresh.load_state_dict(saved)
+    assert (fresh._steps, fresh._mode.since_sync) == (4, 1)
+
+
+def test_an_older_diloco_checkpoint_without_the_layout_loads_where_it_did_and_says_why_where_it_cannot():
+    model = make_model()
+    opt = grown_diloco(model, "add_param_group", at_construction=True)
+    run_local(model, opt, 0, 4)
+    old = opt.state_dict()
+    del old[STATE_KEY]["outer_groups"]
+    same = grown_diloco(make_model(), "add_param_group", at_construction=True)
+    same.load_state_dict(old)  # one outer group, as when it was saved
+    assert all(torch.equal(a, b) for a, b in zip(state_of(same)["outer"], state_of(opt)["outer"]))
+    model = make_model()
+    grown = grown_diloco(model, "add_param_group", at_construction=False)
+    run_local(model, grown, 0, 2)
+    grow(model, grown, "add_param_group")
+    run_local(model, grown, 2, 4)
+    older = grown.state_dict()
+    del older[STATE_KEY]["outer_groups"]
+    rebuilt = grown_diloco(make_model(), "add_param_group", at_construction=True)
+    with pytest.raises(ValueError, match=r"saved by an older distopt.* has 2 param groups of \[4, 2\] tensors, "
+                                         r"and this wrapper's would have 1 of \[6\]; build the wrapper as the run"):
+        rebuilt.load_state_dict(older)
+    assert rebuilt._steps == 0
+
+
+def test_only_local_sgd_takes_gradscalers_steps_itself():
+    model = make_model()
+    assert DistributedOptimizer(INNER["sgd"](model.parameters()))._step_supports_amp_scaling is False
+    assert DistributedOptimizer(INNER["sgd"](model.parameters()), sync_every=2)._step_supports_amp_scaling is True

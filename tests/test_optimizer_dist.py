@@ -361,10 +361,13 @@ def test_ranks_with_different_models_all_fail_at_construction_naming_the_paramet
 # ---------------------------------------------------------------------- other optimizers and state
 
 
-def lbfgs_worker():
+def lbfgs_worker(line_search_fn=None, tolerance_change=1e-9):
+    settings = dict(lr=0.5, max_iter=4 if line_search_fn is None else 10, line_search_fn=line_search_fn,
+                    tolerance_change=tolerance_change)
     reference, model = make_model(), make_model()
-    ref_opt = torch.optim.LBFGS(reference.parameters(), lr=0.5, max_iter=4)
-    opt = DistributedOptimizer(torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4), pack_threshold=300)
+    ref_opt = torch.optim.LBFGS(reference.parameters(), **settings)
+    opt = DistributedOptimizer(torch.optim.LBFGS(model.parameters(), **settings), pack_threshold=300)
+    losses = []
     for x, y in batches(3):
         def ref_closure():
             ref_opt.zero_grad()
@@ -378,13 +381,21 @@ def lbfgs_worker():
             loss.backward()
             return loss
 
-        ref_opt.step(ref_closure)
-        opt.step(closure)
-    return max_diff(model.parameters(), reference.parameters())
+        losses.append((ref_opt.step(ref_closure).item(), opt.step(closure).item()))
+    return max_diff(model.parameters(), reference.parameters()), losses
 
 
 def test_lbfgs_with_a_closure_matches_single_process_lbfgs():
-    assert all(diff < 1e-8 for diff in world_results(2, lbfgs_worker))
+    assert all(diff < 1e-8 for diff, _ in world_results(2, lbfgs_worker))
+
+
+@pytest.mark.parametrize("line_search_fn, tolerance_change", [("strong_wolfe", 1e-9), (None, 1e-3)])
+def test_lbfgs_line_search_and_stopping_read_the_mean_loss_so_every_rank_steps_alike(line_search_fn,
+                                                                                    tolerance_change):
+    # Both read the loss the closure returns: with each rank's own, the ranks stepped apart.
+    for diff, losses in world_results(2, lbfgs_worker, line_search_fn, tolerance_change):
+        assert diff < 1e-8
+        assert all(abs(ref - mine) < 1e-10 for ref, mine in losses)  # step() returns the full batch's loss
 
 
 def optimizer_state_worker():
@@ -525,6 +536,8 @@ CHECKS = [
     ((2,), scaler_worker, ()),
     ((2,), mismatch_worker, ()),
     ((2,), lbfgs_worker, ()),
+    ((2,), lbfgs_worker, ("strong_wolfe", 1e-9)),
+    ((2,), lbfgs_worker, (None, 1e-3)),
     ((2,), optimizer_state_worker, ()),
     ((2,), sparse_worker, (False,)),
     ((2,), sparse_worker, (True,)),

@@ -4,6 +4,8 @@ The checks of one world run in one launch; each compares, inside the worker, a
 sharded wrapper with an unsharded one on the same data (float64, 1e-10), or a
 checkpoint's round trip with an uninterrupted run.
 """
+import copy
+import re
 
 import pytest
 import torch
@@ -11,6 +13,7 @@ import torch.distributed as dist
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 import distopt
 from distopt import DistributedOptimizer
@@ -263,6 +266,120 @@ def join_sharded(counts):
     return {"diff": diff, "identical": identical}
 
 
+def attempt(opt, state_dict):
+    """``opt.load_state_dict(state_dict)``: None, or the ValueError's message."""
+    try:
+        opt.load_state_dict(state_dict)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def shard_loads():
+    """Which shards load as they are: this rank's own, an older one of its own, and a world of one's (anywhere)."""
+    rank = dist.get_rank()
+    model = Net()
+    opt = DistributedOptimizer(torch.optim.Adam(param_groups(model), lr=0.01), shard_state=True)
+    train(model, opt, 3)
+    shards = distopt.all_gather_object(opt.sharded_state_dict())
+    own, other = shards[rank], shards[1 - rank]
+    held = opt.stats.optimizer_state_bytes
+    errors = {
+        "another rank's": attempt(opt, other),
+        "another world size's": attempt(opt, dict(own, shard=dict(own["shard"], world_size=3))),
+        "older, another rank's state": attempt(opt, dict(other, shard={"rank": rank, "world_size": 2})),
+    }
+    held_after_refusals = opt.stats.optimizer_state_bytes
+    errors["older, own"] = attempt(opt, dict(own, shard={"rank": rank, "world_size": 2}))
+    errors["own"] = attempt(opt, own)
+    errors["unsharded wrapper"] = attempt(DistributedOptimizer(torch.optim.Adam(param_groups(Net()), lr=0.01)), own)
+    # A group of this rank alone: shard_state=True in a world of one saves its one shard, the whole state.
+    solo_group = [dist.new_group([r]) for r in range(2)][rank]
+    solo_model = Net()
+    solo = DistributedOptimizer(torch.optim.Adam(param_groups(solo_model), lr=0.01), process_group=solo_group,
+                                shard_state=True)
+    train(solo_model, solo, 3)
+    one = distopt.all_gather_object(solo.sharded_state_dict())[0]  # rank 0's, loaded on every rank
+    merged_equal = [(k, n, v.tolist()) for k, n, v in tensors_of(distopt.merge_state_dicts([one]))] == \
+        [(k, n, v.tolist()) for k, n, v in tensors_of(distopt.all_gather_object(solo.state_dict())[0])] != []
+    finals = []
+    for shard in (True, False):
+        model = Net()
+        model.load_state_dict(distopt.all_gather_object(solo_model.state_dict())[0])
+        loader = DistributedOptimizer(torch.optim.Adam(param_groups(model), lr=0.01), shard_state=shard)
+        errors[f"world of one, into {'a sharded' if shard else 'an unsharded'} wrapper"] = attempt(loader,
+                                                                                              copy.deepcopy(one))
+        train(model, loader, 3, start=10)
+        finals.append([p.detach().clone() for p in model.parameters()])
+        loader.close()
+    solo.close()
+    opt.close()
+    return {"errors": errors, "held": held, "held_after_refusals": held_after_refusals, "meta": one["shard"],
+            "merged_equal": merged_equal, "diff": max((a - b).abs().max().item() for a, b in zip(*finals))}
+
+
+def own_shard_after_add_param_group():
+    """A shard saved after add_param_group, into a wrapper built with both groups (owned differently)."""
+    model = Net()
+    groups = param_groups(model)
+    opt = DistributedOptimizer(torch.optim.Adam(groups[:1], lr=0.01), named_parameters=model.named_parameters(),
+                               shard_state=True)
+    train(model, opt, 2)
+    opt.add_param_group(groups[1])
+    train(model, opt, 2, start=2)
+    shard, model_state = copy.deepcopy((opt.sharded_state_dict(), model.state_dict()))
+    merged = distopt.merge_state_dicts(distopt.all_gather_object(shard))
+    train(model, opt, 3, start=4)
+    straight = [p.detach().clone() for p in model.parameters()]
+    opt.close()
+    model = Net()
+    model.load_state_dict(model_state)
+    opt = DistributedOptimizer(torch.optim.Adam(param_groups(model), lr=0.01), named_parameters=model.named_parameters(),
+                               shard_state=True)
+    error = attempt(opt, shard)
+    held = opt.stats.optimizer_state_bytes
+    opt.load_state_dict(merged)
+    train(model, opt, 3, start=4)
+    diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), straight))
+    opt.close()
+    return {"error": error, "held_after_refusal": held, "diff": diff}
+
+
+def step_hooks():
+    """Step hooks (on the wrapper, and global ones) with and without shard_state: what they see, and a weight EMA."""
+    runs = []
+    for shard in (False, True):
+        model = Net()
+        params = list(model.parameters())
+        opt = DistributedOptimizer(torch.optim.Adam(param_groups(model), lr=0.01), pack_threshold=256,
+                                   shard_state=shard)
+        ema, log = [p.detach().clone() for p in params], []
+
+        def seen(where):
+            return lambda o, args, kwargs: log.append(
+                (where, o is opt.optimizer, sum(len(g["params"]) for g in o.param_groups),
+                 sum(p.detach().sum().item() for p in params)))
+
+        def update_ema(o, args, kwargs):
+            with torch.no_grad():
+                for e, p in zip(ema, params):
+                    e.mul_(0.9).add_(p, alpha=0.1)
+
+        handles = [opt.register_step_pre_hook(seen("pre")), opt.register_step_post_hook(seen("post")),
+                   opt.register_step_post_hook(update_ema),
+                   register_optimizer_step_pre_hook(seen("global pre")),
+                   register_optimizer_step_post_hook(seen("global post"))]
+        train(model, opt, 4)
+        for handle in handles:
+            handle.remove()
+        opt.close()
+        runs.append((log, ema))
+    (plain_log, plain_ema), (log, ema) = runs
+    identical = all(all(torch.equal(a, b) for a, b in zip(ema, o)) for o in distopt.all_gather_object(ema))
+    return {"plain_log": plain_log, "log": log, "identical": identical,
+            "ema_diff": max((a - b).abs().max().item() for a, b in zip(ema, plain_ema))}
+
+
 CASES = {}
 for _world in (2, 3):
     for _name in OPTIMIZERS:
@@ -271,6 +388,9 @@ for _world in (2, 3):
 CASES["features"] = (2, full_state_dict_and_features, ("{tmp}/ckpt2.pt",))
 CASES["state_dict on one rank"] = (2, state_dict_on_one_rank, ())
 CASES["join"] = (3, join_sharded, ([5, 2, 4],))
+CASES["shard loads"] = (2, shard_loads, ())
+CASES["own shard after add_param_group"] = (2, own_shard_after_add_param_group, ())
+CASES["step hooks"] = (2, step_hooks, ())
 
 WORLDS = Worlds(CASES, timeout=240)
 _TMP = {}
@@ -342,3 +462,68 @@ def test_lbfgs_cannot_be_sharded_and_says_why():
 def test_merging_shards_needs_one_of_each_rank():
     with pytest.raises(ValueError, match=r"needs one shard of each rank 0\.\.1 .* got ranks \[0, 0\]"):
         distopt.merge_state_dicts([{"shard": {"rank": 0, "world_size": 2}, "state": {}, "param_groups": []}] * 2)
+
+
+MERGE = r"merge every rank's shard of that save with distopt.merge_state_dicts\("
+
+
+def test_a_shard_loads_as_it_is_only_into_its_own_rank_and_world_size_and_otherwise_says_what_differs(
+        tmp_path_factory):
+    for rank, r in enumerate(results("shard loads", tmp_path_factory)):
+        errors = r["errors"]
+        assert re.search(rf"on rank {rank} got rank {1 - rank}'s shard \(of a save at world size 2\): each rank "
+                         rf"loads its own shard .*, or {MERGE}", errors["another rank's"])
+        assert re.search(rf"got rank {rank}'s shard of a save at world size 3, but this optimizer runs at world size 2"
+                         rf".*; {MERGE}", errors["another world size's"])
+        assert re.search(rf"the shard holds state of parameters that another rank owns here: param_groups\[.*"
+                         rf"\(rank {1 - rank} here\).*would drop their state; {MERGE}",
+                         errors["older, another rank's state"])
+        assert re.search(rf"it holds the optimizer state of that rank's parameters only, and this optimizer keeps "
+                         rf"all of it; {MERGE}", errors["unsharded wrapper"])
+        assert r["held_after_refusals"] == r["held"] > 0  # a refused load drops nothing
+        assert errors["older, own"] is errors["own"] is None
+        # a world of one saves one shard, the whole state: it merges, and loads sharded or not alike
+        assert r["meta"] == {"rank": 0, "world_size": 1, "owners": [0] * 10} and r["merged_equal"]
+        assert errors["world of one, into a sharded wrapper"] is errors["world of one, into an unsharded wrapper"] is None
+        assert r["diff"] < TOL
+
+
+def test_an_own_shard_whose_parameters_moved_owner_is_refused_naming_them_and_merged_shards_resume(tmp_path_factory):
+    for rank, r in enumerate(results("own shard after add_param_group", tmp_path_factory)):
+        assert re.search(rf"on rank {rank}: the parameters' owners differ from the save's: .*b\.weight \(rank 1 at "
+                         rf"the save, rank 0 here\).*add_param_group.*; {MERGE}", r["error"]), r["error"]
+        assert r["held_after_refusal"] == 0
+        assert r["diff"] < TOL
+
+
+def test_step_hooks_see_every_parameter_around_the_whole_sharded_step_as_unsharded(tmp_path_factory):
+    for r in results("step hooks", tmp_path_factory):
+        plain, sharded = r["plain_log"], r["log"]
+        assert [e[:3] for e in sharded] == [e[:3] for e in plain]
+        assert [e[0] for e in plain] == ["global pre", "pre", "post", "global post"] * 4
+        assert all(n == 10 and inner for _, inner, n, _ in sharded)
+        assert max(abs(a[3] - b[3]) for a, b in zip(sharded, plain)) < 1e-8  # parameters before and after the step
+        assert r["ema_diff"] < TOL and r["identical"], r
+
+
+def test_shard_state_without_a_process_group_saves_one_shard_that_merges_and_loads():
+    model = Net()
+    opt = DistributedOptimizer(torch.optim.Adam(param_groups(model), lr=0.01), shard_state=True)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(6, 4, generator=g, dtype=torch.float64), torch.randn(6, 2, generator=g, dtype=torch.float64)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    shard = opt.sharded_state_dict()
+    assert shard["shard"] == {"rank": 0, "world_size": 1, "owners": [0] * 10}
+    merged = distopt.merge_state_dicts([shard])
+    assert merged["param_groups"] == opt.state_dict()["param_groups"]
+    again = DistributedOptimizer(torch.optim.Adam(param_groups(Net()), lr=0.01), shard_state=True)
+    again.load_state_dict(shard)
+    for sd in (merged, again.state_dict()):
+        assert [(k, n, v.tolist()) for k, n, v in tensors_of(sd)] == \
+            [(k, n, v.tolist()) for k, n, v in tensors_of(opt.state_dict())] != []
+    plain = DistributedOptimizer(torch.optim.Adam(param_groups(Net()), lr=0.01))
+    with pytest.raises(RuntimeError, match=r"sharded_state_dict\(\) needs shard_state=True; use state_dict\(\)"):
+        plain.sharded_state_dict()

@@ -137,6 +137,38 @@ def test_with_a_stall_timeout_every_waiting_rank_raises_the_same_stall_error():
     assert "rank 1 has not arrived: last seen at step 2, inside step()" in text, text
 
 
+def one_rank_call_worker(call):
+    """Rank 0 alone makes a call that communicates, before its second step."""
+    rank = dist.get_rank()
+    model = make_model()
+    head = nn.Linear(2, 2)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), stall_timeout=3.0)
+    x, y = torch.randn(4, 4), torch.randn(4, 2)
+    try:
+        for step in range(3):
+            if step == 1 and rank == 0:
+                if call == "add_param_group":
+                    opt.add_param_group({"params": list(head.parameters())})
+                else:
+                    opt.broadcast_parameters()
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+    except StallError as exc:
+        return str(exc)
+    return "ok"
+
+
+@pytest.mark.parametrize("call, where", [("add_param_group", "the check that every rank built the same optimizer"),
+                                         ("broadcast_parameters", "the parameter broadcast")])
+def test_a_call_made_on_one_rank_only_is_named_as_mismatched_collectives_not_a_slow_link(call, where):
+    texts = run_world(one_rank_call_worker, 2, call, timeout=90)
+    assert len(set(texts)) == 1, texts
+    assert f"the ranks are in different collectives of this optimizer, paired with each other (rank 0 in {where}; " \
+           "rank 1 in pack 1/1 of the gradient all-reduce)" in texts[0], texts[0]
+    assert "slow to arrive" not in texts[0]
+
+
 def early_leaver_worker(steps_of):
     rank = dist.get_rank()
     model = make_model()

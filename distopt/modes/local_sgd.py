@@ -25,6 +25,11 @@ Join: a rank that runs out of data with local steps since the last sync sends
 them in one last exchange, as a contributor, then shadows the others'
 exchanges with zeros and a contributing flag of 0; each exchange averages over
 the ranks that contributed to it.
+
+Checkpoints, and taking one rank's state (the end of a join block,
+``broadcast_optimizer_state()``), are in :mod:`distopt.modes.local_sgd_state`;
+``GradScaler``, which must not skip a step on one rank only, in
+:mod:`distopt.modes.amp`.
 """
 from __future__ import annotations
 
@@ -34,9 +39,9 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from .. import collectives, stalls
 from ..exchange import finish_exchange, launch_exchange
 from ..stats import StepStats
+from . import amp, local_sgd_state
 from .base import Mode
 from .synchronous import SynchronousMode
 
@@ -46,9 +51,7 @@ if TYPE_CHECKING:
 
 __all__ = ["LocalSGDMode", "STATE_KEY", "OuterFactory"]
 
-#: The key under which ``state_dict()`` holds the mode's state, next to the inner optimizer's
-#: ``state`` and ``param_groups``: a plain ``torch.optim`` optimizer ignores it when loading.
-STATE_KEY = "distopt_local_sgd"
+STATE_KEY = local_sgd_state.STATE_KEY
 
 #: Builds the outer optimizer from the tensors it steps (the parameters at the last sync).
 OuterFactory = Callable[[Iterable[Tensor]], Optimizer]
@@ -91,8 +94,14 @@ class LocalSGDMode(Mode):
 
     def step(self, owner: "DistributedOptimizer", closure: Optional[Callable[[], Any]]) -> Any:
         step = owner._steps
-        if step < self.local_warmup:
-            loss = self._synchronous.step(owner, closure)
+        warm = step < self.local_warmup
+        if warm and amp.handed_over(owner):
+            owner._reduce_for_step()  # unscale the averaged gradients, not local ones the reduction would replace
+        # GradScaler hands every step over (``_step_supports_amp_scaling``): one rank's inf skips its
+        # inner step only, and the step still counts, so the ranks' syncs stay paired.
+        skip = amp.unscale_or_skip(owner)
+        if warm:
+            loss = None if skip else self._synchronous.step(owner, closure)
             if step + 1 == self.local_warmup:  # the next backward already stays local
                 self._track(owner)
                 with torch.no_grad():
@@ -102,7 +111,10 @@ class LocalSGDMode(Mode):
             return loss
         owner._engine.stats = StepStats()  # nothing on the wire, unless this step syncs
         self._track(owner)
-        loss = owner.optimizer.step() if closure is None else owner.optimizer.step(closure)
+        if skip:
+            loss = None
+        else:
+            loss = owner.optimizer.step() if closure is None else owner.optimizer.step(closure)
         self.since_sync += 1
         if self.since_sync >= self.sync_every:
             self._sync(owner)
@@ -117,58 +129,15 @@ class LocalSGDMode(Mode):
         return lambda: self._finish(owner)
 
     def broadcast_state(self, owner: "DistributedOptimizer", src: int) -> None:
-        group, progress = owner._group(), owner._engine.progress
-        anchors = [anchor for _, anchor in self._pairs(owner)]
-        if anchors:
-            with stalls.inspected(progress, "the broadcast of the last-sync parameters at the end of the join block"):
-                collectives.broadcast_parameters(anchors, src=src, group=group)
-        if self.outer is not None:
-            with stalls.inspected(progress, "the outer-optimizer state broadcast at the end of the join block"):
-                collectives.broadcast_optimizer_state(self.outer, src=src, group=group)
-        # ``src`` contributed to the last exchange, so it has no step left to average.
-        self.since_sync = 0
-        self._set_local(owner, owner._steps >= self.local_warmup)
-        self._count_bytes()
+        # The end of a join block, and broadcast_optimizer_state(): every rank takes ``src``'s step
+        # count, steps since the last sync, anchors and outer optimizer, whatever its own history.
+        local_sgd_state.broadcast(self, owner, src)
 
     def state_dict(self, owner: "DistributedOptimizer") -> Dict[str, Any]:
-        out = dict(owner.optimizer.state_dict())
-        out[STATE_KEY] = {
-            "steps": owner._steps,
-            "since_sync": self.since_sync,
-            "anchors": [self._anchors.get(id(p)) for p in owner._params],
-            "outer": None if self.outer is None else self.outer.state_dict(),
-        }
-        return out
+        return local_sgd_state.save(self, owner)
 
     def load_state_dict(self, owner: "DistributedOptimizer", state_dict: Dict[str, Any]) -> None:
-        mine = state_dict.get(STATE_KEY)
-        if mine is None:  # a plain optimizer's state dict: the mode keeps its own state
-            owner.optimizer.load_state_dict(state_dict)
-            return
-        if len(mine["anchors"]) != len(owner._params):
-            raise ValueError(
-                f"state_dict[{STATE_KEY!r}] holds last-sync copies of {len(mine['anchors'])} parameters but this "
-                f"optimizer has {len(owner._params)}; load a state dict saved by the same model and optimizer"
-            )
-        if mine["outer"] is not None and self._factory is None:
-            raise ValueError(
-                "the state dict was saved with an outer_optimizer (DiLoCo) but this DistributedOptimizer has none; "
-                "pass the same outer_optimizer= as when it was saved"
-            )
-        owner._steps = int(mine["steps"])
-        if owner._engine.progress is not None:
-            owner._engine.progress.step = owner._steps
-        self.since_sync = int(mine["since_sync"])
-        if self._needs_anchors(owner):
-            with torch.no_grad():
-                for p, saved in zip(owner._params, mine["anchors"]):
-                    if saved is not None:
-                        self._anchor_of(p).copy_(saved)
-        if mine["outer"] is not None and self.outer is not None:
-            self.outer.load_state_dict(mine["outer"])
-        self._set_local(owner, owner._steps >= self.local_warmup)
-        self._count_bytes()
-        owner.optimizer.load_state_dict({k: v for k, v in state_dict.items() if k != STATE_KEY})
+        local_sgd_state.load(self, owner, state_dict)
 
     def extra_state_bytes(self, owner: "DistributedOptimizer") -> int:
         return self._extra_bytes
@@ -253,16 +222,25 @@ class LocalSGDMode(Mode):
         anchor = self._anchors.get(id(p))
         return anchor if anchor is not None else self._new_anchors([p])[0]
 
-    def _new_anchors(self, params: List[Tensor]) -> List[Tensor]:
-        """Copy ``params`` as they are now (the same on every rank: a sync or the broadcast left them so)."""
+    def _new_anchors(self, params: List[Tensor], grouped: bool = True) -> List[Tensor]:
+        """Copy ``params`` as they are now (the same on every rank: a sync or the broadcast left them so).
+
+        Args:
+            params: parameters without an anchor.
+            grouped: give the anchors to the outer optimizer (False: the caller places them).
+        """
         anchors = [p.detach().clone() for p in params]
         self._anchors.update((id(p), a) for p, a in zip(params, anchors))
-        if anchors and self._factory is not None:
-            if self.outer is None:
-                self.outer = _build_outer(self._factory, anchors)
-            else:  # a new param group, or a parameter unfrozen since: the factory's defaults apply
-                self.outer.add_param_group({"params": anchors})
+        if anchors and grouped and self._factory is not None:
+            self._give_outer(anchors)
         return anchors
+
+    def _give_outer(self, anchors: List[Tensor]) -> None:
+        """Build the outer optimizer over ``anchors``, or add them as a new param group (the factory's defaults)."""
+        if self.outer is None:
+            self.outer = _build_outer(self._factory, anchors)
+        else:  # a new param group, or a parameter unfrozen since
+            self.outer.add_param_group({"params": anchors})
 
     def _count_bytes(self) -> None:
         tensors = list(self._anchors.values())

@@ -11,18 +11,21 @@ the gradient packs, whose gradients are spent by then: each rank writes the
 parameters it owns into their slices, zeros elsewhere, and one full-precision
 all-reduce per pack gives every rank every parameter, bitwise alike. ``.grad``
 is released (``None``) after the step, since the pack buffers now hold
-parameters.
+parameters. Step hooks run around all of it (:mod:`distopt.modes.step_hooks`),
+so they see every parameter, as around an unsharded step.
 
 ``state_dict()`` gathers every rank's shard into the full state dict an
 unsharded optimizer would have, which loads anywhere (a plain optimizer, an
 unsharded wrapper, a sharded one at another world size). Before gathering, the
 ranks meet in the store with a time limit, so a ``state_dict()`` called on one
-rank only fails with an error instead of hanging.
+rank only fails with an error instead of hanging. ``sharded_state_dict()`` is
+this rank's shard alone; which shards load as they are is
+:mod:`distopt.modes.shards`'s.
 """
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -31,7 +34,10 @@ from torch import Tensor
 from .. import collectives, stalls, waiting
 from ..collectives.optimizer_state import _to_cpu
 from ..ownership import assign_owners
+from . import shards
 from .base import Mode
+from .shards import merge_state_dicts
+from .step_hooks import step_with_hooks
 from .synchronous import _synchronizing
 
 if TYPE_CHECKING:
@@ -44,38 +50,6 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of the tensors in ``optimizer``'s state (what sharding divides)."""
     return sum(v.numel() * v.element_size() for state in optimizer.state.values()
                for v in state.values() if isinstance(v, Tensor))
-
-
-def merge_state_dicts(shards: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
-    """The full state dict from every rank's ``opt.sharded_state_dict()`` (one per rank, any order).
-
-    Args:
-        shards: the per-rank dicts of one save.
-
-    Returns:
-        What ``opt.state_dict()`` would have gathered: loads into a plain optimizer, an
-        unsharded wrapper or a sharded one at any world size.
-
-    Raises:
-        ValueError: the shards are not one complete save (missing or repeated ranks).
-
-    Example::
-
-        >>> shards = [torch.load(f"ckpt/optim-{r}.pt") for r in range(world_size_at_save)]
-        >>> opt.load_state_dict(distopt.merge_state_dicts(shards))
-    """
-    if not shards:
-        raise ValueError("merge_state_dicts() needs the shards of every rank, got none")
-    world = shards[0].get("shard", {}).get("world_size")
-    ranks = sorted(shard.get("shard", {}).get("rank", -1) for shard in shards)
-    if world is None or ranks != list(range(world)):
-        last = "?" if world is None else world - 1
-        raise ValueError(f"merge_state_dicts() needs one shard of each rank 0..{last} of one save (from "
-                         f"opt.sharded_state_dict()), got ranks {ranks}")
-    state: Dict[int, Any] = {}
-    for shard in shards:
-        state.update(shard["state"])
-    return {"state": {k: state[k] for k in sorted(state)}, "param_groups": shards[0]["param_groups"]}
 
 
 class ShardedMode(Mode):
@@ -116,9 +90,15 @@ class ShardedMode(Mode):
         else:
             closure = _synchronizing(owner, closure)
         self._follow_joins(owner)
-        loss = self._step_mine(owner, closure)
-        self._share_parameters(owner)
-        return loss
+
+        def body(step: Callable[..., Any], args: Any, kwargs: Any) -> Any:
+            loss = self._step_mine(owner, lambda: step(*args, **kwargs))
+            self._share_parameters(owner)
+            return loss
+
+        # The step hooks run around the whole step, as around an unsharded one: the pre-hooks and
+        # post-hooks see every parameter, the post-hooks after every rank's have arrived.
+        return step_with_hooks(owner.optimizer, closure, body)
 
     def shadow_step(self, owner: "DistributedOptimizer") -> None:
         # A rank that has joined owns nothing (its shard went to the ranks still training, which
@@ -173,13 +153,14 @@ class ShardedMode(Mode):
 
     # ------------------------------------------------------------------ the step
 
-    def _step_mine(self, owner: "DistributedOptimizer", closure: Optional[Callable[[], Any]]) -> Any:
+    def _step_mine(self, owner: "DistributedOptimizer", step: Callable[[], Any]) -> Any:
+        """Call ``step`` (the inner optimizer's) with every param group narrowed to this rank's parameters."""
         groups = owner.optimizer.param_groups
         saved = [group["params"] for group in groups]
         try:
             for group in groups:
                 group["params"] = [p for p in group["params"] if self.mine(p)]
-            return owner.optimizer.step() if closure is None else owner.optimizer.step(closure)
+            return step()
         finally:
             for group, params in zip(groups, saved):
                 group["params"] = params
@@ -258,16 +239,23 @@ class ShardedMode(Mode):
 
     def sharded_state_dict(self, owner: "DistributedOptimizer") -> Dict[str, Any]:
         """This rank's shard alone, with no communication; :func:`merge_state_dicts` joins a save's shards."""
-        local = owner.optimizer.state_dict()
-        local["shard"] = {"rank": self.rank, "world_size": self.world_size}
-        return local
+        return shards.shard_of(owner.optimizer, self.rank, self.world_size, self._owners(owner))
 
     def load_state_dict(self, owner: "DistributedOptimizer", state_dict: Dict[str, Any]) -> None:
-        """Load a full state dict (from any world size, sharded or not), or this rank's own shard
-        of the same world size, and keep this rank's shard."""
-        state_dict = {k: v for k, v in state_dict.items() if k != "shard"}
+        """Load a full state dict (from any world size, sharded or not), or this rank's own shard of the
+        same world size and owners (checked: see :func:`distopt.modes.shards.check_shard`), and keep this
+        rank's shard."""
+        if shards.SHARD_KEY in state_dict:
+            names = [owner._names_by_id.get(id(p), f"param_groups[{g}][{j}]")
+                     for g, group in enumerate(owner.optimizer.param_groups) for j, p in enumerate(group["params"])]
+            shards.check_shard(state_dict, self.rank, self.world_size, self._owners(owner), names)
+            state_dict = {k: v for k, v in state_dict.items() if k != shards.SHARD_KEY}
         owner.optimizer.load_state_dict(state_dict)
         self._drop_foreign_state(owner)
+
+    def _owners(self, owner: "DistributedOptimizer") -> List[int]:
+        """Each parameter's owner now, in state-dict order (-1: not tracked, stepped by every rank)."""
+        return [self.owner_of.get(id(p), -1) for group in owner.optimizer.param_groups for p in group["params"]]
 
     def _drop_foreign_state(self, owner: "DistributedOptimizer") -> None:
         for p in list(owner.optimizer.state):
