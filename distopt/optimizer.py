@@ -1,8 +1,8 @@
 """``DistributedOptimizer``: data-parallel gradient averaging for any ``torch.optim`` optimizer.
 
 This is the public front: the arguments, the ``torch.optim.Optimizer`` surface
-(param groups, state dicts, hooks, schedulers) and ``step``/``zero_grad``/
-``synchronize``. The hot path lives in :class:`distopt.engine.GradientEngine`;
+(param groups, hooks, schedulers; state dicts and broadcasts in
+:mod:`distopt.checkpointing`) and ``step``/``zero_grad``/``synchronize``. The hot path lives in :class:`distopt.engine.GradientEngine`;
 what happens at ``step()`` is the mode's (:mod:`distopt.modes`); the channel,
 engine and mode are built in :mod:`distopt.wiring`; parameters are taken on
 (claimed, checked across ranks, broadcast) in :mod:`distopt.tracking`; argument
@@ -14,18 +14,17 @@ import contextlib
 from datetime import timedelta
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
-import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
-from . import checks, collectives, joining, stalls, tracking, wiring
+from . import checks, collectives, joining, tracking, wiring
 from .collectives.groups import check_member
 from .rounds import IDLE
+from .checkpointing import StateSurface
 from .forwarding import InnerOptimizerSurface
-from .modes import LocalSGDMode, Mode, ShardedMode
+from .modes import LocalSGDMode, Mode
 from .modes.local_sgd import OuterFactory
-from .modes import shards
 from .modes.sharded import state_bytes
 from .stats import StepStats
 
@@ -35,7 +34,7 @@ __all__ = ["DistributedOptimizer", "StepStats", "DEFAULT_PACK_THRESHOLD"]
 DEFAULT_PACK_THRESHOLD = 10 * 2**20
 
 
-class DistributedOptimizer(InnerOptimizerSurface):
+class DistributedOptimizer(StateSurface, InnerOptimizerSurface):
     r"""Wrap an optimizer so that every ``step()`` applies gradients averaged over all ranks.
 
     During the reducing backward pass a hook on each parameter moves its ready
@@ -216,47 +215,6 @@ class DistributedOptimizer(InnerOptimizerSurface):
             f"pack_threshold={self.pack_threshold}, world_size={self.world_size})"
         )
 
-    def state_dict(self) -> Dict[str, Any]:
-        """The inner optimizer's state dict; loads into a plain optimizer and back.
-
-        With ``shard_state=True`` it is gathered from every rank's shard, so every
-        rank must call it; it is the same dict an unsharded optimizer would give.
-        Local SGD adds its own state (step count, last-sync parameters, outer
-        optimizer state) under the key ``"distopt_local_sgd"``, which a plain
-        ``torch.optim`` optimizer's ``load_state_dict`` ignores.
-        """
-        return self._mode.state_dict(self)
-
-    def sharded_state_dict(self) -> Dict[str, Any]:
-        """With ``shard_state=True``: this rank's shard only, without communication (fast saves of
-        large models: one file per rank); :func:`distopt.merge_state_dicts` rebuilds the full dict.
-
-        In a world of one it is the only shard, the whole state, so a script that saves one
-        file per rank runs unchanged.
-
-        Raises:
-            RuntimeError: the wrapper does not shard its state.
-        """
-        if isinstance(self._mode, ShardedMode):
-            return self._mode.sharded_state_dict(self)
-        if not self.shard_state:
-            raise RuntimeError("sharded_state_dict() needs shard_state=True; use state_dict()")
-        return shards.shard_of(self.optimizer, 0, 1, [0] * sum(len(g["params"]) for g in self.param_groups))
-
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Load a state dict from this wrapper or a plain optimizer (with ``shard_state``, from any world size).
-
-        A shard from :meth:`sharded_state_dict` loads as it is into the same rank of a sharded
-        wrapper with the same world size and owners, and anywhere if it was saved at world size 1.
-
-        Raises:
-            ValueError: a shard that lacks state this wrapper needs (merge the save's shards
-                with :func:`distopt.merge_state_dicts`), or a state dict of another optimizer.
-        """
-        if not isinstance(self._mode, ShardedMode):
-            state_dict = shards.whole(state_dict)
-        self._mode.load_state_dict(self, state_dict)
-
     def __getstate__(self) -> Dict[str, Any]:
         raise TypeError(
             "a DistributedOptimizer cannot be pickled (it holds hooks and a process group); "
@@ -387,31 +345,6 @@ class DistributedOptimizer(InnerOptimizerSurface):
         """
         with joining.join(self, divide_by_world=divide_by_world):
             yield
-
-    def broadcast_parameters(self) -> None:
-        """Overwrite every rank's parameters with the root's (coalesced per device and dtype)."""
-        self._check_not_retired("broadcast_parameters()")
-        if self.world_size > 1 and self._params:
-            with torch.no_grad(), stalls.inspected(self._engine.progress, "the parameter broadcast"):
-                collectives.broadcast_parameters(self._params, src=self.root_rank, group=self._group())
-
-    def broadcast_optimizer_state(self) -> None:
-        """Give every rank the root's optimizer state, e.g. when only the root loaded a checkpoint.
-
-        Unlike Horovod, no optimizer step is taken to create the state first, so
-        parameters and moments are exactly the root's. In local SGD the mode's state
-        travels too: the step count, the steps since the last sync, the last-sync
-        parameters and the outer optimizer's state.
-        """
-        self._check_not_retired("broadcast_optimizer_state()")
-        if isinstance(self._mode, ShardedMode):
-            raise RuntimeError(
-                "broadcast_optimizer_state() with shard_state=True: each rank holds its own shard, so the root's "
-                "state is not everyone's; load a full state dict on every rank with opt.load_state_dict() instead"
-            )
-        with stalls.inspected(self._engine.progress, "the optimizer-state broadcast"):
-            collectives.broadcast_optimizer_state(self.optimizer, src=self.root_rank, group=self._group())
-        self._mode.broadcast_state(self, self.root_rank)
 
     def close(self) -> None:
         """Remove the gradient hooks, destroy the private group and release the parameters."""

@@ -112,7 +112,8 @@ class Mode:
         return None
 
     def broadcast_state(self, owner: "DistributedOptimizer", src: int) -> None:
-        """At the end of a join block whose ranks ended apart: take rank ``src``'s mode state.
+        """Take rank ``src``'s mode state: at the end of a join block whose ranks ended apart, and in
+        ``broadcast_optimizer_state()`` (after only the root loaded a checkpoint).
 
         Args:
             owner: the wrapper.
