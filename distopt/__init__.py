@@ -1,4 +1,13 @@
-"""distopt: make any PyTorch optimizer data-parallel."""
+"""distopt: make any PyTorch optimizer data-parallel.
+
+The package is layered, from the ground up (no module imports a higher layer; the
+import-linter contract in ``setup.cfg`` keeps it so): :mod:`distopt.planning` (pure
+planning), :mod:`distopt.transport` (private groups, waits, the stall inspector),
+:mod:`distopt.collectives` and :mod:`distopt.launching`, :mod:`distopt.engine` (the
+reduction engine), :mod:`distopt.modes`, :mod:`distopt.wrapper` (the public
+:class:`DistributedOptimizer`), and the fronts :mod:`distopt.horovod` and
+:mod:`distopt.benchmark`.
+"""
 from . import optim
 from .collectives import (
     all_gather,
@@ -26,10 +35,10 @@ from .collectives import (
     synchronized,
 )
 from .launching import LaunchError, LaunchTimeoutError, WorkerFailedError, init, launch, launcher, shutdown
-from .joining import join
-from .modes.sharded import merge_state_dicts
-from .optimizer import DistributedOptimizer, StepStats
-from .stalls import StallError
+from .modes import merge_state_dicts
+from .planning.stats import StepStats
+from .transport.stalls import StallError
+from .wrapper import DistributedOptimizer, join
 
 __all__ = [
     "DistributedOptimizer",

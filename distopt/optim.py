@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, List, Type
 
 import torch
 
-from .optimizer import DistributedOptimizer
+from .wrapper import DistributedOptimizer
 
 _WRAPPER_KWARGS = tuple(
     name for name in inspect.signature(DistributedOptimizer.__init__).parameters if name not in ("self", "optimizer")

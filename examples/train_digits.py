@@ -49,7 +49,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import distopt
-from distopt.optimizer import DEFAULT_PACK_THRESHOLD
+from distopt.wrapper import DEFAULT_PACK_THRESHOLD
 
 __all__ = ["DigitsCNN", "EpochMetrics", "TrainResult", "load_digits_split", "parse_args", "train", "main"]
 

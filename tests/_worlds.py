@@ -4,7 +4,10 @@ Starting ranks costs seconds (importing torch), so a test file names its checks,
 each with the world size it runs in; the first test that asks for a check runs
 every check of that world size in one launch, in order, and each test then reads
 its own check's per-rank values. A check that raises fails its own test only,
-with the rank's traceback.
+with the rank's traceback. A launch that fails as a whole (a check that hangs
+until the launch's timeout, a rank that crashes) fails every test of that world
+size: the first at once, the later ones without launching again, each with the
+first failure's cause, so one hang costs one timeout rather than one per test.
 """
 import traceback
 from typing import Any, Callable, Dict, List, Mapping, Sequence, Tuple
@@ -40,6 +43,7 @@ class Worlds:
         self.checks = dict(checks)
         self.timeout = timeout
         self._done: Dict[int, Dict[str, list]] = {}
+        self._failed: Dict[int, str] = {}  # world size -> why its launch failed
 
     def results(self, name: str, **fields: str) -> List[Any]:
         """Every rank's value of check ``name``, by rank.
@@ -50,6 +54,9 @@ class Worlds:
                 on its first run (a temporary directory, say).
         """
         world = self.checks[name][0]
+        if world in self._failed:
+            pytest.fail(f"the world of {world} ranks for these checks failed earlier in this run, so "
+                        f"{name!r} never ran; the first failure:\n{self._failed[world]}")
         if world not in self._done:
             names = [n for n, check in self.checks.items() if check[0] == world]
             calls = []
@@ -57,7 +64,12 @@ class Worlds:
                 _, fn, args, *kwargs = self.checks[n]
                 args = tuple(a.format(**fields) if fields and isinstance(a, str) else a for a in args)
                 calls.append((fn, args, kwargs[0] if kwargs else {}))
-            per_rank = run_world(run_checks, world, calls, timeout=self.timeout)
+            try:
+                per_rank = run_world(run_checks, world, calls, timeout=self.timeout)
+            except Exception as exc:  # a hang (LaunchTimeoutError) or a crashed rank
+                self._failed[world] = f"{type(exc).__name__}: {exc}"
+                assert_no_children()
+                raise
             self._done[world] = {n: [rank[k] for rank in per_rank] for k, n in enumerate(names)}
             assert_no_children()
         outcome = self._done[world][name]

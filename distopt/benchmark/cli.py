@@ -7,7 +7,7 @@ import sys
 import time
 from typing import Optional, Sequence
 
-from ..optimizer import DEFAULT_PACK_THRESHOLD
+from ..wrapper.optimizer import DEFAULT_PACK_THRESHOLD
 from .config import BenchConfig
 from .plot import write_sweep_plot
 from .report import format_report, report_to_json

@@ -20,8 +20,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.profiler import record_function
 
-from .. import stalls
-from ..optimizer import DistributedOptimizer
+from ..transport import stalls
+from ..wrapper.optimizer import DistributedOptimizer
 from .config import BenchConfig
 from .process import fresh_model, sync
 from .sizes import format_size

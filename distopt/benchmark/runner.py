@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from ..launching import launch
-from ..optimizer import DEFAULT_PACK_THRESHOLD
+from ..wrapper.optimizer import DEFAULT_PACK_THRESHOLD
 from .config import BenchConfig
 from .memory import memory_worker
 from .modes import memory_mode_names

@@ -20,11 +20,11 @@ Import the helpers from here; they live in submodules by what they move:
 * :mod:`.optimizer_state`: an optimizer's state.
 
 ``get_offsets``, ``param_pack_concat`` and ``param_pack_split`` are
-:mod:`distopt.packing`'s, re-exported here.
+:mod:`distopt.planning.packing`'s, re-exported here.
 """
 from __future__ import annotations
 
-from ..packing import get_offsets, param_pack_concat, param_pack_split
+from ..planning.packing import get_offsets, param_pack_concat, param_pack_split
 from .groups import barrier, get_dist_info, get_local_rank, get_rank, get_world_size, is_distributed, synchronized
 from .objects import all_gather_object, broadcast_object_list, collect_results, gather_object
 from .optimizer_state import broadcast_optimizer_state

@@ -2,7 +2,7 @@
 
 They need no communication, so a wrong ``op``, ``src``/``dst`` or argument type
 fails the same way on a laptop as on many ranks. (The check that ranks agree
-with each other, ``_agree``, needs a collective and lives in :mod:`.tensors`.)
+with each other, ``agree_across``, needs a collective and lives in :mod:`.tensors`.)
 """
 from __future__ import annotations
 
@@ -11,20 +11,20 @@ from typing import Any, Iterable, List, Optional, Union
 import torch.distributed as dist
 from torch import Tensor
 
-__all__: List[str] = []  # private helpers for the sibling modules, nothing public
+__all__: List[str] = ["OpLike", "check_tensor", "check_tensors", "check_op", "check_rank"]
 
 _OPS = ("sum", "mean", "min", "max", "product")
 # A name from _OPS, or the matching torch.distributed.ReduceOp member.
-_Op = Union[str, "dist.ReduceOp.RedOpType"]
+OpLike = Union[str, "dist.ReduceOp.RedOpType"]
 
 
-def _check_tensor(value: Any, name: str) -> Tensor:
+def check_tensor(value: Any, name: str) -> Tensor:
     if not isinstance(value, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(value).__name__}; wrap it with torch.as_tensor")
     return value
 
 
-def _check_tensors(values: Iterable[Any], name: str) -> List[Tensor]:
+def check_tensors(values: Iterable[Any], name: str) -> List[Tensor]:
     if isinstance(values, Tensor):
         raise TypeError(f"{name} must be an iterable of tensors, got a single tensor; pass [tensor]")
     tensors = list(values)
@@ -34,7 +34,7 @@ def _check_tensors(values: Iterable[Any], name: str) -> List[Tensor]:
     return tensors
 
 
-def _check_op(op: _Op, tensors: Iterable[Tensor], name: str) -> str:
+def check_op(op: OpLike, tensors: Iterable[Tensor], name: str) -> str:
     """The op's name; ``ReduceOp`` members are accepted too, as torch.distributed takes them."""
     if isinstance(op, str):
         key: Optional[str] = op.lower()
@@ -57,7 +57,7 @@ def _check_op(op: _Op, tensors: Iterable[Tensor], name: str) -> str:
     return key
 
 
-def _check_rank(value: Any, name: str, world_size: int) -> int:
+def check_rank(value: Any, name: str, world_size: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int rank within the group, got {value!r}")
     if not 0 <= value < world_size:

@@ -24,6 +24,7 @@ __all__ = [
     "barrier",
     "synchronized",
     "check_member",
+    "group_and_size",
 ]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
@@ -58,7 +59,7 @@ def _resolve_group(group: Optional[ProcessGroup]) -> Optional[ProcessGroup]:
     return dist.group.WORLD
 
 
-def _world(group: Optional[ProcessGroup]) -> Tuple[Optional[ProcessGroup], int]:
+def group_and_size(group: Optional[ProcessGroup]) -> Tuple[Optional[ProcessGroup], int]:
     """``(group, its world size)`` with ``None`` resolved; ``(None, 1)`` without a process group.
 
     Raises:
@@ -121,7 +122,7 @@ def get_dist_info(group: Optional[ProcessGroup] = None) -> Tuple[int, int]:
 
 def barrier(group: Optional[ProcessGroup] = None) -> None:
     """Block until every rank of ``group`` reaches this call; a no-op in one process."""
-    group, world_size = _world(group)
+    group, world_size = group_and_size(group)
     if group is not None and world_size > 1:
         dist.barrier(group=group)
 

@@ -21,14 +21,17 @@ from typing import Any, Callable, List, Optional, Sequence, Tuple
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-from ._checks import _check_rank
-from .groups import _world, get_rank, get_world_size
+from ._checks import check_rank
+from .groups import group_and_size, get_rank, get_world_size
 
 __all__ = [
     "broadcast_object_list",
     "all_gather_object",
     "gather_object",
     "collect_results",
+    "Dumps",
+    "broadcast_serialized",
+    "all_gather_serialized",
 ]
 
 
@@ -51,7 +54,7 @@ def _cannot_serialize(what: str, whose: str, obj_type: str, error: str, hint: st
                      f"anything and every rank of the group raises this error; {hint}")
 
 
-def _broadcast_serialized(data: List[Any], src: int, group: ProcessGroup, dumps: Dumps, what: str, hint: str,
+def broadcast_serialized(data: List[Any], src: int, group: ProcessGroup, dumps: Dumps, what: str, hint: str,
                           item: str = "data[{i}]") -> List[Any]:
     """Broadcast the source's items serialized by ``dumps``, or, when one cannot be, why.
 
@@ -85,7 +88,7 @@ def _broadcast_serialized(data: List[Any], src: int, group: ProcessGroup, dumps:
     return data
 
 
-def _all_gather_serialized(obj: Any, group: ProcessGroup, dumps: Dumps, what: str, hint: str) -> List[Any]:
+def all_gather_serialized(obj: Any, group: ProcessGroup, dumps: Dumps, what: str, hint: str) -> List[Any]:
     """Every rank's ``obj`` serialized by ``dumps``; a rank that cannot serialize its object makes
     every rank raise the same ``TypeError`` (it still takes part, so no rank waits for it)."""
     blob, failure = _serialize(obj, dumps)
@@ -118,11 +121,11 @@ def broadcast_object_list(data: List[Any], src: int = 0, group: Optional[Process
     """
     if not isinstance(data, list):
         raise TypeError(f"data must be a list (it is filled in place), got {type(data).__name__}; pass [obj]")
-    group, world_size = _world(group)
-    _check_rank(src, "src", world_size)
+    group, world_size = group_and_size(group)
+    check_rank(src, "src", world_size)
     if group is None or world_size == 1:
         return data
-    return _broadcast_serialized(data, src, group, pickle.dumps, "broadcast_object_list", _PICKLE_HINT)
+    return broadcast_serialized(data, src, group, pickle.dumps, "broadcast_object_list", _PICKLE_HINT)
 
 
 def all_gather_object(data: Any, group: Optional[ProcessGroup] = None) -> List[Any]:
@@ -131,10 +134,10 @@ def all_gather_object(data: Any, group: Optional[ProcessGroup] = None) -> List[A
     Raises:
         TypeError: a rank's object cannot be pickled (on every rank: no rank is left waiting).
     """
-    group, world_size = _world(group)
+    group, world_size = group_and_size(group)
     if group is None or world_size == 1:
         return [data]
-    return _all_gather_serialized(data, group, pickle.dumps, "all_gather_object", _PICKLE_HINT)
+    return all_gather_serialized(data, group, pickle.dumps, "all_gather_object", _PICKLE_HINT)
 
 
 def gather_object(data: Any, dst: int = 0, group: Optional[ProcessGroup] = None) -> Optional[List[Any]]:
@@ -153,8 +156,8 @@ def gather_object(data: Any, dst: int = 0, group: Optional[ProcessGroup] = None)
         TypeError: on a rank whose object cannot be pickled, and on ``dst`` (the other ranks,
             which receive nothing, return None); every rank still takes part, so none waits.
     """
-    group, world_size = _world(group)
-    _check_rank(dst, "dst", world_size)
+    group, world_size = group_and_size(group)
+    check_rank(dst, "dst", world_size)
     if group is None or world_size == 1:
         return [data]
     blob, failure = _serialize(data, pickle.dumps)
@@ -223,7 +226,7 @@ def collect_results(results: Sequence[Any], size: int, device: str = "cpu", tmpd
         raise ValueError(f"size must be a non-negative int (the number of results wanted), got {size!r}")
     if isinstance(results, (str, bytes)) or not isinstance(results, Sequence):
         raise TypeError(f"results must be a list of this rank's results, got {type(results).__name__}")
-    group, world_size = _world(group)
+    group, world_size = group_and_size(group)
     if group is None or world_size == 1:
         return _interleave([results], size, stacklevel=2)
     if device == "gpu":

@@ -12,11 +12,11 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from ._checks import _check_rank
-from .groups import _world
+from ._checks import check_rank
+from .groups import group_and_size
 from .objects import broadcast_object_list
 
-__all__ = ["broadcast_optimizer_state"]
+__all__ = ["broadcast_optimizer_state", "cpu_copy"]
 
 
 def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, src: int = 0, group: Optional[ProcessGroup] = None) -> None:
@@ -36,12 +36,12 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, src: int = 0, gr
     Raises:
         ValueError: ``src`` out of range, or parameter groups that differ from ``src``'s.
     """
-    group, world_size = _world(group)
-    _check_rank(src, "src", world_size)
+    group, world_size = group_and_size(group)
+    check_rank(src, "src", world_size)
     if group is None or world_size == 1:
         return
     mine = dist.get_rank(group) == src
-    payload = [_to_cpu(optimizer.state_dict()) if mine else None]
+    payload = [cpu_copy(optimizer.state_dict()) if mine else None]
     broadcast_object_list(payload, src=src, group=group)
     if mine:
         return
@@ -55,12 +55,12 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, src: int = 0, gr
                     loaded[name] = loaded[name].to(value.dtype)
 
 
-def _to_cpu(obj: Any) -> Any:
+def cpu_copy(obj: Any) -> Any:
     # State pickled on the root's GPU would otherwise land on the root's GPU on every rank.
     if isinstance(obj, Tensor):
         return obj.detach().cpu()
     if isinstance(obj, dict):
-        return {k: _to_cpu(v) for k, v in obj.items()}
+        return {k: cpu_copy(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_to_cpu(v) for v in obj)
+        return type(obj)(cpu_copy(v) for v in obj)
     return obj

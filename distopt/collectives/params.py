@@ -13,10 +13,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed import ProcessGroup
 
-from ..packing import flatten, split
-from ._checks import _check_op, _check_rank, _check_tensor, _check_tensors, _Op
-from .groups import _world
-from .tensors import _agree, _layout, _reduce, _restore, _to_comm
+from ..planning.packing import flatten, split
+from ._checks import check_op, check_rank, check_tensor, check_tensors, OpLike
+from .groups import group_and_size
+from .tensors import agree_across, layout_of, reduce_in_place, restore_from, to_comm
 
 __all__ = [
     "all_reduce_params",
@@ -51,7 +51,7 @@ def _coalesced(tensors: Sequence[Tensor], bucket_bytes: Optional[int], group: Pr
     """Run ``collective`` on one flat buffer per bucket (packing's flatten/split), then copy back."""
     for bucket in _buckets(tensors, bucket_bytes):
         with torch.no_grad():
-            flat = _to_comm(flatten(bucket), group)
+            flat = to_comm(flatten(bucket), group)
             collective(flat)
             if write_back:
                 for t, synced in zip(bucket, split(flat.to(bucket[0].device), bucket)):
@@ -63,7 +63,7 @@ def _coalesced(tensors: Sequence[Tensor], bucket_bytes: Optional[int], group: Pr
 
 
 def all_reduce_params(params: Iterable[Tensor], coalesce: bool = True, bucket_size_mb: float = -1,
-                      op: _Op = "sum", group: Optional[ProcessGroup] = None) -> None:
+                      op: OpLike = "sum", group: Optional[ProcessGroup] = None) -> None:
     """All-reduce parameters or buffers in place, a few large collectives instead of many small ones.
 
     Args:
@@ -78,30 +78,30 @@ def all_reduce_params(params: Iterable[Tensor], coalesce: bool = True, bucket_si
         ValueError: unknown ``op``, a bad ``bucket_size_mb``, or tensors that differ between ranks.
         TypeError: a non-tensor in ``params``, or ``op="mean"`` on integer tensors.
     """
-    tensors = [t.data if isinstance(t, nn.Parameter) else t for t in _check_tensors(params, "params")]
-    op = _check_op(op, tensors, "params")
+    tensors = [t.data if isinstance(t, nn.Parameter) else t for t in check_tensors(params, "params")]
+    op = check_op(op, tensors, "params")
     if isinstance(bucket_size_mb, bool) or not isinstance(bucket_size_mb, (int, float)) or not (
         bucket_size_mb > 0 or bucket_size_mb == -1
     ):
         raise ValueError(
             f"bucket_size_mb must be a positive number of megabytes or -1 (no limit), got {bucket_size_mb!r}"
         )
-    group, world_size = _world(group)
+    group, world_size = group_and_size(group)
     if group is None or world_size == 1 or not tensors:
         return
-    _agree([_layout(t) for t in tensors], "params' (shape, dtype) list",
+    agree_across([layout_of(t) for t in tensors], "params' (shape, dtype) list",
            "pass the same tensors in the same order on every rank", group)
     if not coalesce:
         for t in tensors:
-            work = _to_comm(t, group)
-            _reduce(work, op, group)
-            _restore(t, work)
+            work = to_comm(t, group)
+            reduce_in_place(work, op, group)
+            restore_from(t, work)
         return
     bucket_bytes = None if bucket_size_mb == -1 else max(1, int(bucket_size_mb * 1024 * 1024))
-    _coalesced(tensors, bucket_bytes, group, lambda flat: _reduce(flat, op, group), write_back=True)
+    _coalesced(tensors, bucket_bytes, group, lambda flat: reduce_in_place(flat, op, group), write_back=True)
 
 
-def all_reduce_dict(data: Mapping[str, Tensor], op: _Op = "sum",
+def all_reduce_dict(data: Mapping[str, Tensor], op: OpLike = "sum",
                     group: Optional[ProcessGroup] = None) -> Dict[str, Tensor]:
     """Reduce a dict of tensors (e.g. logged metrics) across ranks, coalesced per (device, dtype).
 
@@ -126,22 +126,22 @@ def all_reduce_dict(data: Mapping[str, Tensor], op: _Op = "sum",
     for key, value in data.items():
         if not isinstance(key, str):
             raise TypeError(f"data's keys must be strings (ranks match them by name), got {key!r}")
-        _check_tensor(value, f"data[{key!r}]")
-    averaging_ints = _check_op(op, (), "data") == "mean"
+        check_tensor(value, f"data[{key!r}]")
+    averaging_ints = check_op(op, (), "data") == "mean"
     out = {
         key: (value.detach().to(torch.get_default_dtype())
               if averaging_ints and not (value.is_floating_point() or value.is_complex())
               else value.detach().clone())
         for key, value in data.items()
     }
-    op = _check_op(op, out.values(), "data")
-    group, world_size = _world(group)
+    op = check_op(op, out.values(), "data")
+    group, world_size = group_and_size(group)
     if group is None or world_size == 1 or not out:
         return out
     keys = sorted(out)
-    _agree([(key, *_layout(out[key])) for key in keys], "data's (key, shape, dtype) list",
+    agree_across([(key, *layout_of(out[key])) for key in keys], "data's (key, shape, dtype) list",
            "log the same keys with the same shapes and dtypes on every rank", group)
-    _coalesced([out[key] for key in keys], None, group, lambda flat: _reduce(flat, op, group), write_back=True)
+    _coalesced([out[key] for key in keys], None, group, lambda flat: reduce_in_place(flat, op, group), write_back=True)
     return out
 
 
@@ -157,12 +157,12 @@ def bcast_list_(tensors: Sequence[Tensor], src: int = 0, group: Optional[Process
         ValueError: ``src`` out of range, or the tensors differ between ranks.
         TypeError: a non-tensor in ``tensors``.
     """
-    tensors = _check_tensors(tensors, "tensors")
-    group, world_size = _world(group)
-    _check_rank(src, "src", world_size)
+    tensors = check_tensors(tensors, "tensors")
+    group, world_size = group_and_size(group)
+    check_rank(src, "src", world_size)
     if group is None or world_size == 1 or not tensors:
         return
-    _agree([_layout(t) for t in tensors], "tensors' (shape, dtype) list",
+    agree_across([layout_of(t) for t in tensors], "tensors' (shape, dtype) list",
            "pass the same tensors in the same order on every rank", group)
     source = dist.get_global_rank(group, src)
     _coalesced(tensors, None, group, lambda flat: dist.broadcast(flat, source, group=group),
@@ -195,7 +195,7 @@ def broadcast_parameters(params_or_state_dict: Union[nn.Module, Mapping[str, Ten
                 )
         tensors = list(source.values())
     else:
-        tensors = _check_tensors(source, "params_or_state_dict")
+        tensors = check_tensors(source, "params_or_state_dict")
     unique = list({id(t): t for t in tensors}.values())  # tied weights are sent once
     bcast_list_([t.data if isinstance(t, nn.Parameter) else t for t in unique], src, group)
 

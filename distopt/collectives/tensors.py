@@ -1,7 +1,7 @@
 """Collectives on one tensor: all_reduce, all_gather, gather, broadcast, and sync_random_seed.
 
 Tensor helpers first agree on the tensors' shapes and dtypes across ranks
-(``_agree``), so a mismatch raises the same clear error on every rank instead of
+(``agree_across``), so a mismatch raises the same clear error on every rank instead of
 hanging, and move tensors the backend cannot use (CPU tensors under NCCL, CUDA
 tensors under gloo) to a device it can, moving the result back. :mod:`.params`
 uses the same helpers for many tensors at once.
@@ -17,8 +17,8 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 
-from ._checks import _check_op, _check_rank, _check_tensor, _Op
-from .groups import _world
+from ._checks import check_op, check_rank, check_tensor, OpLike
+from .groups import group_and_size
 from .objects import all_gather_object
 
 __all__ = [
@@ -27,6 +27,13 @@ __all__ = [
     "gather",
     "broadcast",
     "sync_random_seed",
+    "same_everywhere",
+    "agree_across",
+    "layout_of",
+    "comm_dtype",
+    "to_comm",
+    "restore_from",
+    "reduce_in_place",
 ]
 
 
@@ -47,7 +54,7 @@ def same_everywhere(text: str, group: ProcessGroup) -> bool:
     return all(torch.equal(theirs, gathered[0]) for theirs in gathered)
 
 
-def _agree(mine: Any, what: str, fix: str, group: ProcessGroup) -> None:
+def agree_across(mine: Any, what: str, fix: str, group: ProcessGroup) -> None:
     """Raise the same error on every rank if ``mine`` differs between ranks."""
     if same_everywhere(repr(mine), group):
         return
@@ -66,7 +73,7 @@ def _difference(first: Any, other: Any, rank: int) -> str:
     return f"rank 0 has {first} and rank {rank} has {other}"
 
 
-def _layout(t: Tensor) -> Tuple[Tuple[int, ...], str]:
+def layout_of(t: Tensor) -> Tuple[Tuple[int, ...], str]:
     return tuple(t.shape), str(t.dtype).replace("torch.", "")
 
 
@@ -88,27 +95,27 @@ def _comm_device(group: ProcessGroup, like: Tensor) -> torch.device:
 _GLOO_WIDER = {torch.int16: torch.int32, torch.uint16: torch.int32, torch.uint32: torch.int64}
 
 
-def _comm_dtype(group: ProcessGroup, dtype: torch.dtype) -> torch.dtype:
+def comm_dtype(group: ProcessGroup, dtype: torch.dtype) -> torch.dtype:
     if "gloo" in str(dist.get_backend(group)):
         return _GLOO_WIDER.get(dtype, dtype)
     return dtype
 
 
-def _to_comm(t: Tensor, group: ProcessGroup) -> Tensor:
+def to_comm(t: Tensor, group: ProcessGroup) -> Tensor:
     """``t`` itself if the backend can use it as is, else a contiguous copy it can use."""
-    device, dtype = _comm_device(group, t), _comm_dtype(group, t.dtype)
+    device, dtype = _comm_device(group, t), comm_dtype(group, t.dtype)
     if t.device == device and t.dtype == dtype and t.is_contiguous():
         return t
     return t.to(device=device, dtype=dtype).contiguous()
 
 
-def _restore(t: Tensor, work: Tensor) -> None:
+def restore_from(t: Tensor, work: Tensor) -> None:
     if work is not t:
         with torch.no_grad():
             t.copy_(work)
 
 
-def _reduce(work: Tensor, op: str, group: ProcessGroup) -> None:
+def reduce_in_place(work: Tensor, op: str, group: ProcessGroup) -> None:
     torch_op = {"sum": dist.ReduceOp.SUM, "mean": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN,
                 "max": dist.ReduceOp.MAX, "product": dist.ReduceOp.PRODUCT}[op]
     dist.all_reduce(work, torch_op, group=group)
@@ -121,7 +128,7 @@ def _reduce(work: Tensor, op: str, group: ProcessGroup) -> None:
 # tensor collectives
 
 
-def all_reduce(data: Tensor, op: _Op = "sum", group: Optional[ProcessGroup] = None) -> Tensor:
+def all_reduce(data: Tensor, op: OpLike = "sum", group: Optional[ProcessGroup] = None) -> Tensor:
     """Reduce ``data`` across ranks in place; every rank gets the result.
 
     Args:
@@ -136,15 +143,15 @@ def all_reduce(data: Tensor, op: _Op = "sum", group: Optional[ProcessGroup] = No
         ValueError: unknown ``op``, or shapes/dtypes differ between ranks.
         TypeError: ``op="mean"`` on an integer tensor (it cannot hold the average).
     """
-    _check_tensor(data, "data")
-    op = _check_op(op, [data], "data")
-    group, world_size = _world(group)
+    check_tensor(data, "data")
+    op = check_op(op, [data], "data")
+    group, world_size = group_and_size(group)
     if group is None or world_size == 1:
         return data
-    _agree(_layout(data), "data's (shape, dtype)", "pass tensors of one shape and dtype on every rank", group)
-    work = _to_comm(data, group)
-    _reduce(work, op, group)
-    _restore(data, work)
+    agree_across(layout_of(data), "data's (shape, dtype)", "pass tensors of one shape and dtype on every rank", group)
+    work = to_comm(data, group)
+    reduce_in_place(work, op, group)
+    restore_from(data, work)
     return data
 
 
@@ -157,7 +164,7 @@ def _gather_padded(data: Tensor, group: ProcessGroup, dst: Optional[int]) -> Lis
         raise ValueError(f"data must have one dtype on every rank, got {detail}; convert with data.to(dtype)")
     numels = [int(np.prod(shape, dtype=np.int64)) for shape, _ in layouts]
     device = _comm_device(group, data)
-    padded = torch.zeros(max(numels), dtype=_comm_dtype(group, data.dtype), device=device)
+    padded = torch.zeros(max(numels), dtype=comm_dtype(group, data.dtype), device=device)
     padded[: data.numel()].copy_(data.reshape(-1))
     if dst is not None and dist.get_rank(group) != dst:
         dist.gather(padded, None, dst=dist.get_global_rank(group, dst), group=group)
@@ -186,8 +193,8 @@ def all_gather(data: Tensor, group: Optional[ProcessGroup] = None) -> List[Tenso
     Raises:
         ValueError: the dtypes differ between ranks.
     """
-    _check_tensor(data, "data")
-    group, world_size = _world(group)
+    check_tensor(data, "data")
+    group, world_size = group_and_size(group)
     if group is None or world_size == 1:
         return [data]
     return _gather_padded(data, group, None)
@@ -208,9 +215,9 @@ def gather(data: Tensor, dst: int = 0, group: Optional[ProcessGroup] = None) -> 
     Raises:
         ValueError: ``dst`` out of range, or the dtypes differ between ranks.
     """
-    _check_tensor(data, "data")
-    group, world_size = _world(group)
-    _check_rank(dst, "dst", world_size)
+    check_tensor(data, "data")
+    group, world_size = group_and_size(group)
+    check_rank(dst, "dst", world_size)
     if group is None or world_size == 1:
         return [data]
     return _gather_padded(data, group, dst)
@@ -230,15 +237,15 @@ def broadcast(data: Tensor, src: int = 0, group: Optional[ProcessGroup] = None) 
     Raises:
         ValueError: ``src`` out of range, or shapes/dtypes differ between ranks.
     """
-    _check_tensor(data, "data")
-    group, world_size = _world(group)
-    _check_rank(src, "src", world_size)
+    check_tensor(data, "data")
+    group, world_size = group_and_size(group)
+    check_rank(src, "src", world_size)
     if group is None or world_size == 1:
         return data
-    _agree(_layout(data), "data's (shape, dtype)", "pass tensors of one shape and dtype on every rank", group)
-    work = _to_comm(data, group)
+    agree_across(layout_of(data), "data's (shape, dtype)", "pass tensors of one shape and dtype on every rank", group)
+    work = to_comm(data, group)
     dist.broadcast(work, dist.get_global_rank(group, src), group=group)
-    _restore(data, work)
+    restore_from(data, work)
     return data
 
 
@@ -255,7 +262,7 @@ def sync_random_seed(group: Optional[ProcessGroup] = None) -> int:
         The same int in ``[0, 2**31)`` on every rank; a fresh one in one process.
     """
     seed = int(np.random.randint(2**31))
-    group, world_size = _world(group)
+    group, world_size = group_and_size(group)
     if group is None or world_size == 1:
         return seed
     shared = torch.tensor([seed], dtype=torch.int64, device=_comm_device(group, torch.empty(0)))

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import collectives
-from ..collectives.tensors import _comm_dtype
+from ..collectives.tensors import comm_dtype as _comm_dtype
 from .agreement import agree
 from .allreduce_ops import _Reduction, _start_allreduce, _wire_device
 from .compression import NoneCompressor

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import collectives
-from ..collectives.tensors import _comm_dtype
+from ..collectives.tensors import comm_dtype as _comm_dtype
 from .agreement import agree
 from .compression import Compression, Compressor, NoneCompressor, _compressor_class, _CompressorLike
 from .reduce_op import Average, ReduceOp, Sum, _resolve_op, _TORCH_OPS

@@ -12,8 +12,9 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
-from .. import collectives, private_groups
-from ..launching.process_group import _under_torchrun
+from .. import collectives
+from ..transport import private_groups
+from ..launching.process_group import under_torchrun as _under_torchrun
 from ..launching.process_group import init as _init_process_group
 from ..launching.process_group import shutdown as _destroy_process_group
 

@@ -15,7 +15,9 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from .. import collectives
-from ..collectives.objects import Dumps, _all_gather_serialized, _broadcast_serialized
+from ..collectives.objects import Dumps
+from ..collectives.objects import all_gather_serialized as _all_gather_serialized
+from ..collectives.objects import broadcast_serialized as _broadcast_serialized
 from .basics import _check_root, _world
 from .errors import _internal_errors
 from .process_sets import global_process_set, group_of

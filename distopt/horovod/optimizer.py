@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tupl
 from torch import Tensor
 from torch.optim import Optimizer
 
-from ..optimizer import DistributedOptimizer as _CoreDistributedOptimizer
+from ..wrapper.optimizer import DistributedOptimizer as _CoreDistributedOptimizer
 from .basics import _require_init, _world
 from .errors import _internal_errors
 from .compression import BF16Compressor, Compression, FP16Compressor, NoneCompressor, _compressor_class, _CompressorLike

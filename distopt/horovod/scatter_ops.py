@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from .. import collectives
-from ..collectives.tensors import _comm_dtype
+from ..collectives.tensors import comm_dtype as _comm_dtype
 from .agreement import agree
 from .allgather_ops import _start_allgather
 from .allreduce_ops import _reduction, _start_allreduce, _wire_device

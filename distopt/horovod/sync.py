@@ -8,7 +8,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .. import collectives, joining
+from .. import collectives
+from ..wrapper.optimizer import join_and_wait
 from .agreement import serve_joined
 from .background import Handle, start
 from .errors import _internal_errors
@@ -108,7 +109,7 @@ def _join() -> int:
     # submitted ones; this thread meanwhile takes part in their optimizers' rounds.
     served = start(lambda: ([], _constant(serve_joined(lane))), background=True)
     optimizers = [opt for opt in _live_optimizers() if opt.world_size > 1]  # not one outside its set
-    last = joining.join_and_wait(optimizers) if optimizers else None
+    last = join_and_wait(optimizers) if optimizers else None
     last_served = served.wait()
     return last_served if last is None else last
 

@@ -26,9 +26,9 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .process_group import _as_timedelta, _check_backend, _default_backend, _Timeout, _under_torchrun, init
-from .supervisor import _run_workers
-from .worker import _STORE_TIMEOUT, _pickle_job
+from .process_group import as_timedelta, check_backend, default_backend, TimeoutLike, under_torchrun, init
+from .supervisor import run_workers
+from .worker import STORE_TIMEOUT, pickle_job
 
 __all__ = ["DEFAULT_TIMEOUT", "launch", "launcher"]
 
@@ -93,7 +93,7 @@ def _start_store(master_addr: str, master_port: int, seconds: float) -> Any:
 
 
 def _run_in_place(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
-                  nprocs: Optional[int], backend: Optional[str], collective_timeout: _Timeout) -> List[Any]:
+                  nprocs: Optional[int], backend: Optional[str], collective_timeout: TimeoutLike) -> List[Any]:
     """The torchrun path: this process is already one rank of the world."""
     local_world_size = os.environ.get("LOCAL_WORLD_SIZE")
     if nprocs is not None and local_world_size is not None and int(local_world_size) != nprocs:
@@ -123,7 +123,7 @@ def launch(
     nnodes: int = 1,
     node_rank: int = 0,
     timeout: Optional[float] = DEFAULT_TIMEOUT,
-    collective_timeout: _Timeout = None,
+    collective_timeout: TimeoutLike = None,
 ) -> List[Any]:
     """Run ``fn(*args, **kwargs)`` in ``nprocs`` worker processes with a process group.
 
@@ -178,8 +178,8 @@ def launch(
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {fn!r}")
     kwargs = {} if kwargs is None else kwargs
-    collective_wait = _as_timedelta(collective_timeout, "collective_timeout")
-    if _under_torchrun() or (dist.is_available() and dist.is_initialized()):
+    collective_wait = as_timedelta(collective_timeout, "collective_timeout")
+    if under_torchrun() or (dist.is_available() and dist.is_initialized()):
         return _run_in_place(fn, args, kwargs, nprocs, backend, collective_wait)
 
     nprocs = _default_nprocs() if nprocs is None else _check_int(nprocs, "nprocs", 1, "pass nprocs=2 or more")
@@ -195,15 +195,15 @@ def launch(
             f"nnodes={nnodes} needs an explicit master_port that every node passes alike; "
             "port 0 (a free port) can only be picked on a single node"
         )
-    wait = _as_timedelta(timeout)
+    wait = as_timedelta(timeout)
     if backend is None:
-        backend = _default_backend(nprocs)
+        backend = default_backend(nprocs)
     else:
-        _check_backend(backend, nprocs)
-    job = _pickle_job(fn, args, kwargs, unwrap=isinstance(fn, _LaunchedFunction))
+        check_backend(backend, nprocs)
+    job = pickle_job(fn, args, kwargs, unwrap=isinstance(fn, _LaunchedFunction))
 
     def left() -> float:  # of the whole launch's time, for the next stage
-        limit = _STORE_TIMEOUT.total_seconds() if wait is None else wait.total_seconds()
+        limit = STORE_TIMEOUT.total_seconds() if wait is None else wait.total_seconds()
         return max(limit - (time.monotonic() - started), 0.001)
 
     store = None
@@ -214,7 +214,7 @@ def launch(
     else:
         _resolve(master_addr, master_port, left())
     try:
-        return _run_workers(
+        return run_workers(
             job, nprocs, nnodes * nprocs, node_rank * nprocs, backend, master_addr, port,
             None if wait is None else left(), collective_wait, None if wait is None else wait.total_seconds(),
         )
@@ -248,7 +248,7 @@ def launcher(
     nnodes: int = 1,
     node_rank: int = 0,
     timeout: Optional[float] = DEFAULT_TIMEOUT,
-    collective_timeout: _Timeout = None,
+    collective_timeout: TimeoutLike = None,
 ) -> Any:
     """Decorator form of :func:`launch`: calling the function runs it in every worker.
 

@@ -2,7 +2,7 @@
 
 :func:`init` is what a script started by ``torchrun`` calls; the spawned workers
 of :func:`~distopt.launching.launch` set up their group through the same
-:func:`_init_process_group`, and tear it down with the same :func:`shutdown`.
+:func:`init_default_group`, and tear it down with the same :func:`shutdown`.
 The only environment variables read here are torchrun's ``env://`` contract.
 """
 from __future__ import annotations
@@ -19,22 +19,32 @@ from typing import Any, Optional, Union
 import torch
 import torch.distributed as dist
 
-from .. import private_groups, stalls
+from ..transport import private_groups, stalls
 from .interface import pick_interface
 
-__all__ = ["init", "shutdown"]
+__all__ = [
+    "init",
+    "shutdown",
+    "TimeoutLike",
+    "under_torchrun",
+    "as_timedelta",
+    "uses_cuda",
+    "default_backend",
+    "check_backend",
+    "init_default_group",
+]
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR")
 _ENV_VARS = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
-_Timeout = Union[float, int, timedelta, None]
+TimeoutLike = Union[float, int, timedelta, None]
 
 
-def _under_torchrun() -> bool:
+def under_torchrun() -> bool:
     return all(name in os.environ for name in _TORCHRUN_VARS)
 
 
-def _as_timedelta(timeout: _Timeout, name: str = "timeout") -> Optional[timedelta]:
+def as_timedelta(timeout: TimeoutLike, name: str = "timeout") -> Optional[timedelta]:
     if timeout is None:
         return None
     if isinstance(timeout, timedelta):
@@ -48,11 +58,11 @@ def _as_timedelta(timeout: _Timeout, name: str = "timeout") -> Optional[timedelt
     return timedelta(seconds=seconds)
 
 
-def _uses_cuda(backend: str) -> bool:
+def uses_cuda(backend: str) -> bool:
     return "nccl" in backend.lower()
 
 
-def _default_backend(local_world_size: int) -> str:
+def default_backend(local_world_size: int) -> str:
     """NCCL for CUDA tensors when every local rank can have a GPU of its own (gloo still
     serves CPU tensors, e.g. metrics), gloo alone otherwise."""
     if dist.is_nccl_available() and torch.cuda.is_available() and local_world_size <= torch.cuda.device_count():
@@ -60,10 +70,10 @@ def _default_backend(local_world_size: int) -> str:
     return "gloo"
 
 
-def _check_backend(backend: str, local_world_size: int) -> None:
+def check_backend(backend: str, local_world_size: int) -> None:
     if not isinstance(backend, str) or not backend:
         raise TypeError(f"backend must be a string such as 'gloo' or 'nccl', got {backend!r}")
-    if _uses_cuda(backend):
+    if uses_cuda(backend):
         if not (dist.is_nccl_available() and torch.cuda.is_available()):
             raise ValueError(f"backend={backend!r} needs CUDA and NCCL, which this machine lacks; use backend='gloo'")
         if local_world_size > torch.cuda.device_count():
@@ -74,7 +84,7 @@ def _check_backend(backend: str, local_world_size: int) -> None:
             )
 
 
-def init(backend: Optional[str] = None, timeout: _Timeout = None) -> None:
+def init(backend: Optional[str] = None, timeout: TimeoutLike = None) -> None:
     """Initialize the default process group from ``env://``; a no-op if one exists.
 
     This is what a script started by ``torchrun`` calls. It reads ``RANK``,
@@ -94,7 +104,7 @@ def init(backend: Optional[str] = None, timeout: _Timeout = None) -> None:
         RuntimeError: if the ``env://`` variables are missing.
         ValueError: if ``backend`` needs GPUs this machine lacks, or ``timeout`` is not positive.
     """
-    wait = _as_timedelta(timeout)
+    wait = as_timedelta(timeout)
     if dist.is_initialized():
         if backend is not None and backend != dist.get_backend():
             warnings.warn(
@@ -113,18 +123,18 @@ def init(backend: Optional[str] = None, timeout: _Timeout = None) -> None:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if backend is None:
-        backend = _default_backend(max(local_world_size, local_rank + 1))
+        backend = default_backend(max(local_world_size, local_rank + 1))
     else:
-        _check_backend(backend, local_rank + 1)
-    if _uses_cuda(backend):
+        check_backend(backend, local_rank + 1)
+    if uses_cuda(backend):
         torch.cuda.set_device(local_rank)
     pick_interface(os.environ["MASTER_ADDR"], announce=local_rank == 0)
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
     global _generation
     if restart is None and _generation == 0:
-        _init_process_group(backend=backend, init_method="env://", timeout=wait)
+        init_default_group(backend=backend, init_method="env://", timeout=wait)
     else:
-        _init_process_group(backend=backend, store=_attempt_store(restart or "0", _generation, wait),
+        init_default_group(backend=backend, store=_attempt_store(restart or "0", _generation, wait),
                             rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]), timeout=wait)
     _generation += 1
     atexit.register(shutdown)
@@ -150,7 +160,7 @@ def _attempt_store(restart: str, generation: int, wait: Optional[timedelta]) -> 
     return dist.PrefixStore(f"distopt/attempt{restart}/setup{generation}/", store)
 
 
-def _init_process_group(**kwargs: Any) -> None:
+def init_default_group(**kwargs: Any) -> None:
     """``dist.init_process_group``, after the one import that would otherwise keep the group alive.
 
     ``torch.distributed.nn.functional`` binds ``group=group.WORLD`` as a default

@@ -1,6 +1,6 @@
 """The launching process's side of :func:`~distopt.launching.launch`: start the workers and watch them.
 
-:func:`_run_workers` spawns one process per local rank and hands them to a
+:func:`run_workers` spawns one process per local rank and hands them to a
 :class:`_Supervisor`, which collects their results as they arrive and stops at
 the first failure or at the timeout. Whatever happens, :func:`_stop` then
 terminates every worker still alive (SIGTERM, and SIGKILL after a grace period)
@@ -22,15 +22,15 @@ from multiprocessing.process import BaseProcess
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .errors import LaunchTimeoutError, WorkerFailedError, WorkerFailure
-from .worker import _worker_main, _WorkerSpec
+from .worker import worker_main, WorkerSpec
 
-__all__: List[str] = []
+__all__: List[str] = ["run_workers"]
 
 # Seconds a worker gets between SIGTERM and SIGKILL.
 _TERMINATE_GRACE = 3.0
 
 
-def _run_workers(job: bytes, nprocs: int, world_size: int, first_rank: int, backend: str,
+def run_workers(job: bytes, nprocs: int, world_size: int, first_rank: int, backend: str,
                  master_addr: str, master_port: int, timeout: Optional[float],
                  collective_timeout: Optional[timedelta] = None, reported_timeout: Optional[float] = None) -> List[Any]:
     """Start the workers and supervise them for ``timeout`` seconds (the launch's ``reported_timeout``
@@ -42,10 +42,10 @@ def _run_workers(job: bytes, nprocs: int, world_size: int, first_rank: int, back
     readers: List[Connection] = []
     try:
         for local in range(nprocs):
-            spec = _WorkerSpec(first_rank + local, local, world_size, nprocs, master_addr, master_port,
+            spec = WorkerSpec(first_rank + local, local, world_size, nprocs, master_addr, master_port,
                                backend, os.getpid(), store_deadline, collective_timeout)
             reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_worker_main, args=(spec, job, writer), name=f"distopt-rank{spec.rank}")
+            proc = ctx.Process(target=worker_main, args=(spec, job, writer), name=f"distopt-rank{spec.rank}")
             readers.append(reader)
             procs.append(proc)
             try:

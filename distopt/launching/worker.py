@@ -1,12 +1,12 @@
 """One spawned worker of :func:`~distopt.launching.launch`: from process start to its report.
 
-:func:`_worker_main` is the target of every worker process; it must stay at
+:func:`worker_main` is the target of every worker process; it must stay at
 module level so that the ``spawn`` start method can find it by name. A worker
 ties its life to the launching process, gets torchrun's ``env://`` variables
 (the only environment variables it writes), joins the process group through the
 parent's rendezvous store, runs the job and sends its result, or its traceback,
 back through a pipe. The job's format is defined here too, by
-:func:`_pickle_job`, next to the code that reads it.
+:func:`pickle_job`, next to the code that reads it.
 """
 from __future__ import annotations
 
@@ -25,18 +25,18 @@ from typing import Any, Callable, List, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .. import stalls
+from ..transport import stalls
 from .interface import pick_interface
-from .process_group import _init_process_group, _uses_cuda, shutdown
+from .process_group import init_default_group, uses_cuda, shutdown
 
-__all__: List[str] = []
+__all__: List[str] = ["STORE_TIMEOUT", "WorkerSpec", "pickle_job", "worker_main"]
 
 # How long a worker waits to reach the parent's rendezvous store.
-_STORE_TIMEOUT = timedelta(seconds=300)
+STORE_TIMEOUT = timedelta(seconds=300)
 
 
 @dataclass(frozen=True)
-class _WorkerSpec:
+class WorkerSpec:
     rank: int
     local_rank: int
     world_size: int
@@ -61,7 +61,7 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def _pickle_job(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], *, unwrap: bool) -> bytes:
+def pickle_job(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], *, unwrap: bool) -> bytes:
     """Pickle what a worker runs, or say why it cannot be sent to the workers.
 
     Args:
@@ -85,7 +85,7 @@ def _pickle_job(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str
         ) from exc
 
 
-def _worker_main(spec: _WorkerSpec, job: bytes, conn: Connection) -> None:
+def worker_main(spec: WorkerSpec, job: bytes, conn: Connection) -> None:
     """Entry point of a spawned worker: set up the group, run the job, report back."""
     _die_with_parent(spec.parent_pid)
     _send(conn, ("started",))
@@ -105,7 +105,7 @@ def _worker_main(spec: _WorkerSpec, job: bytes, conn: Connection) -> None:
         fn, unwrap, args, kwargs = pickle.loads(job)
         if unwrap:
             fn = fn.__wrapped__
-        if _uses_cuda(spec.backend):
+        if uses_cuda(spec.backend):
             torch.cuda.set_device(spec.local_rank)
         # Like torchrun, share the cores between the local workers: N workers each running as
         # many intra-op threads as there are cores oversubscribe the CPU and slow every op.
@@ -113,7 +113,7 @@ def _worker_main(spec: _WorkerSpec, job: bytes, conn: Connection) -> None:
         torch.set_num_threads(max(1, cores // spec.local_world_size))
         pick_interface(spec.master_addr, announce=spec.local_rank == 0)
         store = _connect(spec)
-        _init_process_group(backend=spec.backend, store=store, rank=spec.rank, world_size=spec.world_size,
+        init_default_group(backend=spec.backend, store=store, rank=spec.rank, world_size=spec.world_size,
                             timeout=spec.collective_timeout)
         # A rank returns from init while others may still be connecting to it; one collective first,
         # so that a rank whose fn ends at once cannot close its connections under their set-up.
@@ -134,9 +134,9 @@ def _worker_main(spec: _WorkerSpec, job: bytes, conn: Connection) -> None:
     conn.close()
 
 
-def _connect(spec: _WorkerSpec) -> Any:
+def _connect(spec: WorkerSpec) -> Any:
     """A client of the rendezvous store (node 0's launching process owns it, so port 0 never races)."""
-    seconds = _STORE_TIMEOUT.total_seconds()
+    seconds = STORE_TIMEOUT.total_seconds()
     if spec.store_deadline is not None:
         # torch's client tries twice, each time for the whole timeout (4.4 s took 9-10 s): a third of
         # what is left keeps both tries, the report and the reaping inside the launch's timeout.

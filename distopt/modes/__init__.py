@@ -2,12 +2,37 @@
 
 A mode plugs into the wrapper at two seams, documented in :mod:`distopt.modes.base`:
 what happens to gradients at the end of backward, and what happens at ``step()``.
-The synchronous mode (average every gradient in backward, then step) is the default;
-each further mode is a module of its own here.
+Each mode is a module of its own here, and one line in :data:`REGISTRY`: the
+wrapper builds the first mode whose :meth:`~distopt.modes.base.Mode.from_arguments`
+accepts its arguments, so the default (synchronous) mode comes last.
 """
-from .base import Mode
+from typing import Tuple, Type
+
+from .base import Mode, ModeArguments, ModeContext, OuterFactory
 from .local_sgd import LocalSGDMode
 from .sharded import ShardedMode
+from .shards import merge_state_dicts
 from .synchronous import SynchronousMode
 
-__all__ = ["Mode", "LocalSGDMode", "ShardedMode", "SynchronousMode"]
+__all__ = ["Mode", "ModeArguments", "ModeContext", "OuterFactory", "REGISTRY", "choose",
+           "LocalSGDMode", "ShardedMode", "SynchronousMode", "merge_state_dicts"]
+
+#: The modes, asked in this order.
+REGISTRY: Tuple[Type[Mode], ...] = (
+    LocalSGDMode,
+    ShardedMode,
+    SynchronousMode,
+)
+
+
+def choose(args: ModeArguments) -> Mode:
+    """The first registered mode that accepts ``args``.
+
+    Raises:
+        ValueError: no registered mode accepts them.
+    """
+    for cls in REGISTRY:
+        mode = cls.from_arguments(args)
+        if mode is not None:
+            return mode
+    raise ValueError(f"no mode accepts {args}; register a default mode last in distopt.modes.REGISTRY")

@@ -7,9 +7,10 @@ rank only, its step count would fall behind, and its syncs would pair with the
 other ranks' syncs of other steps (or end in an "uneven batches" error).
 
 So a local-SGD wrapper says ``_step_supports_amp_scaling`` (torch's protocol for
-optimizers that scale themselves): ``GradScaler.step`` then always calls
-``step()``, after setting ``grad_scale`` (the scale the gradients still carry,
-None once ``scaler.unscale_`` ran) and ``found_inf`` on the wrapper. The mode
+optimizers that scale themselves; the mode's :attr:`~distopt.modes.base.Mode.handles_amp_scaling`):
+``GradScaler.step`` then always calls ``step()``, after setting ``grad_scale`` (the
+scale the gradients still carry, None once ``scaler.unscale_`` ran) and ``found_inf``
+on the wrapper, which hands both to the mode in its :class:`~distopt.modes.base.ModeContext`. The mode
 skips the inner step when ``found_inf`` is set, as ``GradScaler`` would have, but
 counts the step, so every rank's sync schedule stays the same; otherwise it
 unscales the gradients exactly as ``GradScaler.unscale_`` does (the same kernel,
@@ -18,23 +19,22 @@ the same reciprocal) and steps.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import TYPE_CHECKING, Dict, List, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 from torch import Tensor
 
-if TYPE_CHECKING:
-    from ..optimizer import DistributedOptimizer
+from .base import ModeContext
 
 __all__ = ["handed_over", "unscale_or_skip"]
 
 
-def handed_over(owner: "DistributedOptimizer") -> bool:
-    """Whether ``GradScaler.step`` is calling ``owner.step()`` with its verdict (``found_inf``) set."""
-    return getattr(owner, "found_inf", None) is not None
+def handed_over(ctx: ModeContext) -> bool:
+    """Whether ``GradScaler.step`` is calling the wrapper's ``step()`` with its verdict (``found_inf``) set."""
+    return ctx.found_inf is not None
 
 
-def unscale_or_skip(owner: "DistributedOptimizer") -> bool:
+def unscale_or_skip(ctx: ModeContext) -> bool:
     """Act on ``GradScaler``'s verdict: True when the inner step must be skipped (an inf or NaN gradient).
 
     Otherwise unscale the gradients if ``GradScaler`` left them scaled. Without a
@@ -43,23 +43,23 @@ def unscale_or_skip(owner: "DistributedOptimizer") -> bool:
     Raises:
         ValueError: float16 gradients to unscale (as ``GradScaler.unscale_`` says).
     """
-    found_inf = getattr(owner, "found_inf", None)
+    found_inf = ctx.found_inf
     if found_inf is None:
         return False
     if float(found_inf) != 0.0:
         return True
-    scale = getattr(owner, "grad_scale", None)
+    scale = ctx.grad_scale
     if scale is not None:  # None: scaler.unscale_(opt) ran already
-        _unscale(owner, scale)
+        _unscale(ctx, scale)
     return False
 
 
-def _unscale(owner: "DistributedOptimizer", scale: Tensor) -> None:
+def _unscale(ctx: ModeContext, scale: Tensor) -> None:
     # As GradScaler.unscale_: the reciprocal in float64, then the fused check-and-multiply per device and dtype.
     inv_scale = scale.double().reciprocal().float()
     grads: Dict[Tuple[torch.device, torch.dtype], List[Tensor]] = defaultdict(list)
     with torch.no_grad():
-        for group in owner.optimizer.param_groups:
+        for group in ctx.optimizer.param_groups:
             for p in group["params"]:
                 if p.grad is None:
                     continue

@@ -2,7 +2,14 @@
 
 The public class keeps the arguments and the ``torch.optim`` surface; the
 :class:`distopt.engine.GradientEngine` under it owns the hooks, the packs and
-the reduction round. A mode decides the two things that differ between ways of
+the reduction round. A mode never sees the wrapper: every method is handed a
+:class:`ModeContext`, the small typed view of it that a mode needs (the inner
+optimizer, the engine, the tracked parameters, the group, the step count), the
+way torchft hands its ``Manager`` to an optimizer wrapper. The wrapper asks the
+mode through methods and attributes (:attr:`Mode.reduces_in_backward`,
+:attr:`Mode.handles_amp_scaling`, :meth:`Mode.sharded_state_dict`, ...), never by
+its type, and builds it from :class:`ModeArguments` through the registry in
+:mod:`distopt.modes`: adding a mode is its file plus one registration line. A mode decides the two things that differ between ways of
 training data-parallel:
 
 1. **Gradients at the end of backward** (:attr:`Mode.reduces_in_backward`).
@@ -30,80 +37,208 @@ after each shadow round, :meth:`Mode.shadow_step`; the end of the block,
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch import Tensor
+from torch.distributed import ProcessGroup
+from torch.optim import Optimizer
 
-from .. import collectives, stalls
+from .. import collectives
+from ..engine import GradientEngine
+from ..transport import stalls
+from . import shards
 
-if TYPE_CHECKING:  # the wrapper imports the modes, not the other way round
-    from ..optimizer import DistributedOptimizer
+__all__ = ["Mode", "ModeContext", "ModeArguments", "OuterFactory"]
 
-__all__ = ["Mode"]
+#: Builds DiLoCo's outer optimizer from the tensors it steps (the parameters at the last sync).
+OuterFactory = Callable[[List[Tensor]], Optimizer]
+
+
+@dataclass(frozen=True)
+class ModeArguments:
+    """The wrapper's (checked) arguments that choose and configure its mode.
+
+    Attributes:
+        rank: this rank within the wrapper's group.
+        world_size: ranks in the group.
+        local: local SGD was asked for (``sync_every > 1`` or an outer optimizer).
+        shard_state: ``shard_state=True``.
+        sync_every: local steps between two syncs.
+        outer_optimizer: DiLoCo's outer-optimizer factory, or None.
+        local_warmup: synchronous steps before local SGD starts.
+    """
+
+    rank: int
+    world_size: int
+    local: bool = False
+    shard_state: bool = False
+    sync_every: int = 1
+    outer_optimizer: Optional[OuterFactory] = None
+    local_warmup: int = 0
+
+
+class ModeContext:
+    """What a mode sees of the wrapper it serves.
+
+    It holds the wrapper's collaborators, not the wrapper: a dropped wrapper is freed
+    at once (no reference cycle through its mode) and its hooks go quiet.
+
+    Args:
+        optimizer: the inner optimizer.
+        engine: the gradient engine.
+        params: every parameter the wrapper tracks, in tracking order (the wrapper's
+            own list: it grows with ``add_param_group``).
+        names: a name for each parameter, by ``id`` (from ``named_parameters``).
+        process_group: the user's group (None: the default group).
+        rank: this rank within the group.
+        world_size: ranks in the group.
+        root_rank: the rank that broadcasts.
+        reduce_op: ``"mean"`` or ``"sum"``.
+        stall_warning: seconds before a wait warns, or None.
+        stall_timeout: seconds before a wait raises, or None.
+        reduce_for_step: reduces what backward did not, as ``step()`` must, and waits (the
+            wrapper's, so that a subclass such as the Horovod front's can extend it).
+        synchronize: the wrapper's ``synchronize()``.
+    """
+
+    def __init__(self, *, optimizer: Optimizer, engine: GradientEngine, params: List[Tensor], names: Dict[int, str],
+                 process_group: Optional[ProcessGroup], rank: int, world_size: int, root_rank: int, reduce_op: str,
+                 stall_warning: Optional[float], stall_timeout: Optional[float],
+                 reduce_for_step: Callable[[], None], synchronize: Callable[[], None]) -> None:
+        self.optimizer = optimizer
+        self.engine = engine
+        self.params = params
+        self.names = names
+        self.process_group = process_group
+        self.rank = rank
+        self.world_size = world_size
+        self.root_rank = root_rank
+        self.reduce_op = reduce_op
+        self.stall_warning = stall_warning
+        self.stall_timeout = stall_timeout
+        self._reduce_for_step = reduce_for_step
+        self._synchronize = synchronize
+        #: ``GradScaler``'s verdict for the step being taken (set by the wrapper's ``step()`` when the
+        #: mode :attr:`Mode.handles_amp_scaling`): ``found_inf`` and the ``grad_scale`` the gradients
+        #: still carry; both None without a ``GradScaler``.
+        self.found_inf: Optional[Tensor] = None
+        self.grad_scale: Optional[Tensor] = None
+
+    @property
+    def group(self) -> Optional[ProcessGroup]:
+        """The private group the wrapper talks on (the user's group in a world of one)."""
+        channel = self.engine.channel
+        return channel.group if channel is not None else self.process_group
+
+    @property
+    def progress(self) -> Optional[stalls.Progress]:
+        """This rank's position for the stall inspector (None in a world of one)."""
+        return self.engine.progress
+
+    @property
+    def steps(self) -> int:
+        """Steps taken; every rank's count travels with each round."""
+        return self.engine.steps
+
+    def set_steps(self, steps: int) -> None:
+        """Set the step count (a checkpoint, or another rank's count at the end of a join block)."""
+        self.engine.steps = steps
+        if self.engine.progress is not None:
+            self.engine.progress.step = steps
+
+    def reduce_for_step(self) -> None:
+        """Reduce what backward did not, as ``step()`` must, and wait for it."""
+        self._reduce_for_step()
+
+    def synchronize(self) -> None:
+        """Reduce now and wait, as the user's ``opt.synchronize()`` does."""
+        self._synchronize()
+
+    def name_of(self, p: Tensor, group: int, index: int) -> str:
+        """The user's name for ``p``, else its place in the param groups."""
+        return self.names.get(id(p), f"param_groups[{group}][{index}]")
 
 
 class Mode:
     """Base class of the modes: what a wrapper does with gradients and at ``step()``.
 
-    The wrapper holds its mode; the mode gets the wrapper as an argument rather
-    than holding it, so that a dropped wrapper is freed at once (no reference
-    cycle) and its hooks go quiet.
+    The wrapper holds its mode; every method is handed the :class:`ModeContext`.
     """
 
     #: Whether the engine averages gradients during backward.
     reduces_in_backward: bool = True
+    #: Whether the mode takes ``GradScaler``'s verdict itself (torch's ``_step_supports_amp_scaling``):
+    #: ``GradScaler.step`` then always calls ``step()``, with ``found_inf`` set.
+    handles_amp_scaling: bool = False
 
-    def step(self, owner: "DistributedOptimizer", closure: Optional[Callable[[], Any]]) -> Any:
+    @classmethod
+    def from_arguments(cls, args: ModeArguments) -> Optional["Mode"]:
+        """This mode configured for ``args``, or None when they ask for another (see the registry)."""
+        raise NotImplementedError
+
+    def step(self, ctx: ModeContext, closure: Optional[Callable[[], Any]]) -> Any:
         """Take one optimizer step; return what the inner optimizer's ``step`` returns.
 
         Args:
-            owner: the wrapper taking the step.
+            ctx: the wrapper, as the mode sees it.
             closure: re-evaluates the model and returns the loss, or None.
         """
         raise NotImplementedError
 
-    def on_track(self, owner: "DistributedOptimizer", params: List[Tensor]) -> None:
+    def on_track(self, ctx: ModeContext, params: List[Tensor]) -> None:
         """The wrapper took on ``params`` (at construction or ``add_param_group``), in tracking order."""
 
-    def shadow_step(self, owner: "DistributedOptimizer") -> None:
-        """As a rank that has joined (:mod:`distopt.joining`): follow the others' step after a shadow round."""
+    def shadow_step(self, ctx: ModeContext) -> None:
+        """As a rank that has joined: follow the others' step after a shadow round."""
 
-    def settle_after_join(self, owner: "DistributedOptimizer", last: int, identical: bool) -> None:
+    def settle_after_join(self, ctx: ModeContext, last: int, identical: bool) -> None:
         """At the end of a join block: unless the ranks are ``identical`` already (none stopped
         early), give every rank rank ``last``'s parameters and optimizer state."""
         if identical:
             return
-        group, progress = owner._group(), owner._engine.progress
-        with torch.no_grad(), stalls.inspected(progress, "the parameter broadcast at the end of the join block"):
-            collectives.broadcast_parameters(owner._params, src=last, group=group)
-        with stalls.inspected(progress, "the optimizer-state broadcast at the end of the join block"):
-            collectives.broadcast_optimizer_state(owner.optimizer, src=last, group=group)
+        with torch.no_grad(), stalls.inspected(ctx.progress, "the parameter broadcast at the end of the join block"):
+            collectives.broadcast_parameters(ctx.params, src=last, group=ctx.group)
+        with stalls.inspected(ctx.progress, "the optimizer-state broadcast at the end of the join block"):
+            collectives.broadcast_optimizer_state(ctx.optimizer, src=last, group=ctx.group)
 
-    def state_dict(self, owner: "DistributedOptimizer") -> Dict[str, Any]:
-        """What ``owner.state_dict()`` returns: the inner optimizer's, by default."""
-        return owner.optimizer.state_dict()
+    def state_dict(self, ctx: ModeContext) -> Dict[str, Any]:
+        """What ``opt.state_dict()`` returns: the inner optimizer's, by default."""
+        return ctx.optimizer.state_dict()
 
-    def load_state_dict(self, owner: "DistributedOptimizer", state_dict: Dict[str, Any]) -> None:
-        """Load what :meth:`state_dict` returned (or a plain optimizer's state dict)."""
-        owner.optimizer.load_state_dict(state_dict)
+    def sharded_state_dict(self, ctx: ModeContext) -> Optional[Dict[str, Any]]:
+        """This rank's shard of the optimizer state, or None for a mode that keeps all of it."""
+        return None
+
+    def load_state_dict(self, ctx: ModeContext, state_dict: Dict[str, Any]) -> None:
+        """Load what :meth:`state_dict` returned, a plain optimizer's state dict, or a shard of a
+        world of one (which is the whole state).
+
+        Raises:
+            ValueError: one rank's shard of a larger world (see :func:`distopt.modes.shards.whole`).
+        """
+        ctx.optimizer.load_state_dict(shards.whole(state_dict))
+
+    def broadcast_optimizer_state(self, ctx: ModeContext, src: int) -> None:
+        """Give every rank rank ``src``'s optimizer state, and the mode's own (:meth:`broadcast_state`).
+
+        Raises:
+            RuntimeError: the mode keeps different state on every rank by design.
+        """
+        with stalls.inspected(ctx.progress, "the optimizer-state broadcast"):
+            collectives.broadcast_optimizer_state(ctx.optimizer, src=src, group=ctx.group)
+        self.broadcast_state(ctx, src)
 
     def settings(self) -> Dict[str, Any]:
         """The mode's settings that decide which collectives run; checked to match across ranks."""
         return {}
 
-    def attach(self, owner: "DistributedOptimizer") -> None:
-        """Called once the wrapper is built (its parameters tracked and broadcast).
+    def attach(self, ctx: ModeContext) -> None:
+        """Called once the wrapper is built (its parameters tracked and broadcast)."""
 
-        Args:
-            owner: the wrapper.
-        """
-
-    def leaving(self, owner: "DistributedOptimizer") -> Optional[Callable[[], None]]:
+    def leaving(self, ctx: ModeContext) -> Optional[Callable[[], None]]:
         """A rank joins (runs out of data): launch its last contributing round, if it owes one.
-
-        Args:
-            owner: the wrapper.
 
         Returns:
             None, or a function that finishes the round launched (``join()`` calls it
@@ -111,19 +246,15 @@ class Mode:
         """
         return None
 
-    def broadcast_state(self, owner: "DistributedOptimizer", src: int) -> None:
+    def broadcast_state(self, ctx: ModeContext, src: int) -> None:
         """Take rank ``src``'s mode state: at the end of a join block whose ranks ended apart, and in
         ``broadcast_optimizer_state()`` (after only the root loaded a checkpoint).
 
         Args:
-            owner: the wrapper.
+            ctx: the wrapper, as the mode sees it.
             src: rank, in the wrapper's group, whose state every rank takes.
         """
 
-    def extra_state_bytes(self, owner: "DistributedOptimizer") -> int:
-        """Bytes the mode holds besides the model and the inner optimizer (for ``stats``).
-
-        Args:
-            owner: the wrapper.
-        """
+    def extra_state_bytes(self, ctx: ModeContext) -> int:
+        """Bytes the mode holds besides the model and the inner optimizer (for ``stats``)."""
         return 0

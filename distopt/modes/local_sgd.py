@@ -13,7 +13,7 @@ the last sync minus the parameters now, so it points the way a gradient does):
   momentum 0.9); every rank steps it alike and takes its result.
 
 The pseudo-gradients travel through the engine's packs, in its fixed plan, one
-all-reduce per pack (:mod:`distopt.exchange`).
+all-reduce per pack (:meth:`distopt.engine.GradientEngine.launch_exchange`).
 Sending the change rather than the parameters means that ``compression``
 rounds only the change: the anchors stay exact, and every rank applies the same
 rounded mean to the same anchor, so the ranks are bitwise identical after
@@ -26,35 +26,51 @@ them in one last exchange, as a contributor, then shadows the others'
 exchanges with zeros and a contributing flag of 0; each exchange averages over
 the ranks that contributed to it.
 
-Checkpoints, and taking one rank's state (the end of a join block,
-``broadcast_optimizer_state()``), are in :mod:`distopt.modes.local_sgd_state`;
-``GradScaler``, which must not skip a step on one rank only, in
+**Checkpoints, and taking one rank's state** (the end of a join block,
+``broadcast_optimizer_state()``). Besides the inner optimizer, a local-SGD wrapper holds the step count, the
+steps since the last sync, the *anchors* (the parameters at the last sync) and,
+for DiLoCo, the outer optimizer over the anchors. The outer optimizer's param
+groups come about by history: one at construction, one more for each
+``add_param_group`` or parameter unfrozen since. So its layout is saved as
+lists of parameter indices (positions in the wrapper's parameter list, the
+inner state dict's order), and a load or a broadcast rebuilds the outer
+optimizer's groups to that layout before its state goes in: a checkpoint loads
+into a wrapper built with the param groups at construction as well as into one
+that replays the ``add_param_group`` calls. The outer optimizer is the mode's
+own (built by the factory over the anchors), so nobody else holds its groups.
+
+``GradScaler``, which must not skip a step on one rank only, is handled in
 :mod:`distopt.modes.amp`.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Optional, Tuple
+from collections import defaultdict
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
-from ..exchange import finish_exchange, launch_exchange
-from ..stats import StepStats
-from . import amp, local_sgd_state
-from .base import Mode
+from .. import collectives
+from ..engine.packs import Pack
+from ..planning.stats import StepStats
+from ..transport import stalls
+from . import amp, shards
+from .base import Mode, ModeArguments, ModeContext, OuterFactory
 from .synchronous import SynchronousMode
 
-if TYPE_CHECKING:
-    from ..optimizer import DistributedOptimizer
-    from ..packs import Pack
+__all__ = ["LocalSGDMode", "STATE_KEY", "LAYOUT_KEY"]
 
-__all__ = ["LocalSGDMode", "STATE_KEY", "OuterFactory"]
+#: The key under which ``state_dict()`` holds the mode's state, next to the inner optimizer's
+#: ``state`` and ``param_groups``: a plain ``torch.optim`` optimizer ignores it when loading.
+STATE_KEY = "distopt_local_sgd"
 
-STATE_KEY = local_sgd_state.STATE_KEY
+#: Within it: the outer optimizer's param groups, as lists of parameter indices.
+LAYOUT_KEY = "outer_groups"
 
-#: Builds the outer optimizer from the tensors it steps (the parameters at the last sync).
-OuterFactory = Callable[[Iterable[Tensor]], Optimizer]
+#: The outer optimizer's param groups, as lists of parameter indices.
+Layout = List[List[int]]
 
 
 class LocalSGDMode(Mode):
@@ -67,6 +83,12 @@ class LocalSGDMode(Mode):
         local_warmup: synchronous steps before the first local one (W).
     """
 
+    handles_amp_scaling = True
+
+    @classmethod
+    def from_arguments(cls, args: ModeArguments) -> Optional["LocalSGDMode"]:
+        return cls(args.sync_every, args.outer_optimizer, args.local_warmup) if args.local else None
+
     def __init__(self, sync_every: int, outer_optimizer: Optional[OuterFactory], local_warmup: int) -> None:
         self.sync_every = sync_every
         self.local_warmup = local_warmup
@@ -76,7 +98,7 @@ class LocalSGDMode(Mode):
         self._factory = outer_optimizer
         self._synchronous = SynchronousMode()
         self._anchors: Dict[int, Tensor] = {}  # id(parameter) -> its value at the last sync
-        self._seen = 0  # the owner's parameters looked at for anchors
+        self._seen = 0  # the wrapper's parameters looked at for anchors
         self._untracked: List[Tensor] = []  # parameters without an anchor, frozen when looked at
         self._extra_bytes = 0
 
@@ -87,79 +109,68 @@ class LocalSGDMode(Mode):
         return {"sync_every": self.sync_every, "local_warmup": self.local_warmup,
                 "outer_optimizer": self._factory is not None}
 
-    def attach(self, owner: "DistributedOptimizer") -> None:
-        owner._engine.forbid_rows()
-        self._track(owner)
-        self._set_local(owner, owner._steps >= self.local_warmup)
+    def attach(self, ctx: ModeContext) -> None:
+        ctx.engine.forbid_rows()
+        self._track(ctx)
+        self._set_local(ctx, ctx.steps >= self.local_warmup)
 
-    def step(self, owner: "DistributedOptimizer", closure: Optional[Callable[[], Any]]) -> Any:
-        step = owner._steps
+    def step(self, ctx: ModeContext, closure: Optional[Callable[[], Any]]) -> Any:
+        step = ctx.steps
         warm = step < self.local_warmup
-        if warm and amp.handed_over(owner):
-            owner._reduce_for_step()  # unscale the averaged gradients, not local ones the reduction would replace
+        if warm and amp.handed_over(ctx):
+            ctx.reduce_for_step()  # unscale the averaged gradients, not local ones the reduction would replace
         # GradScaler hands every step over (``_step_supports_amp_scaling``): one rank's inf skips its
         # inner step only, and the step still counts, so the ranks' syncs stay paired.
-        skip = amp.unscale_or_skip(owner)
+        skip = amp.unscale_or_skip(ctx)
         if warm:
-            loss = None if skip else self._synchronous.step(owner, closure)
+            loss = None if skip else self._synchronous.step(ctx, closure)
             if step + 1 == self.local_warmup:  # the next backward already stays local
-                self._track(owner)
+                self._track(ctx)
                 with torch.no_grad():
-                    for p, anchor in self._pairs(owner):
+                    for p, anchor in self._pairs(ctx):
                         anchor.copy_(p)  # identical on every rank after synchronous steps
-                self._set_local(owner, True)
+                self._set_local(ctx, True)
             return loss
-        owner._engine.stats = StepStats()  # nothing on the wire, unless this step syncs
-        self._track(owner)
+        ctx.engine.stats = StepStats()  # nothing on the wire, unless this step syncs
+        self._track(ctx)
         if skip:
             loss = None
         else:
-            loss = owner.optimizer.step() if closure is None else owner.optimizer.step(closure)
+            loss = ctx.optimizer.step() if closure is None else ctx.optimizer.step(closure)
         self.since_sync += 1
         if self.since_sync >= self.sync_every:
-            self._sync(owner)
+            self._sync(ctx)
         return loss
 
-    def leaving(self, owner: "DistributedOptimizer") -> Optional[Callable[[], None]]:
+    def leaving(self, ctx: ModeContext) -> Optional[Callable[[], None]]:
         # Steps not averaged yet are sent once, as a contributor; a rank without any just shadows.
-        if owner.world_size == 1 or not owner._engine.local or self.since_sync == 0:
+        if ctx.world_size == 1 or not ctx.engine.local or self.since_sync == 0:
             return None
         self.since_sync = 0
-        self._launch(owner)
-        return lambda: self._finish(owner)
+        self._launch(ctx)
+        return lambda: self._finish(ctx)
 
-    def broadcast_state(self, owner: "DistributedOptimizer", src: int) -> None:
-        # The end of a join block, and broadcast_optimizer_state(): every rank takes ``src``'s step
-        # count, steps since the last sync, anchors and outer optimizer, whatever its own history.
-        local_sgd_state.broadcast(self, owner, src)
-
-    def state_dict(self, owner: "DistributedOptimizer") -> Dict[str, Any]:
-        return local_sgd_state.save(self, owner)
-
-    def load_state_dict(self, owner: "DistributedOptimizer", state_dict: Dict[str, Any]) -> None:
-        local_sgd_state.load(self, owner, state_dict)
-
-    def extra_state_bytes(self, owner: "DistributedOptimizer") -> int:
+    def extra_state_bytes(self, ctx: ModeContext) -> int:
         return self._extra_bytes
 
     # ------------------------------------------------------------------ the sync
 
-    def _sync(self, owner: "DistributedOptimizer") -> None:
+    def _sync(self, ctx: ModeContext) -> None:
         self.since_sync = 0
-        if not self._needs_anchors(owner):  # plain averaging over one rank changes nothing
+        if not self._needs_anchors(ctx):  # plain averaging over one rank changes nothing
             return
-        if owner.world_size > 1:
-            self._launch(owner)
-            self._finish(owner)
+        if ctx.world_size > 1:
+            self._launch(ctx)
+            self._finish(ctx)
             return
         with torch.no_grad():  # DiLoCo in one process: the pseudo-gradient is this rank's own
-            self._apply([(p, anchor, anchor - p) for p, anchor in self._pairs(owner)])
+            self._apply([(p, anchor, anchor - p) for p, anchor in self._pairs(ctx)])
 
-    def _launch(self, owner: "DistributedOptimizer") -> None:
-        engine = owner._engine
+    def _launch(self, ctx: ModeContext) -> None:
+        engine = ctx.engine
         scale = engine.scale
 
-        def fill(pack: "Pack") -> None:
+        def fill(pack: Pack) -> None:
             for p, view in zip(pack.params, pack.views):
                 if p.grad is view:  # left by a synchronous round: .grad stays this rank's own gradient
                     p.grad = view.clone()
@@ -170,12 +181,12 @@ class LocalSGDMode(Mode):
         if engine.progress is not None:
             engine.progress.phase = "inside step() (local SGD: averaging the pseudo-gradients)"
         with torch.no_grad():
-            launch_exchange(engine, fill)
+            engine.launch_exchange(fill)
 
-    def _finish(self, owner: "DistributedOptimizer") -> None:
-        engine = owner._engine
+    def _finish(self, ctx: ModeContext) -> None:
+        engine = ctx.engine
         with torch.no_grad():
-            finish_exchange(engine)
+            engine.finish_exchange()
             self._apply([(p, self._anchor_of(p), view)
                          for pack in engine.packs for p, view in zip(pack.params, pack.views)])
 
@@ -194,22 +205,214 @@ class LocalSGDMode(Mode):
             p.copy_(anchor)
         self._count_bytes()
 
+    # ------------------------------------------------------------------ checkpoints and taking one rank's state
+
+    def state_dict(self, ctx: ModeContext) -> Dict[str, Any]:
+        """The inner optimizer's state dict, plus the mode's state under :data:`STATE_KEY`."""
+        out = dict(ctx.optimizer.state_dict())
+        out[STATE_KEY] = {
+            "steps": ctx.steps,
+            "since_sync": self.since_sync,
+            "anchors": [self._anchors.get(id(p)) for p in ctx.params],
+            "outer": None if self.outer is None else self.outer.state_dict(),
+            LAYOUT_KEY: self.outer_layout(ctx),
+        }
+        return out
+
+
+    def load_state_dict(self, ctx: ModeContext, state_dict: Dict[str, Any]) -> None:
+        """Load what :meth:`state_dict` returned, or a plain optimizer's state dict (the mode then keeps its state).
+
+        Everything is checked before anything changes, and the inner optimizer (which
+        checks its own part) is loaded before the mode's state: a load that raises
+        leaves the wrapper as it was.
+
+        Raises:
+            ValueError: the state dict was saved by another model or optimizer, with an
+                outer optimizer into a wrapper without one, or (saved by an older distopt,
+                without the layout) with an outer optimizer whose param groups this wrapper
+                cannot rebuild.
+        """
+        state_dict = shards.whole(state_dict)
+        mine = state_dict.get(STATE_KEY)
+        if mine is None:  # a plain optimizer's state dict: the mode keeps its own state
+            ctx.optimizer.load_state_dict(state_dict)
+            return
+        params = ctx.params
+        saved = mine["anchors"]
+        if len(saved) != len(params):
+            raise ValueError(
+                f"state_dict[{STATE_KEY!r}] holds last-sync copies of {len(saved)} parameters but this "
+                f"optimizer has {len(params)}; load a state dict saved by the same model and optimizer"
+            )
+        for i, (p, anchor) in enumerate(zip(params, saved)):
+            if anchor is not None and tuple(anchor.shape) != tuple(p.shape):
+                raise ValueError(
+                    f"state_dict[{STATE_KEY!r}] holds a last-sync copy of shape {tuple(anchor.shape)} for parameter {i}, "
+                    f"which has shape {tuple(p.shape)} here; load a state dict saved by the same model and optimizer"
+                )
+        if mine["outer"] is not None and self._factory is None:
+            raise ValueError(
+                "the state dict was saved with an outer_optimizer (DiLoCo) but this DistributedOptimizer has none; "
+                "pass the same outer_optimizer= as when it was saved"
+            )
+        steps, since_sync = int(mine["steps"]), int(mine["since_sync"])
+        anchored = self._needs_anchors(ctx)
+        layout = self._checked_layout(ctx, mine) if anchored and mine["outer"] is not None else None
+        ctx.optimizer.load_state_dict({k: v for k, v in state_dict.items() if k != STATE_KEY})
+        # Nothing below can fail on the state dict's account.
+        ctx.set_steps(steps)
+        self.since_sync = since_sync
+        if anchored:
+            missing = [p for p, anchor in zip(params, saved) if anchor is not None and id(p) not in self._anchors]
+            self._new_anchors(missing, grouped=layout is None)
+            with torch.no_grad():
+                for p, anchor in zip(params, saved):
+                    if anchor is not None:
+                        self._anchors[id(p)].copy_(anchor)
+            if layout is not None:
+                rest = self._rebuild_outer(ctx, layout)
+                self.outer.load_state_dict(mine["outer"])
+                if rest:  # parameters without a last-sync copy in the checkpoint: the factory's defaults
+                    self.outer.add_param_group({"params": rest})
+        self._set_local(ctx, ctx.steps >= self.local_warmup)
+        self._count_bytes()
+
+
+    def broadcast_state(self, ctx: ModeContext, src: int) -> None:
+        """Give every rank rank ``src``'s step count, steps since the last sync, anchors and outer optimizer.
+
+        Every rank must call it (at the end of a join block, or in ``broadcast_optimizer_state()``).
+        Which parameters have anchors, and the outer optimizer's layout, travel first, so
+        ranks whose histories differ (only the root loaded a checkpoint) end up alike.
+        """
+        if ctx.world_size == 1:
+            return
+        group, progress = ctx.group, ctx.progress
+        params = ctx.params
+        is_src = dist.get_rank(group) == src
+        meta = [{"steps": ctx.steps, "since_sync": self.since_sync,
+                 "anchored": [i for i, p in enumerate(params) if id(p) in self._anchors],
+                 "layout": self.outer_layout(ctx)} if is_src else None]
+        with stalls.inspected(progress, "the broadcast of the local-SGD step count and last-sync layout"):
+            collectives.broadcast_object_list(meta, src=src, group=group)
+        theirs = meta[0]
+        if not is_src:
+            self._keep_anchors_of(ctx, theirs["anchored"])
+            if theirs["layout"] is None:
+                self.outer = None  # src has none yet; the factory builds it with the first anchor, as on src
+            else:
+                rest = self._rebuild_outer(ctx, theirs["layout"])
+                if rest:
+                    self.outer.add_param_group({"params": rest})
+        anchors = [self._anchors[id(params[i])] for i in theirs["anchored"]]
+        if anchors:
+            with torch.no_grad(), stalls.inspected(progress, "the broadcast of the last-sync parameters"):
+                collectives.broadcast_parameters(anchors, src=src, group=group)
+        if theirs["layout"] is not None:
+            with stalls.inspected(progress, "the outer-optimizer state broadcast"):
+                collectives.broadcast_optimizer_state(self.outer, src=src, group=group)
+        ctx.set_steps(int(theirs["steps"]))
+        self.since_sync = int(theirs["since_sync"])
+        self._set_local(ctx, ctx.steps >= self.local_warmup)
+        self._count_bytes()
+
+
+    # ------------------------------------------------------------------ the outer optimizer's layout
+
+    def outer_layout(self, ctx: ModeContext) -> Optional[Layout]:
+        """The outer optimizer's param groups as lists of parameter indices; None without an outer optimizer."""
+        if self.outer is None:
+            return None
+        index = {id(self._anchors[id(p)]): i for i, p in enumerate(ctx.params) if id(p) in self._anchors}
+        return [[index[id(anchor)] for anchor in group["params"]] for group in self.outer.param_groups]
+
+
+    def _checked_layout(self, ctx: ModeContext, mine: Dict[str, Any]) -> Layout:
+        """The layout to rebuild the outer optimizer to before loading ``mine["outer"]``.
+
+        Raises:
+            ValueError: it does not fit the saved outer optimizer; or the checkpoint has no layout
+                (an older distopt's) and this wrapper's outer groups would not come out as saved.
+        """
+        sizes = [len(group["params"]) for group in mine["outer"]["param_groups"]]
+        layout = mine.get(LAYOUT_KEY)
+        if layout is None:
+            # Saved before the layout was: the groups come out as the old load made them (the outer's
+            # groups now, plus one per parameter given an anchor by the load), and must match the saved ones.
+            layout = self.outer_layout(ctx) or []
+            layout += [[i] for i, (p, anchor) in enumerate(zip(ctx.params, mine["anchors"]))
+                       if anchor is not None and id(p) not in self._anchors]
+            if [len(group) for group in layout] != sizes:
+                raise ValueError(
+                    f"state_dict[{STATE_KEY!r}] was saved by an older distopt, without the outer optimizer's layout: "
+                    f"its outer optimizer has {len(sizes)} param groups of {sizes} tensors, and this wrapper's would "
+                    f"have {len(layout)} of {[len(group) for group in layout]}; build the wrapper as the run that saved "
+                    "it was built (the same param groups at construction, then the same add_param_group calls and "
+                    "unfrozen parameters, in order) before loading it"
+                )
+            return layout
+        flat = [i for group in layout for i in group]
+        if ([len(group) for group in layout] != sizes or len(set(flat)) != len(flat)
+                or any(not isinstance(i, int) or not 0 <= i < len(ctx.params) or mine["anchors"][i] is None
+                       for i in flat)):
+            raise ValueError(
+                f"state_dict[{STATE_KEY!r}][{LAYOUT_KEY!r}] = {layout!r} does not fit its outer optimizer's "
+                f"{len(sizes)} param groups of {sizes} tensors over the parameters with a last-sync copy; load a "
+                "state dict saved by DistributedOptimizer.state_dict() for the same model"
+            )
+        return [list(group) for group in layout]
+
+
+    def _rebuild_outer(self, ctx: ModeContext, layout: Layout) -> List[Tensor]:
+        """Give the outer optimizer exactly ``layout``'s param groups, without state; return the anchors left out.
+
+        Every parameter in ``layout`` has an anchor already. The groups get the optimizer's defaults, which
+        the ``load_state_dict`` that follows replaces with the saved hyperparameters.
+        """
+        params = ctx.params
+        groups = [[self._anchors[id(params[i])] for i in group] for group in layout]
+        placed = {i for group in layout for i in group}
+        rest = [self._anchors[id(p)] for i, p in enumerate(params) if id(p) in self._anchors and i not in placed]
+        if self.outer is None:
+            if not groups and not rest:
+                return rest
+            self._give_outer([a for group in groups for a in group] + rest)
+        outer = self.outer
+        outer.param_groups = []
+        outer.state = defaultdict(dict)
+        for group in groups:
+            outer.add_param_group({"params": group})
+        return rest
+
+
+    def _keep_anchors_of(self, ctx: ModeContext, anchored: List[int]) -> None:
+        """Hold anchors for exactly the parameters at ``anchored`` (values follow; the outer groups are rebuilt)."""
+        params = ctx.params
+        wanted = {id(params[i]) for i in anchored}
+        for key in [key for key in self._anchors if key not in wanted]:
+            del self._anchors[key]
+        self._new_anchors([params[i] for i in anchored if id(params[i]) not in self._anchors], grouped=False)
+        # Parameters left without an anchor get one when trainable, at the next step, as on every rank.
+        self._untracked = [p for p in params if id(p) not in self._anchors]
+        self._seen = len(params)
+
     # ------------------------------------------------------------------ anchors
 
-    def _needs_anchors(self, owner: "DistributedOptimizer") -> bool:
-        return owner.world_size > 1 or self._factory is not None
+    def _needs_anchors(self, ctx: ModeContext) -> bool:
+        return ctx.world_size > 1 or self._factory is not None
 
-    def _set_local(self, owner: "DistributedOptimizer", local: bool) -> None:
+    def _set_local(self, ctx: ModeContext, local: bool) -> None:
         self.reduces_in_backward = not local
-        owner._engine.local = local
+        ctx.engine.local = local
 
-    def _pairs(self, owner: "DistributedOptimizer") -> List[Tuple[Tensor, Tensor]]:
-        return [(p, self._anchors[id(p)]) for p in owner._params if id(p) in self._anchors]
+    def _pairs(self, ctx: ModeContext) -> List[Tuple[Tensor, Tensor]]:
+        return [(p, self._anchors[id(p)]) for p in ctx.params if id(p) in self._anchors]
 
-    def _track(self, owner: "DistributedOptimizer") -> None:
+    def _track(self, ctx: ModeContext) -> None:
         """Give an anchor to every trainable parameter without one (new groups, unfrozen parameters)."""
-        params = owner._params
-        if not self._needs_anchors(owner) or (
+        params = ctx.params
+        if not self._needs_anchors(ctx) or (
             len(params) == self._seen and not any(p.requires_grad for p in self._untracked)
         ):
             return

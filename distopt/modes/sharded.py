@@ -3,7 +3,7 @@
 Gradients are averaged during backward exactly as in synchronous training, so
 everything that reads them between ``backward()`` and ``step()`` (clipping,
 ``GradScaler``) is unchanged. At ``step()`` the inner optimizer runs over the
-parameters this rank owns (:mod:`distopt.ownership`): their groups' ``params``
+parameters this rank owns (:mod:`distopt.planning.ownership`): their groups' ``params``
 lists are narrowed for the call, so the optimizer creates state for those alone,
 keeps whole tensors (LAMB's trust ratio, Adafactor and Muon work), and param
 groups keep their hyperparameters. Then the updated parameters travel through
@@ -25,31 +25,22 @@ this rank's shard alone; which shards load as they are is
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .. import collectives, stalls, waiting
-from ..collectives.optimizer_state import _to_cpu
-from ..ownership import assign_owners
+from .. import collectives
+from ..collectives.optimizer_state import cpu_copy
+from ..planning.ownership import assign_owners
+from ..transport import stalls, waiting
 from . import shards
-from .base import Mode
-from .shards import merge_state_dicts
+from .base import Mode, ModeArguments, ModeContext
 from .step_hooks import step_with_hooks
-from .synchronous import _synchronizing
+from .synchronous import synchronizing
 
-if TYPE_CHECKING:
-    from ..optimizer import DistributedOptimizer
-
-__all__ = ["ShardedMode", "state_bytes", "merge_state_dicts"]
-
-
-def state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of the tensors in ``optimizer``'s state (what sharding divides)."""
-    return sum(v.numel() * v.element_size() for state in optimizer.state.values()
-               for v in state.values() if isinstance(v, Tensor))
+__all__ = ["ShardedMode"]
 
 
 class ShardedMode(Mode):
@@ -61,6 +52,11 @@ class ShardedMode(Mode):
     """
 
     reduces_in_backward = True
+
+    @classmethod
+    def from_arguments(cls, args: ModeArguments) -> Optional["ShardedMode"]:
+        # In a world of one there is nothing to divide: the synchronous mode keeps the whole state.
+        return cls(args.rank, args.world_size) if args.shard_state and args.world_size > 1 else None
 
     def __init__(self, rank: int, world_size: int) -> None:
         self.rank = rank
@@ -77,55 +73,55 @@ class ShardedMode(Mode):
     def mine(self, p: Tensor) -> bool:
         return self.owner_of.get(id(p), self.rank) == self.rank
 
-    def on_track(self, owner: "DistributedOptimizer", params: List[Tensor]) -> None:
+    def on_track(self, ctx: ModeContext, params: List[Tensor]) -> None:
         owners, self.loads = assign_owners([p.numel() * p.element_size() for p in params], self.world_size,
                                            self.loads)
         for p, rank in zip(params, owners):
             self.base_owner[id(p)] = self.owner_of[id(p)] = rank
-        self._drop_foreign_state(owner)
+        self._drop_foreign_state(ctx)
 
-    def step(self, owner: "DistributedOptimizer", closure: Optional[Callable[[], Any]]) -> Any:
+    def step(self, ctx: ModeContext, closure: Optional[Callable[[], Any]]) -> Any:
         if closure is None:
-            owner._reduce_for_step()
+            ctx.reduce_for_step()
         else:
-            closure = _synchronizing(owner, closure)
-        self._follow_joins(owner)
+            closure = synchronizing(ctx, closure)
+        self._follow_joins(ctx)
 
         def body(step: Callable[..., Any], args: Any, kwargs: Any) -> Any:
-            loss = self._step_mine(owner, lambda: step(*args, **kwargs))
-            self._share_parameters(owner)
+            loss = self._step_mine(ctx, lambda: step(*args, **kwargs))
+            self._share_parameters(ctx)
             return loss
 
         # The step hooks run around the whole step, as around an unsharded one: the pre-hooks and
         # post-hooks see every parameter, the post-hooks after every rank's have arrived.
-        return step_with_hooks(owner.optimizer, closure, body)
+        return step_with_hooks(ctx.optimizer, closure, body)
 
-    def shadow_step(self, owner: "DistributedOptimizer") -> None:
+    def shadow_step(self, ctx: ModeContext) -> None:
         # A rank that has joined owns nothing (its shard went to the ranks still training, which
         # run the user's gradient code, clipping included); it only takes part in the exchange.
-        self._follow_joins(owner)
-        self._share_parameters(owner)
+        self._follow_joins(ctx)
+        self._share_parameters(ctx)
 
-    def settle_after_join(self, owner: "DistributedOptimizer", last: int, identical: bool) -> None:
+    def settle_after_join(self, ctx: ModeContext, last: int, identical: bool) -> None:
         # Parameters travelled every step and every shard was stepped by a rank still training;
         # what remains is to give the shards back to their owners by the parameter list.
         if self.owner_of != self.base_owner:
-            self._move_state(owner, dict(self.base_owner))
+            self._move_state(ctx, dict(self.base_owner))
         self.contributors = self.world_size
 
     # ------------------------------------------------------------------ ranks that join
 
-    def _follow_joins(self, owner: "DistributedOptimizer") -> None:
+    def _follow_joins(self, ctx: ModeContext) -> None:
         """When the number of ranks still training changes, hand the shards of the joined ones over."""
-        contributors = owner._engine.contributors
+        contributors = ctx.engine.contributors
         if contributors == self.contributors or contributors == 0:
             return
         self.contributors = contributors
-        flag = torch.tensor([int(not owner._engine.joined)], dtype=torch.int64)
-        with stalls.inspected(owner._engine.progress, "the exchange of which ranks have joined"):
-            flags = collectives.all_gather(flag, group=owner._group())
+        flag = torch.tensor([int(not ctx.engine.joined)], dtype=torch.int64)
+        with stalls.inspected(ctx.progress, "the exchange of which ranks have joined"):
+            flags = collectives.all_gather(flag, group=ctx.group)
         active = [r for r, f in enumerate(flags) if f.item()]
-        params = owner._params
+        params = ctx.params
         orphans = [p for p in params if self.base_owner[id(p)] not in active]
         new_owner = dict(self.base_owner)
         if orphans:  # deterministic on every rank: spread them over the active ranks by bytes
@@ -133,29 +129,29 @@ class ShardedMode(Mode):
             owners, _ = assign_owners([p.numel() * p.element_size() for p in orphans], len(active), loads)
             for p, k in zip(orphans, owners):
                 new_owner[id(p)] = active[k]
-        self._move_state(owner, new_owner)
+        self._move_state(ctx, new_owner)
 
-    def _move_state(self, owner: "DistributedOptimizer", new_owner: Dict[int, int]) -> None:
+    def _move_state(self, ctx: ModeContext, new_owner: Dict[int, int]) -> None:
         """Send the state of every parameter whose owner changes to its new owner (one gather)."""
-        optimizer = owner.optimizer
-        index = {id(p): i for i, p in enumerate(owner._params)}
-        outgoing = {index[id(p)]: _to_cpu(optimizer.state[p]) for p in owner._params
+        optimizer = ctx.optimizer
+        index = {id(p): i for i, p in enumerate(ctx.params)}
+        outgoing = {index[id(p)]: cpu_copy(optimizer.state[p]) for p in ctx.params
                     if self.owner_of[id(p)] == self.rank != new_owner[id(p)] and p in optimizer.state}
-        with stalls.inspected(owner._engine.progress, "the hand-over of optimizer state between ranks"):
-            everyone = collectives.all_gather_object(outgoing, group=owner._group())
+        with stalls.inspected(ctx.progress, "the hand-over of optimizer state between ranks"):
+            everyone = collectives.all_gather_object(outgoing, group=ctx.group)
         self.owner_of = new_owner
         for part in everyone:
             for i, state in part.items():
-                p = owner._params[i]
+                p = ctx.params[i]
                 if self.mine(p):
                     optimizer.state[p] = {k: v.to(p.device) if isinstance(v, Tensor) else v for k, v in state.items()}
-        self._drop_foreign_state(owner)
+        self._drop_foreign_state(ctx)
 
     # ------------------------------------------------------------------ the step
 
-    def _step_mine(self, owner: "DistributedOptimizer", step: Callable[[], Any]) -> Any:
+    def _step_mine(self, ctx: ModeContext, step: Callable[[], Any]) -> Any:
         """Call ``step`` (the inner optimizer's) with every param group narrowed to this rank's parameters."""
-        groups = owner.optimizer.param_groups
+        groups = ctx.optimizer.param_groups
         saved = [group["params"] for group in groups]
         try:
             for group in groups:
@@ -165,7 +161,7 @@ class ShardedMode(Mode):
             for group, params in zip(groups, saved):
                 group["params"] = params
 
-    def _share_parameters(self, owner: "DistributedOptimizer") -> None:
+    def _share_parameters(self, ctx: ModeContext) -> None:
         """Every rank gets every updated parameter, through the gradient packs' buffers.
 
         Within each pack the members are laid out by owner, and each owner broadcasts its
@@ -173,7 +169,7 @@ class ShardedMode(Mode):
         what others updated. On gloo at world 2 this took half the time of an all-reduce
         of the zero-filled pack and a third of an all-gather (64 MiB: 22, 47 and 69 ms).
         """
-        engine = owner._engine
+        engine = ctx.engine
         group = engine.channel.group
         live = {id(pack) for pack in engine.packs}
         self._layouts = {k: v for k, v in self._layouts.items() if k in live}  # a re-plan replaced packs
@@ -223,52 +219,58 @@ class ShardedMode(Mode):
 
     # ------------------------------------------------------------------ state dicts
 
-    def state_dict(self, owner: "DistributedOptimizer") -> Dict[str, Any]:
+    def state_dict(self, ctx: ModeContext) -> Dict[str, Any]:
         """The full state dict, gathered from every rank's shard (every rank must call it)."""
-        local = owner.optimizer.state_dict()
-        if owner.world_size == 1:
+        local = ctx.optimizer.state_dict()
+        if ctx.world_size == 1:
             return local
-        self._meet(owner, "state_dict()")
-        with stalls.inspected(owner._engine.progress, "the gather of the optimizer state's shards"):
-            shards = collectives.all_gather_object(_to_cpu(local["state"]), group=owner._group())
+        self._meet(ctx, "state_dict()")
+        with stalls.inspected(ctx.progress, "the gather of the optimizer state's shards"):
+            shards = collectives.all_gather_object(cpu_copy(local["state"]), group=ctx.group)
         self.gathers += 1
         state: Dict[int, Any] = {}
         for shard in shards:
             state.update(shard)
         return {"state": {k: state[k] for k in sorted(state)}, "param_groups": local["param_groups"]}
 
-    def sharded_state_dict(self, owner: "DistributedOptimizer") -> Dict[str, Any]:
+    def sharded_state_dict(self, ctx: ModeContext) -> Optional[Dict[str, Any]]:
         """This rank's shard alone, with no communication; :func:`merge_state_dicts` joins a save's shards."""
-        return shards.shard_of(owner.optimizer, self.rank, self.world_size, self._owners(owner))
+        return shards.shard_of(ctx.optimizer, self.rank, self.world_size, self._owners(ctx))
 
-    def load_state_dict(self, owner: "DistributedOptimizer", state_dict: Dict[str, Any]) -> None:
+    def load_state_dict(self, ctx: ModeContext, state_dict: Dict[str, Any]) -> None:
         """Load a full state dict (from any world size, sharded or not), or this rank's own shard of the
         same world size and owners (checked: see :func:`distopt.modes.shards.check_shard`), and keep this
         rank's shard."""
         if shards.SHARD_KEY in state_dict:
-            names = [owner._names_by_id.get(id(p), f"param_groups[{g}][{j}]")
-                     for g, group in enumerate(owner.optimizer.param_groups) for j, p in enumerate(group["params"])]
-            shards.check_shard(state_dict, self.rank, self.world_size, self._owners(owner), names)
+            names = [ctx.name_of(p, g, j)
+                     for g, group in enumerate(ctx.optimizer.param_groups) for j, p in enumerate(group["params"])]
+            shards.check_shard(state_dict, self.rank, self.world_size, self._owners(ctx), names)
             state_dict = {k: v for k, v in state_dict.items() if k != shards.SHARD_KEY}
-        owner.optimizer.load_state_dict(state_dict)
-        self._drop_foreign_state(owner)
+        ctx.optimizer.load_state_dict(state_dict)
+        self._drop_foreign_state(ctx)
 
-    def _owners(self, owner: "DistributedOptimizer") -> List[int]:
+    def broadcast_optimizer_state(self, ctx: ModeContext, src: int) -> None:
+        raise RuntimeError(
+            "broadcast_optimizer_state() with shard_state=True: each rank holds its own shard, so the root's "
+            "state is not everyone's; load a full state dict on every rank with opt.load_state_dict() instead"
+        )
+
+    def _owners(self, ctx: ModeContext) -> List[int]:
         """Each parameter's owner now, in state-dict order (-1: not tracked, stepped by every rank)."""
-        return [self.owner_of.get(id(p), -1) for group in owner.optimizer.param_groups for p in group["params"]]
+        return [self.owner_of.get(id(p), -1) for group in ctx.optimizer.param_groups for p in group["params"]]
 
-    def _drop_foreign_state(self, owner: "DistributedOptimizer") -> None:
-        for p in list(owner.optimizer.state):
+    def _drop_foreign_state(self, ctx: ModeContext) -> None:
+        for p in list(ctx.optimizer.state):
             if not self.mine(p):
-                del owner.optimizer.state[p]
+                del ctx.optimizer.state[p]
 
-    def _meet(self, owner: "DistributedOptimizer", what: str) -> None:
+    def _meet(self, ctx: ModeContext, what: str) -> None:
         """Wait in the store until every rank has called ``what``; raise, naming the absent, if they do not."""
-        progress = owner._engine.progress
+        progress = ctx.progress
         store = stalls.main_store()
         if store is None or progress is None:
             return
-        limit = owner.stall_timeout or owner.stall_warning or 60.0
+        limit = ctx.stall_timeout or ctx.stall_warning or 60.0
         prefix = f"distopt/{progress.group}/meet/{self.gathers}"
         store.set(f"{prefix}/{self.rank}", "here")
         keys = [f"{prefix}/{r}" for r in range(self.world_size)]

@@ -1,6 +1,6 @@
 """Gradient accumulation with backward_passes_per_step (the pattern of Horovod's pytorch_imagenet_resnet50.py).
 
-Horovod code except for the import line; run under torchrun by tests/test_horovod.py.
+Horovod code except for the import line; run under torchrun by tests/horovod/test_horovod.py.
 Each step splits an ``allreduce batch`` into ``--batches-per-allreduce`` sub-batches
 and calls backward() on each; the last batch of an epoch has fewer sub-batches, so
 step() must reduce what was accumulated. Trains on scikit-learn's digits with a

@@ -1,6 +1,6 @@
 """A Horovod synthetic throughput benchmark (the pattern of Horovod's pytorch_synthetic_benchmark.py).
 
-Horovod code except for the import line; run under torchrun by tests/test_horovod.py.
+Horovod code except for the import line; run under torchrun by tests/horovod/test_horovod.py.
 A small CNN stands in for torchvision's models, which are not installed here.
 """
 import argparse

@@ -1,0 +1,9 @@
+"""The reduction engine: gradient hooks, persistent pack buffers, and the round that reduces them.
+
+:class:`~distopt.engine.engine.GradientEngine` is the whole hot path; a pack's buffers
+are :mod:`~distopt.engine.packs`, what is in flight :mod:`~distopt.engine.rounds`, and
+a gradient that travels as its non-zero rows :mod:`~distopt.engine.sparse_rows`.
+"""
+from .engine import BACKWARD_PATIENCE, GradientEngine, Phase, RoundState
+
+__all__ = ["GradientEngine", "RoundState", "Phase", "BACKWARD_PATIENCE"]

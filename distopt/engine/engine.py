@@ -1,0 +1,752 @@
+"""The reduction engine under :class:`distopt.DistributedOptimizer`: hooks, packs and the round.
+
+This is the hot path, and all of it is here. A post-accumulate-grad hook on every
+tracked parameter marks its gradient ready; the gradient moves into its pack's
+persistent flat buffer (scaled in the same pass) and ``.grad`` becomes a view of
+its slice. Packs launch one asynchronous collective each, strictly in the order of
+a plan every rank holds identically (:class:`distopt.planning.packing.LaunchOrder`).
+At the end of the reducing backward pass (an autograd engine callback) the rest is
+flushed, and everything is awaited in :meth:`GradientEngine.finish_round`, the one
+place that waits.
+
+**A round's life** (:class:`RoundState`)::
+
+    OPEN ──first hook of the reducing pass──▶ IN_FLIGHT ──flush()──▶ FLUSHED ──finish_round()──▶ SETTLED
+      ▲            (packs launch as they fill)          (every pack sent)   (every pack back:      │
+      └───────────────────────── step() / zero_grad(): reset_round() ◀───── gradients final) ◀───┘
+
+Backward passes before the reducing one (``backward_passes_per_step``, ``no_sync()``,
+local SGD) accumulate locally while the round is ``OPEN``. The wait at the end of
+backward is bounded (:data:`BACKWARD_PATIENCE`): a rank whose backward reached no
+parameter sends its packs only in ``step()``, and an unbounded wait would deadlock
+with any collective that rank runs first; the round then stays ``FLUSHED`` (pending)
+until ``synchronize()``, ``step()`` or ``zero_grad()`` finishes it.
+
+Once a round is back, the control flags in every pack (:mod:`distopt.planning.control`)
+tell every rank alike whether the ranks reduced at different points (an error on
+every rank), unfroze parameters (tracked at once, on every rank together, by
+:mod:`distopt.planning.replanning`'s rules), or have joined: a rank that has joined
+runs *shadow rounds*, sending zeros, and the contributors' mean is rescaled to count
+only them. Waits are watched by the stall inspector (:mod:`distopt.transport.stalls`).
+
+How a pack travels: a pack of one large CPU gradient that is mostly zero rows (an
+embedding table's) gathers its non-zero rows instead of all-reducing the whole
+(:mod:`distopt.engine.sparse_rows`); a small CPU pack travels once, as one broadcast
+from each rank, and is summed locally in rank order (:mod:`distopt.engine.rounds`).
+
+The engine knows nothing of optimizers; a mode (:mod:`distopt.modes`) decides what
+happens at ``step()``. A mode that keeps gradients local (local SGD) sets
+:attr:`GradientEngine.local`, so backward never reduces, and sends its own values
+through the same packs, plan and flags (:meth:`GradientEngine.launch_exchange`).
+"""
+from __future__ import annotations
+
+import enum
+import threading
+import time
+import weakref
+from typing import Any, Callable, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.autograd import Variable
+
+from .. import collectives
+from ..planning import replanning
+from ..planning.control import CONTROL_FLAGS, Control, Totals
+from ..planning.packing import LaunchOrder
+from ..planning.stats import StepStats
+from ..transport import stalls, waiting
+from ..transport.private_groups import PrivateGroup
+from ..transport.stalls import Progress
+from . import sparse_rows
+from .packs import (Pack, adopt_current_grads, build_packs, gather, gather_early, gather_nothing, metas, release,
+                    scratch, sums)
+from .rounds import (GATHER_SUM_MAX_BYTES, Sent, broadcast_each, gather_buffer, gather_by_broadcasts, labelled,
+                     plan_gathers, sum_copies, sums_by_gather)
+
+__all__ = ["GradientEngine", "RoundState", "Phase", "BACKWARD_PATIENCE"]
+
+#: Seconds the end of backward waits at least for the other ranks' gradients before leaving the
+#: round pending (finished by synchronize(), step() or zero_grad()); it grows to 20 times the
+#: slowest wait seen, so that slow links do not leave rounds pending. Long enough for a rank that
+#: saves a checkpoint or evaluates while the others start the next step.
+BACKWARD_PATIENCE = 60.0
+
+
+class RoundState(enum.Enum):
+    """Where the reduction round stands (see the module's diagram)."""
+
+    OPEN = "open"  # backward passes accumulate locally; nothing sent
+    IN_FLIGHT = "in flight"  # the reducing pass runs: packs launch as they fill
+    FLUSHED = "flushed"  # every pack launched; not all back (a round left pending waits here)
+    SETTLED = "settled"  # every pack back: gradients averaged and final until the next step
+
+
+class Phase(enum.IntEnum):
+    """Where a rank launched its packs this round; it travels in the control flags.
+
+    An exchange (local SGD) is no gradient round, so it raises neither the "during
+    backward" nor the "inside step" flag.
+    """
+
+    BACKWARD = 0  # by the hooks, during backward
+    EXPLICIT = 1  # by synchronize()
+    IMPLICIT = 2  # by step(), because backward reduced nothing
+    EXCHANGE = 3  # a mode's exchange of other values (local SGD's pseudo-gradients)
+
+
+class GradientEngine:
+    """Averages the gradients of the parameters it tracks, during backward.
+
+    Args:
+        channel: the private group to reduce over.
+        scale: factor applied while copying into a pack (the mean's 1/world), or None.
+        op: the all-reduce op (``SUM``, or ``AVG`` where the backend averages natively).
+        pack_threshold: bytes at which a pack closes.
+        wire_dtype: 16-bit dtype float packs travel as, or None.
+        sparse_as_dense: densify sparse gradients instead of raising.
+        backward_passes_per_step: passes accumulated before the reducing one.
+        root_rank: the rank whose observed gradient order becomes the plan.
+        world_size: ranks in the channel.
+        mean: gradients are averaged (not summed) over the ranks.
+        progress: where this rank is, for the stall inspector (None in a single process).
+    """
+
+    def __init__(self, *, channel: Optional[PrivateGroup], scale: Optional[float], op: Any,
+                 pack_threshold: int, wire_dtype: Optional[torch.dtype], sparse_as_dense: bool,
+                 backward_passes_per_step: int, root_rank: int, world_size: int = 1, mean: bool = True,
+                 progress: Optional[Progress] = None) -> None:
+        self.channel = channel
+        self.world_size = world_size
+        self.mean = mean
+        self.progress = progress
+        # Join (see distopt.wrapper.optimizer): whether this rank is in a join block, has joined (sends zeros),
+        # and how the last round with contributors went.
+        self.in_join = False
+        self.divide_by_world = False
+        self.joined = False
+        self.contributors = world_size  # ranks that contributed to the last round
+        self.contributed_last = True  # this rank contributed to the last round that had contributors
+        self.scale = scale
+        self.op = op
+        self.rows_allowed = True  # large gradients of mostly zero rows may travel as rows
+        # Bytes a rank may receive for a small sum to travel as a gather (rounds.sums_by_gather).
+        self.gather_sum_limit = GATHER_SUM_MAX_BYTES
+        self.pack_threshold = pack_threshold
+        self.wire_dtype = wire_dtype
+        self.sparse_as_dense = sparse_as_dense
+        self.backward_passes_per_step = backward_passes_per_step
+        self.root_rank = root_rank
+        self.stats = StepStats()
+        self.steps = 0  # the owner's steps taken; its parity travels in the control flags
+        self._slowest_wait = 0.0  # seconds, of the waits at the end of backward that finished
+        self.params: List[Tensor] = []
+        self.names: List[str] = []
+        # Parameters held but frozen when they were tracked; they join once trainable.
+        self.frozen: List[Tensor] = []
+        self.frozen_names: List[str] = []
+        self.handles: List[Any] = []  # hook handles, removed by close()
+        self.packs: List[Pack] = []
+        self.pack_of: List[int] = []  # parameter index -> pack index
+        self.slot_of: List[int] = []  # parameter index -> its place in its pack
+        self.launch_order = LaunchOrder([])
+        self.planned = False
+        self.sync_enabled = True  # False inside no_sync()
+        # True while a local-SGD mode keeps gradients local: backward passes never reduce.
+        self.local = False
+        # While an exchange runs: writes what to send into a pack, instead of its gradients.
+        self.exchange_fill: Optional[Callable[[Pack], None]] = None
+        self.lock = threading.Lock()
+        self.reset_round()
+
+    # ------------------------------------------------------------------ set-up
+
+    def track(self, params: Sequence[Tensor], names: Sequence[str]) -> None:
+        """Reduce ``params`` (already checked across ranks): the trainable ones now, the frozen once trainable."""
+        trainable = [(p, n) for p, n in zip(params, names) if p.requires_grad]
+        frozen = [(p, n) for p, n in zip(params, names) if not p.requires_grad]
+        self.frozen.extend(p for p, _ in frozen)
+        self.frozen_names.extend(n for _, n in frozen)
+        self.hook([p for p, _ in trainable], [n for _, n in trainable])
+
+    def hook(self, params: Sequence[Tensor], names: Sequence[str]) -> None:
+        ref = weakref.ref(self)
+        for index, p in enumerate(params, len(self.params)):
+            if p.requires_grad:  # a frozen one with a gradient set by hand is gathered when its pack is sent
+                self.handles.append(p.register_post_accumulate_grad_hook(_make_hook(ref, index)))
+        self.params.extend(params)
+        self.names.extend(names)
+        # Reverse registration order is the usual arrival order; the root's observed order replaces it later.
+        self.build_packs(list(reversed(range(len(self.params)))))
+        self.planned = False
+        self.reset_round()
+
+    def close(self) -> None:
+        """Remove every hook and destroy the private group: nothing is reduced any more."""
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        if self.progress is not None:
+            stalls.retire(self.progress)
+        if self.channel is not None:
+            self.channel.destroy()
+
+    def build_packs(self, order: Sequence[int]) -> None:
+        packs = build_packs(self.params, self.names, order, self.pack_threshold, self.wire_dtype)
+        for pack in packs:
+            if pack.direct and self.rows_allowed and self.channel is not None:
+                pack.rows = sparse_rows.plan_rows(pack.params[0], self.world_size, self.channel.group.rank())
+        planned = [(pack, nbytes) for pack in packs for nbytes in sums(pack)]
+        for (pack, nbytes), gathers in zip(planned, plan_gathers([(n, p.spec.key[0]) for p, n in planned],
+                                                                 self.world_size)):
+            if gathers:
+                pack.gathers.add(nbytes)
+        if self.packs:  # a re-plan: gradients move from the old buffers to the new ones
+            adopt_current_grads(packs)
+        self.packs = packs
+        self.pack_of = [0] * len(self.params)
+        self.slot_of = [0] * len(self.params)
+        for k, pack in enumerate(packs):
+            for j, i in enumerate(pack.spec.members):
+                self.pack_of[i] = k
+                self.slot_of[i] = j
+        self.launch_order = LaunchOrder([len(pack.spec.members) for pack in packs])
+
+    # ------------------------------------------------------------------ the round
+
+    def reset_round(self) -> None:
+        """Start a new round: nothing fired, nothing in flight."""
+        self.state = RoundState.OPEN
+        self._passes = 0
+        self._pass_open = False
+        self._pass_counts = False
+        self._pass_reduces = False
+        self.inflight: List[Sent] = []
+        self._fired = bytearray(len(self.params))
+        self.arrivals: List[int] = []
+        self._phase = Phase.BACKWARD
+        self._pending_versions: Optional[List[int]] = None
+        self._pending_grads: Optional[List[Optional[Tensor]]] = None  # each .grad when the round was left pending
+        self._touched = False  # gradients changed while the round was pending
+        self._patience_used = 0.0
+        self._control: Optional[Tensor] = None  # this rank's control flags, set at its first launch
+        # After a step: each gradient then, and its pack's version, so that a synchronize() or step()
+        # with nothing new sends nothing, rather than the averaged gradients a second time.
+        self._consumed: Optional[Any] = None
+        self.launch_order.reset()
+        for pack in self.packs:
+            pack.absent.clear()
+            pack.moved.clear()
+            if pack.direct:
+                release(pack)  # else last round's gradient stays alive beside autograd's next one
+        if self.progress is not None:
+            self.progress.phase = "before backward"
+
+    def open_round(self, phase: int) -> None:
+        """Begin counting a round launched outside backward (``phase`` says where, for the control flags)."""
+        self.stats = StepStats()
+        self._phase = phase
+
+    def forbid_rows(self) -> None:
+        """Never send a gradient as its rows (a mode that exchanges parameters).
+
+        A rank that has joined sends zeros in the shape of whatever the others send, and
+        cannot tell an exchange (always dense) from a gradient round (rows, where they pay).
+        """
+        self.rows_allowed = False
+        for pack in self.packs:
+            pack.rows = None
+
+    def synchronize(self, explicit: bool) -> None:
+        """Reduce whatever is not reduced yet this round and wait for it; a no-op once SETTLED.
+
+        Args:
+            explicit: the user asked for it (``synchronize()``), rather than ``step()``
+                reducing what backward did not.
+        """
+        if self.state == RoundState.SETTLED or (self.state == RoundState.OPEN and self._unchanged_since_step()):
+            return
+        with self.lock:
+            if self.state == RoundState.OPEN:  # else the round is pending: launched in backward, still in flight
+                self.open_round(Phase.EXPLICIT if explicit else Phase.IMPLICIT)
+            if not self.packs:
+                self.control_round()
+                return
+            self.flush()
+            self.finish_round()
+
+    def on_grad_ready(self, index: int) -> None:
+        with self.lock:
+            if not self._pass_open:
+                self._open_pass(index)
+            if not self._pass_reduces:
+                return
+            if self._fired[index]:
+                raise RuntimeError(
+                    f"the gradient of {self.names[index]!r} was accumulated twice in one backward pass "
+                    "after it was sent; distopt supports one gradient per parameter per backward"
+                )
+            self._fired[index] = 1
+            if not self.planned:
+                self.arrivals.append(index)
+            pack = self.packs[self.pack_of[index]]
+            if not pack.batched and not pack.direct:
+                gather_early(pack, self.slot_of[index], self.scale, self.sparse_as_dense)
+            for ready in self.launch_order.ready(self.pack_of[index]):
+                self._launch(ready)
+
+    def _open_pass(self, index: int) -> None:
+        """First hook of a backward pass: decide whether it reduces, and hook its end."""
+        if self.state == RoundState.SETTLED and self._cleared_since_round(index):
+            self.reset_round()  # e.g. model.zero_grad() after a step GradScaler skipped
+        self._consumed = None
+        if self._passes >= self.backward_passes_per_step or self.state == RoundState.SETTLED:
+            raise RuntimeError(
+                f"backward() ran again after the gradients were averaged (backward_passes_per_step="
+                f"{self.backward_passes_per_step}): call step() or zero_grad() before the next backward(), "
+                f"or raise backward_passes_per_step to accumulate more passes (a reentrant "
+                f"torch.utils.checkpoint also runs nested backward passes: use use_reentrant=False)"
+            )
+        self._pass_open = True
+        self._pass_counts = self.sync_enabled and not self.local  # no_sync and local passes do not count
+        self._pass_reduces = self._pass_counts and self._passes == self.backward_passes_per_step - 1
+        if self._pass_reduces:
+            self.state = RoundState.IN_FLIGHT
+            self.stats = StepStats()
+        if self.progress is not None:
+            self.progress.phase = "in backward" if self._pass_reduces else "in backward (accumulating locally)"
+        Variable._execution_engine.queue_callback(self._on_backward_end)
+
+    def _on_backward_end(self) -> None:
+        with self.lock:
+            self._pass_open = False
+            self._passes += self._pass_counts
+            if self._pass_reduces:
+                self.flush()
+                # A rank whose backward reached no parameter sends its packs only in step(); waiting for
+                # them here without bound would deadlock with a collective it runs before step().
+                self.finish_round(patience=max(BACKWARD_PATIENCE, 20 * self._slowest_wait))
+
+    def _control_flags(self) -> Tensor:
+        if self._control is None:
+            self._control = Control(
+                during_backward=not self.joined and self._phase == Phase.BACKWARD,
+                inside_step=not self.joined and self._phase == Phase.IMPLICIT,
+                unfrozen=not self.joined and any(p.requires_grad or p.grad is not None for p in self.frozen),
+                contributing=not self.joined,
+                in_join=self.in_join,
+                divide_by_world=self.divide_by_world,
+                # An exchange (local SGD) meets a rank leaving a join block at its own step count.
+                counts_steps=not self.joined and self._phase != Phase.EXCHANGE,
+                odd_steps=not self.joined and self._phase != Phase.EXCHANGE and self.steps % 2 == 1,
+            ).tensor()
+        return self._control
+
+    def _launch(self, index: int) -> None:
+        pack = self.packs[index]
+        # Exchanged values (local SGD) are not sparse: only gradients travel as rows.
+        rows = pack.rows if pack.rows is not None and pack.rows.cap and self.exchange_fill is None else None
+        if rows is None and pack.rows is not None and self.exchange_fill is None:
+            sparse_rows.dense_round(pack.rows)  # sent densely this round; rows again once the wait is over
+        if self.joined:
+            gather_nothing(pack)
+        else:
+            if self.exchange_fill is not None:
+                scratch(pack)
+                self.exchange_fill(pack)
+            else:  # rows are scaled as they are picked, not the whole gradient
+                gather(pack, self.scale if rows is None else None, self.sparse_as_dense)
+            pack.flags.fill_(1)
+            for j in pack.absent:
+                pack.flags[j] = 0
+        pack.flags[-CONTROL_FLAGS:].copy_(self._control_flags())
+        if pack.wire is not None:
+            pack.wire.copy_(pack.buffer)
+        with labelled("distopt.all_reduce"):
+            if rows is not None:
+                self._gather_rows(rows, pack, index)
+                self._send(pack.flags, pack, index, carries_flags=True)
+            elif pack.direct:
+                self._send(pack.data, pack, index, carries_flags=False)
+                self._send(pack.flags, pack, index, carries_flags=True)
+            else:
+                self._send(pack.buffer if pack.wire is None else pack.wire, pack, index, carries_flags=True)
+        self.stats.packs += 1
+
+    def _send(self, tensor: Tensor, pack: Pack, index: int, carries_flags: bool) -> None:
+        # The group's own methods, as DDP's reducer calls them: dist.all_reduce's Python layer costs
+        # ~20 µs a call and does nothing a private group needs.
+        flat = torch.view_as_real(tensor).view(-1) if tensor.is_complex() else tensor
+        nbytes = flat.numel() * flat.element_size()
+        copies = None
+        if (self.op == dist.ReduceOp.SUM and nbytes in pack.gathers
+                and sums_by_gather(nbytes, self.world_size, flat.device, self.gather_sum_limit)):
+            copies = gather_buffer(pack, flat, self.world_size)
+            work = gather_by_broadcasts(self.channel.group, copies, flat, self.world_size)
+        else:
+            options = dist.AllreduceOptions()
+            options.reduceOp = self.op
+            options.asyncOp = True
+            work = self.channel.group.allreduce([flat], options)
+        seq = self.progress.issue() if self.progress is not None else 0
+        self.inflight.append(Sent(work, pack, index, seq, carries_flags, copies=copies,
+                                  into=None if copies is None else flat))
+        self.stats.all_reduces += 1
+        self.stats.bytes += tensor.numel() * tensor.element_size()
+
+    def _gather_rows(self, rows: sparse_rows.RowSparse, pack: Pack, index: int) -> None:
+        send = sparse_rows.fill(rows, pack.data, self.row_scale)
+        work = broadcast_each(self.channel.group, list(rows.recv.view(self.world_size, -1)))
+        seq = self.progress.issue() if self.progress is not None else 0
+        self.inflight.append(Sent(work, pack, index, seq, carries_flags=False, gathered=True))
+        self.stats.gathers += 1
+        self.stats.bytes += send.numel()
+
+    @property
+    def row_scale(self) -> Optional[float]:
+        """What a gradient's rows are multiplied by before they are summed: the mean's 1/world."""
+        if self.scale is not None or not self.mean:
+            return self.scale
+        return 1.0 / self.world_size  # the backend averages dense all-reduces (AVG); gathers do not
+
+    def reduce_again(self) -> None:
+        """Send every pack once more and wait (after a re-plan, inside a finished round)."""
+        self.state = RoundState.IN_FLIGHT
+        self.flush()
+        self.finish_round()
+
+    def flush(self) -> None:
+        """Launch every pack not launched yet, sending zeros for members without a gradient."""
+        launched_before = self.launch_order.launched
+        for k in self.launch_order.flush():
+            self._launch(k)
+        self.stats.packs_at_flush += self.launch_order.launched - launched_before
+        self.state = RoundState.FLUSHED
+
+    def wait(self, patience: Optional[float] = None) -> bool:
+        """Block until every launched all-reduce is done (their buffers may be written until then).
+
+        Args:
+            patience: give up after this many seconds. CUDA packs (NCCL) ignore it: their plain
+                wait only orders the streams, while a wait with a timeout would block the host.
+
+        Returns:
+            False if it gave up: the all-reduces go on, and a later wait finishes them.
+
+        Raises:
+            StallError: a pack took longer than the stall timeout.
+            RuntimeError: a peer went away; the error says which and how.
+        """
+        if not self.inflight:
+            return True
+        start = time.perf_counter()
+        try:
+            kind = "parameter exchange (local SGD)" if self._phase == Phase.EXCHANGE else "gradient all-reduce"
+            deadline = None if patience is None else start + patience
+            with labelled("distopt.wait"):
+                for sent in self.inflight:
+                    what = f"pack {sent.index + 1}/{len(self.packs)} of the {kind}"
+                    if not waiting.wait_for(sent.work, sent.pack.buffer.is_cuda, self.progress, sent.seq, what,
+                                            deadline):
+                        return False
+            return True
+        finally:
+            self.stats.wait_seconds += time.perf_counter() - start
+
+    def finish_round(self, patience: Optional[float] = None) -> None:
+        """Wait for every pack, scale, and settle which parameters end up with a gradient.
+
+        Args:
+            patience: seconds to wait before leaving the round pending, to be finished by
+                the next ``synchronize()``, ``step()`` or ``zero_grad()``.
+
+        Raises:
+            RuntimeError: the ranks are not in step (see :meth:`distopt.planning.control.Totals.check`),
+                or gradients were changed while the round was pending.
+            ValueError: the ranks unfroze different parameters.
+        """
+        start = time.perf_counter()
+        if not self._arrive(patience):
+            return
+        if patience is not None:
+            self._slowest_wait = max(self._slowest_wait, time.perf_counter() - start)
+        touched, self._touched = self._touched, False
+        totals = None
+        for sent in self.inflight:
+            if not sent.carries_flags:
+                continue
+            pack = sent.pack
+            if pack.wire is not None:
+                pack.buffer.copy_(pack.wire)
+            if totals is None:
+                totals = self._totals(pack.flags[-CONTROL_FLAGS:].tolist())
+            factor = totals.rescale(self.world_size, self.mean)
+            if factor != 1.0:
+                pack.data.mul_(factor)
+            if pack.absent:
+                present = pack.flags.tolist()
+                for j in pack.absent:
+                    # Averaged with zeros where some rank had a gradient; None where none had.
+                    index = pack.spec.members[j]
+                    self.params[index].grad = pack.views[j] if present[j] else None
+                pack.absent.clear()
+        self.inflight = []
+        self.state = RoundState.SETTLED
+        self._passes = self.backward_passes_per_step
+        if self.progress is not None:
+            self.progress.phase = "after backward, before step()"
+        if totals is None:
+            return
+        totals.check(self.world_size)
+        if touched:
+            raise RuntimeError(_TOUCHED_WHILE_PENDING.format(self._patience_used))
+        self._settle(totals)
+
+    def _arrive(self, patience: Optional[float]) -> bool:
+        """Wait for everything in flight and complete it: add up the gathered copies of small
+        sums, sum the gathered rows, and all-reduce densely (then wait for) each gradient whose
+        rows overflowed somewhere. False if it gave up: the round stays pending, and a later
+        call goes on from where this one stopped."""
+        deadline = None if patience is None else time.perf_counter() + patience
+        while True:
+            if not self.wait(None if deadline is None else max(deadline - time.perf_counter(), 0.0)):
+                # Remember the buffers' versions and the gradients themselves: changing a gradient
+                # before it is averaged, in place or by setting another, is an error.
+                self._pending_versions = [_written(sent.pack)._version for sent in self.inflight]
+                self._pending_grads = [p.grad for p in self.params]
+                self._patience_used = patience
+                return False
+            if self._pending_versions is not None:
+                self._touched |= any(_written(sent.pack)._version != version
+                                     for sent, version in zip(self.inflight, self._pending_versions))
+                self._touched |= any(p.grad is not grad for p, grad in zip(self.params, self._pending_grads))
+                self._pending_versions = self._pending_grads = None
+            overflowed = False
+            for k, sent in list(enumerate(self.inflight)):
+                if sent.copies is not None:
+                    sum_copies(sent.copies, sent.into, self.channel.group.rank(), self.world_size)
+                    self.inflight[k] = sent._replace(copies=None, into=None)
+                elif sent.gathered:
+                    self.inflight[k] = sent._replace(gathered=False)
+                    if not sparse_rows.settle(sent.pack.rows, sent.pack.data):
+                        # Some rank had more rows than the gather held: the gradient (this rank's
+                        # own, unscaled) is all-reduced instead, watched and bounded like the rest.
+                        if self.scale is not None:
+                            sent.pack.data.mul_(self.scale)
+                        self._send(sent.pack.data, sent.pack, sent.index, carries_flags=False)
+                        overflowed = True
+            if not overflowed:
+                return True
+
+    def _totals(self, flags: List[float]) -> Totals:
+        totals = Totals.read(flags, self.world_size, averaged=self.op == dist.ReduceOp.AVG)
+        if totals.contributing:
+            self.contributors = totals.contributing
+            self.contributed_last = not self.joined
+        else:
+            self.contributors = 0
+        return totals
+
+    def _settle(self, totals: Totals) -> None:
+        if totals.unfrozen:
+            self._adopt_unfrozen()
+        elif not self.planned:
+            self._fix_plan()
+
+    # ------------------------------------------------------------------ between rounds
+
+    def after_step(self) -> None:
+        """The inner optimizer stepped: a new round starts, with nothing new to send until a gradient changes."""
+        done = self.state == RoundState.SETTLED
+        self.reset_round()
+        if done and self.channel is not None:
+            self._consumed = ([p.grad for p in self.params], self._grad_versions())
+
+    def _grad_versions(self) -> List[int]:
+        # Per pack, not per gradient: a gradient is a view of its pack's buffer, and views share
+        # their base's version counter; a direct pack's gradient is its own tensor.
+        versions = []
+        for pack in self.packs:
+            t = pack.params[0].grad if pack.direct else pack.buffer
+            versions.append(-1 if t is None else t._version)
+        return versions
+
+    def _unchanged_since_step(self) -> bool:
+        """Every gradient is the one the last step read, unchanged, and no frozen parameter got one."""
+        if self._consumed is None:
+            return False
+        grads, versions = self._consumed
+        return (len(grads) == len(self.params) and all(p.grad is g for p, g in zip(self.params, grads))
+                and versions == self._grad_versions() and all(p.grad is None for p in self.frozen))
+
+    def _cleared_since_round(self, index: int) -> bool:
+        """Whether the gradients were cleared behind the wrapper's back since the round ended.
+
+        Called at the first hook of a backward pass after a finished round: when every
+        other tracked gradient is None or zero (``model.zero_grad()``, e.g. after a step
+        GradScaler skipped), this pass starts a new round instead of being refused.
+        """
+        with torch.no_grad():
+            for i, p in enumerate(self.params):
+                g = p.grad
+                if i != index and g is not None and (g.is_sparse or bool(g.any())):
+                    return False
+        return True
+
+    def control_round(self) -> None:
+        """A round without packs (nothing trainable yet): only the control flags travel."""
+        flags = self._control_flags().clone()
+        with stalls.inspected(self.progress, "the control flags (no trainable parameter yet)"):
+            collectives.all_reduce(flags, op="sum", group=self.channel.group)
+        self.state = RoundState.SETTLED
+        totals = self._totals(flags.tolist())
+        totals.check(self.world_size)
+        if totals.unfrozen:
+            self._adopt_unfrozen()
+
+    # ------------------------------------------------------------------ replanning, on every rank together
+
+    def _fix_plan(self) -> None:
+        """Adopt the root's observed gradient order as the plan on every rank.
+
+        The message starts with how many arrivals the root saw: a round without
+        any (gradients set by hand, or a root that has joined) leaves the plan open.
+        """
+        order = replanning.observed_order(self.arrivals, len(self.params))
+        message = torch.tensor([len(self.arrivals)] + order, dtype=torch.int64)
+        with stalls.inspected(self.progress, "the broadcast of the pack plan"):
+            collectives.broadcast(message, src=self.root_rank, group=self.channel.group)
+        observed, *root_order = message.tolist()
+        if not observed:
+            return
+        if replanning.replan([pack.spec for pack in self.packs], root_order, metas(self.params),
+                             self.pack_threshold) is not None:
+            self.build_packs(root_order)
+        self.planned = True
+
+    def _adopt_unfrozen(self) -> None:
+        """Track the parameters every rank unfroze, and reduce this round again with them.
+
+        A rank that has joined sends None and follows the others.
+
+        Raises:
+            ValueError: the ranks unfroze different parameters.
+        """
+        frozen, frozen_names = self.frozen, self.frozen_names
+        # A frozen parameter with a gradient set by hand (torch.func.grad, say) is stepped by the inner
+        # optimizer like a trainable one, so it is averaged like one.
+        mine: replanning.Unfrozen = None if self.joined else [
+            (n, "trainable" if p.requires_grad else "frozen, with a gradient set by hand")
+            for p, n in zip(frozen, frozen_names) if p.requires_grad or p.grad is not None
+        ]
+        with stalls.inspected(self.progress, "the exchange of unfrozen parameter names"):
+            everyone = collectives.all_gather_object(mine, group=self.channel.group)
+        adopted = replanning.agree_on_unfrozen(everyone)
+        if mine is None:
+            for p, n in zip(frozen, frozen_names):
+                if adopted.get(n) == "trainable":
+                    p.requires_grad_(True)
+        track, stay = replanning.split_frozen(frozen_names, adopted)
+        self.frozen = [frozen[k] for k in stay]
+        self.frozen_names = [frozen_names[k] for k in stay]
+        # The other gradients are averaged already. The round is sent again in the new plan, for the
+        # unfrozen ones, and then the others get their averaged values back: sent again, a sum
+        # would be summed twice and a join's rescale applied twice. A copy of them, once per unfreeze.
+        final = [(p, p.grad.detach().clone()) for p in self.params if p.grad is not None]
+        self.hook([frozen[k] for k in track], [frozen_names[k] for k in track])  # re-plans; gradients move
+        self.reduce_again()
+        for p, grad in final:
+            if p.grad is None:
+                p.grad = grad
+            else:
+                p.grad.copy_(grad)
+
+    # ------------------------------------------------------------------ exchanges (a mode's values, not gradients)
+
+    def launch_exchange(self, fill: Callable[[Pack], None]) -> None:
+        """Start a round that sends what ``fill`` writes into each pack instead of gradients.
+
+        An exchange is a round like a gradient round: the same packs, the same plan
+        order, the same control flags. So a rank that has joined shadows it like any
+        round, and the contributors' mean is rescaled to count only them.
+
+        Args:
+            fill: called with each pack, in plan order, as it launches; it writes the
+                values into the pack's member views and must apply :attr:`scale` itself.
+                Finish with :meth:`finish_exchange`.
+        """
+        with self.lock:
+            self.open_round(Phase.EXCHANGE)
+            self.exchange_fill = fill
+            self.state = RoundState.IN_FLIGHT
+            if not self.planned:
+                # No backward saw an arrival order: offer the current one, so the plan is
+                # fixed once (one broadcast) rather than re-offered at every exchange.
+                self.arrivals = [i for pack in self.packs for i in pack.spec.members]
+            if self.packs:
+                self.flush()
+
+    def finish_exchange(self) -> None:
+        """Wait for the exchange :meth:`launch_exchange` started; each pack's ``data`` then holds the mean."""
+        with self.lock:
+            try:
+                if self.packs:
+                    self.finish_round()
+                else:  # nothing trainable: only the control flags travel, as a joined rank's shadow does
+                    self.control_round()
+            finally:
+                self.exchange_fill = None
+
+    # ------------------------------------------------------------------ shadow rounds (a rank that has joined)
+
+    def shadow_launch(self) -> None:
+        """As a rank that has joined: send zeros for the others' next round."""
+        with self.lock:
+            self.stats = StepStats()
+            self.joined = True
+            if self.packs:
+                self.flush()
+            else:  # nothing trainable: only the control flags travel, at once
+                self.control_round()
+
+    def shadow_finish(self, final: Optional[Callable[[], None]] = None) -> int:
+        """Finish the shadow round (or ``final``, a mode's last round); return how many ranks contributed."""
+        if final is not None:
+            final()  # takes the lock itself
+        with self.lock:
+            if self.inflight:
+                self.finish_round()
+            self.reset_round()
+            return self.contributors
+
+    def shadow_pending(self) -> Optional[Sent]:
+        """The first collective of the shadow round in flight not completed yet, or None."""
+        return next((sent for sent in self.inflight if not sent.work.is_completed()), None)
+
+    def poll(self) -> bool:
+        """Complete what has arrived without waiting (gathered copies, rows); False while more is due."""
+        with self.lock:
+            return self._arrive(0.0)
+
+
+def _make_hook(ref: "weakref.ReferenceType[GradientEngine]", index: int) -> Callable[[Tensor], None]:
+    # A weak reference, so a dropped optimizer is collected and its hooks go quiet.
+    def hook(param: Tensor) -> None:
+        engine = ref()
+        if engine is not None:
+            engine.on_grad_ready(index)
+
+    return hook
+
+_TOUCHED_WHILE_PENDING = (
+    "gradients were changed (clipped, unscaled, ...) after backward() returned but before every rank's "
+    "gradients had arrived (distopt waited {:g} s for them at the end of backward, then went on); the ranks "
+    "would apply different updates. Call opt.synchronize() after backward() and before touching gradients"
+)
+
+
+def _written(pack: Pack) -> Tensor:
+    """What the user can change through ``.grad`` while the pack is in flight."""
+    return pack.data if pack.direct else pack.buffer

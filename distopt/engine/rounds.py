@@ -1,0 +1,185 @@
+"""What a reduction round has in flight, and how a small sum travels.
+
+The engine (:mod:`distopt.engine.engine`) launches and waits; this module holds the
+record of one collective in flight (:class:`Sent`) and the rule for a small sum:
+on CPU every rank's copy travels once, as one broadcast from each rank, and each rank
+adds the copies in rank order (:func:`sums_by_gather`, :func:`gather_by_broadcasts`,
+:func:`sum_copies`).
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+from datetime import timedelta
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from .packs import Pack
+from ..transport.waiting import completed_failure
+
+__all__ = ["Sent", "labelled", "GATHER_SUM_MAX_BYTES", "GATHER_COPIES_BUDGET", "sums_by_gather", "plan_gathers",
+           "gather_buffer", "gather_by_broadcasts", "broadcast_each", "Broadcasts", "sum_copies"]
+
+#: Bytes every rank may receive (the other ranks' copies) for a CPU sum to be done as one
+#: gather (a broadcast from each rank) and a local sum, one pass instead of the all-reduce's
+#: two: below it the latency of a pass, not bandwidth, sets the cost (0.2 MiB at 2 ranks:
+#: 10-20 % of a step).
+GATHER_SUM_MAX_BYTES = 512 << 10
+#: Bytes of room for the copies a wrapper keeps from round to round: the first small sums of
+#: the plan that fit in it gather, the rest are all-reduced (a small ``pack_threshold`` makes
+#: every pack small, and copies of them all would double the gradients' memory).
+GATHER_COPIES_BUDGET = 4 << 20
+
+
+class Sent(NamedTuple):
+    """One collective in flight: an all-reduce, or the all-gather of a gradient's rows."""
+
+    work: Any
+    pack: Pack
+    index: int  # the pack's place in the plan
+    seq: int  # the collective's number on the channel, for the stall inspector
+    carries_flags: bool  # False for a direct pack's gradient, whose flags travel apart
+    gathered: bool = False  # a direct pack's non-zero rows, gathered (distopt.engine.sparse_rows)
+    copies: Optional[Tensor] = None  # a small sum done as a gather: the other ranks' copies, to add into ``into``
+    into: Optional[Tensor] = None
+
+
+def sums_by_gather(nbytes: int, world: int, device: torch.device, limit: int = GATHER_SUM_MAX_BYTES) -> bool:
+    """Whether a sum of ``nbytes`` over ``world`` ranks is cheaper as an all-gather and a local sum (pure).
+
+    Only on CPU (gloo): NCCL's all-reduce of a small tensor is one kernel already. ``limit``
+    bounds the bytes each rank receives (default: :data:`GATHER_SUM_MAX_BYTES`).
+    """
+    return device.type == "cpu" and world >= 2 and (world - 1) * nbytes <= limit
+
+
+def plan_gathers(sums: Sequence[Tuple[int, torch.device]], world: int,
+                 budget: int = GATHER_COPIES_BUDGET) -> List[bool]:
+    """Which of a plan's sums, ``(bytes, device)`` in plan order, travel as a gather (pure).
+
+    Those that :func:`sums_by_gather` allows, first come first served, while the room for
+    the other ranks' copies (``world - 1`` times their bytes) fits ``budget`` in all. Every
+    rank holds the same plan, so every rank decides alike.
+    """
+    used, out = 0, []
+    for nbytes, device in sums:
+        room = (world - 1) * nbytes
+        fits = sums_by_gather(nbytes, world, device) and used + room <= budget
+        used += room if fits else 0
+        out.append(fits)
+    return out
+
+
+def gather_buffer(pack: Pack, tensor: Tensor, world: int) -> Tensor:
+    """Room for the other ranks' copies of ``tensor``, kept on ``pack`` from round to round."""
+    key = (tensor.numel(), tensor.dtype)
+    copies = pack.copies.get(key)
+    if copies is None:
+        copies = pack.copies[key] = torch.empty((world - 1) * tensor.numel(), dtype=tensor.dtype,
+                                                device=tensor.device)
+    return copies
+
+
+class Broadcasts:
+    """The broadcasts of one gather, waited for as one collective's work.
+
+    Args:
+        works: one broadcast's work per rank.
+    """
+
+    __slots__ = ("works", "failed")
+
+    def __init__(self, works: List[Any]) -> None:
+        self.works = works
+        self.failed = False
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        """Wait for every broadcast; raises ``RuntimeError`` as a work does (timeout or failure)."""
+        deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
+        for work in self.works:
+            try:
+                if deadline is None:
+                    work.wait()
+                else:
+                    work.wait(timeout=timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+            except RuntimeError:
+                if not work.is_completed():
+                    raise  # the time ran out first
+                failure = completed_failure(work)  # else it completed just after the time ran out
+                if failure is not None:
+                    self.failed = True  # a peer left, or the group timed out
+                    raise failure from None
+        return True
+
+    def is_completed(self) -> bool:
+        """Every broadcast is done, or one failed (its error is the one to explain)."""
+        return self.failed or all(work.is_completed() for work in self.works)
+
+
+def broadcast_each(group: Any, parts: Sequence[Tensor]) -> Broadcasts:
+    """Rank ``r``'s ``parts[r]`` to every rank, one broadcast from each rank, side by side.
+
+    An all-gather in broadcasts: gloo's all-gather stages its output in a fresh buffer on
+    every call and then copies it out, and those allocations, in the group's own threads,
+    grew a two-rank process by 2-3 MiB over a few hundred steps; a broadcast sends and
+    receives in place.
+
+    Args:
+        group: the process group (its own methods are called, as DDP's reducer does).
+        parts: one contiguous tensor per rank of ``group``, alike in shape and dtype: this
+            rank's is sent, the others are received into.
+    """
+    works = []
+    for root, part in enumerate(parts):
+        options = dist.BroadcastOptions()
+        options.rootRank = root
+        options.rootTensor = 0
+        options.asyncOp = True
+        works.append(group.broadcast([part], options))
+    return Broadcasts(works)
+
+
+def gather_by_broadcasts(group: Any, others: Tensor, tensor: Tensor, world: int) -> Broadcasts:
+    """The other ranks' ``tensor`` into ``others`` (in rank order); this rank sends ``tensor`` where it lies.
+
+    Args:
+        group: the process group.
+        others: room for ``world - 1`` copies of ``tensor``.
+        tensor: this rank's part.
+        world: ranks in ``group``.
+    """
+    rank = group.rank()
+    parts = list(others.view(world - 1, -1))
+    parts.insert(rank, tensor.view(-1))
+    return broadcast_each(group, parts)
+
+
+def sum_copies(others: Tensor, into: Tensor, rank: int, world: int) -> None:
+    """``into`` (this rank's part) becomes the sum of every rank's part, added in rank order.
+
+    Every rank makes the same additions of the same values in the same order, so every rank
+    gets the same bits; for two ranks these are the all-reduce's values (a + b == b + a).
+
+    Args:
+        others: the other ranks' parts, in rank order; spent (the first takes the partial sum).
+        into: this rank's part, replaced by the sum.
+        rank: this rank.
+        world: ranks.
+    """
+    parts = others.view(world - 1, -1)
+    out = into.view(-1)
+    if rank > 0:
+        before = parts[0]
+        for r in range(1, rank):
+            before.add_(parts[r])
+        torch.add(before, out, out=out)
+    for r in range(rank, world - 1):  # parts[r] is rank r + 1's
+        out.add_(parts[r])
+
+
+def labelled(name: str) -> Any:
+    """A profiler label, only while a profiler runs: otherwise it costs 10-100 µs for nothing."""
+    return torch.profiler.record_function(name) if torch._C._autograd._profiler_enabled() else contextlib.nullcontext()

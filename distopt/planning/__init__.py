@@ -1,0 +1,13 @@
+"""Pure value types and planning: no process group, no communication.
+
+- :mod:`~distopt.planning.packing`: which parameters share a pack, and the order packs launch in;
+- :mod:`~distopt.planning.replanning`: the plan after the ranks observed an order or unfroze parameters;
+- :mod:`~distopt.planning.ownership`: which rank keeps which parameter's state (``shard_state``);
+- :mod:`~distopt.planning.control`: the control flags every pack carries, and what their sums mean;
+- :mod:`~distopt.planning.stats`: :class:`StepStats`, what a round did.
+
+Everything here is tested without a process (``tests/unit``).
+"""
+from .stats import StepStats
+
+__all__ = ["StepStats"]

@@ -1,0 +1,755 @@
+"""``DistributedOptimizer``: data-parallel gradient averaging for any ``torch.optim`` optimizer.
+
+This is the public wrapper, whole: its arguments; building what it runs on (a
+private group, the gradient engine, the mode); taking parameters on (claimed,
+checked across ranks, broadcast, hooked); the ``torch.optim.Optimizer`` surface
+(:class:`~distopt.wrapper.forwarding.InnerOptimizerSurface`: param groups, hooks,
+schedulers); ``step``/``zero_grad``/``synchronize``; state dicts and broadcasts;
+and :func:`join` for uneven inputs. The hot path is the engine's
+(:mod:`distopt.engine`); what happens at ``step()`` is the mode's
+(:mod:`distopt.modes`), which sees the wrapper only through a
+:class:`~distopt.modes.ModeContext`.
+
+**Join** (uneven inputs). Inside ``with opt.join():`` a rank whose loop ends does
+not leave. It runs shadow rounds: the same packs, in the same plan order, filled
+with zeros and with its presence and "contributing" flags at 0. The ranks still
+training see from the summed flags how many ranks contributed, and average over
+those alone (or over the world, with ``divide_by_world=True``). Nothing else
+travels while no rank has joined. When a round comes back with no contributor,
+every rank has joined. If some ranks stopped earlier than others, their
+parameters and optimizer state are behind: one rank that took part in the last
+contributing round sends its own to everyone, so every rank leaves the block with
+the same state, bitwise. In local SGD a rank that joins with local steps not yet
+averaged first sends them, as a contributor, in one last exchange
+(:meth:`distopt.modes.Mode.leaving`); it then shadows the others' exchanges like
+their gradient rounds. Several optimizers trained in one loop (a GAN's two) join
+together (:func:`join`): each has its own private group, so a joined rank keeps
+one shadow round in flight per optimizer, in whatever order the others step them.
+"""
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from datetime import timedelta
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+from torch.optim import Optimizer
+
+from .. import collectives
+from ..collectives.groups import check_member
+from ..engine import GradientEngine, RoundState
+from ..modes import Mode, ModeArguments, ModeContext, OuterFactory, choose, shards
+from ..planning.stats import StepStats
+from ..transport import private_groups, stalls
+from ..transport.stalls import Progress
+from . import checks
+from .forwarding import InnerOptimizerSurface
+
+__all__ = ["DistributedOptimizer", "StepStats", "DEFAULT_PACK_THRESHOLD", "join", "join_and_wait"]
+
+#: Default pack size in bytes (see docs/benchmark.md for how it was chosen).
+DEFAULT_PACK_THRESHOLD = 10 * 2**20
+
+#: The local-SGD arguments as a wrapper in another mode has them (sync_every=1 without an outer
+#: optimizer is synchronous training), so that two ranks in different modes differ in an argument.
+_NOT_LOCAL = {"sync_every": 1, "local_warmup": 0, "outer_optimizer": False}
+
+# Seconds between two looks at several optimizers' shadow rounds.
+_POLL = 0.0005
+
+_in_blocks: "set[int]" = set()  # ids of the wrappers inside a join block in this process
+
+
+class DistributedOptimizer(InnerOptimizerSurface):
+    r"""Wrap an optimizer so that every ``step()`` applies gradients averaged over all ranks.
+
+    During the reducing backward pass a hook on each parameter moves its ready
+    gradient into a persistent flat buffer shared with the other members of its
+    *pack* (one (device, dtype) each, never mixed or cast). Once every member of
+    a pack is ready, one asynchronous all-reduce is launched for it, overlapping
+    the rest of backward. At the end of backward the remaining packs are sent, all
+    are awaited and each parameter's ``.grad`` is left as a view of its averaged
+    slice of the buffer, so anything that reads gradients after ``backward()``
+    (clipping, ``GradScaler``, logging) sees the final values and nothing is copied
+    back.
+
+    **Identical collectives on every rank.** Collectives are matched by call
+    order, so packs launch strictly in the order of a plan that every rank holds
+    identically: a pack waits for all earlier packs, whatever order hooks fire in.
+    The first plan follows reverse parameter order (gradients usually arrive in
+    that order). After the first reducing round the root broadcasts the order its
+    gradients actually arrived in, and every rank rebuilds the same fixed plan
+    from it. Parameters without a local gradient are sent as zeros with a
+    presence flag, so a parameter used on only some ranks is averaged with zeros
+    from the others, and one used on no rank keeps ``grad = None``. Ranks that
+    disagree on the parameters fail at construction with an error naming the first
+    difference.
+
+    In a single process, or a group of one, no hook is installed and the wrapper
+    is bitwise identical to the inner optimizer.
+
+    Args:
+        optimizer: the optimizer to wrap (any :class:`torch.optim.Optimizer`).
+        reduce_op: ``"mean"`` averages gradients over ranks, ``"sum"`` adds them
+            (default: ``"mean"``).
+        pack_threshold: a pack is launched once it holds this many bytes; ``0`` sends
+            each gradient on its own (default: 10 MiB).
+        bcast_period: re-broadcast parameters from ``root_rank`` after every
+            ``bcast_period``-th step; ``0`` broadcasts only at construction; ``-1``
+            never broadcasts (default: ``0``).
+        backward_passes_per_step: backward passes accumulated locally before the
+            gradients are reduced, on the last of them (default: ``1``).
+        named_parameters: ``(name, parameter)`` pairs, e.g.
+            ``model.named_parameters()``, so errors name parameters (default: None).
+        process_group: the group to average over (default: the default group).
+        root_rank: rank within ``process_group`` that broadcasts (default: ``0``).
+        compression: ``"fp16"`` or ``"bf16"`` sends float32/float64 packs as 16-bit
+            on the wire (mean scaling applied before the cast) (default: None).
+        sparse_as_dense: turn sparse gradients dense instead of raising (default: False).
+        stall_warning: seconds a rank waits for the others in one of the wrapper's
+            collectives before a warning names the ranks that have not arrived and
+            where each was last seen; None for no warning (default: 60).
+        stall_timeout: seconds after which every rank still waiting raises
+            :class:`distopt.StallError` with that text; None waits as long as the
+            process group's own timeout (default: None).
+        shard_state: each rank keeps the optimizer state of the parameters it owns
+            only (ZeRO-1); see :mod:`distopt.modes.sharded` (default: False).
+        sync_every: local SGD: gradients stay local, and every ``sync_every``-th step
+            the ranks average their parameters (see :mod:`distopt.modes.local_sgd`);
+            ``1`` is synchronous training (default: 1).
+        outer_optimizer: DiLoCo: builds the outer optimizer from the tensors it is
+            given, e.g. ``lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9,
+            nesterov=True)``; at each sync it steps on the mean pseudo-gradient
+            (last-sync parameters minus local ones). None averages (default: None).
+        local_warmup: synchronous steps before local SGD starts (default: 0).
+
+    Raises:
+        TypeError: if ``optimizer`` is not a ``torch.optim.Optimizer``.
+        ValueError: on a bad argument value or parameters that differ between ranks.
+
+    Example::
+
+        >>> model = Net()
+        >>> opt = distopt.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3))
+        >>> for x, y in loader:
+        ...     opt.zero_grad()
+        ...     loss_fn(model(x), y).backward()   # packs are all-reduced during backward
+        ...     opt.step()
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        *,
+        reduce_op: str = "mean",
+        pack_threshold: int = DEFAULT_PACK_THRESHOLD,
+        bcast_period: int = 0,
+        backward_passes_per_step: int = 1,
+        named_parameters: Optional[Iterable[Tuple[str, Tensor]]] = None,
+        process_group: Optional[ProcessGroup] = None,
+        root_rank: int = 0,
+        compression: Optional[str] = None,
+        sparse_as_dense: bool = False,
+        stall_warning: Union[float, timedelta, None] = 60.0,
+        stall_timeout: Union[float, timedelta, None] = None,
+        shard_state: bool = False,
+        sync_every: int = 1,
+        outer_optimizer: Optional[OuterFactory] = None,
+        local_warmup: int = 0,
+    ) -> None:
+        if isinstance(optimizer, DistributedOptimizer):
+            raise TypeError("optimizer is already a DistributedOptimizer; wrap the plain torch.optim optimizer once")
+        checks.check_arguments(optimizer, reduce_op, pack_threshold, bcast_period, backward_passes_per_step,
+                               compression, sparse_as_dense)
+        self.optimizer = optimizer
+        self.reduce_op = reduce_op
+        self.pack_threshold = checks.byte_count(pack_threshold, "pack_threshold", "0 sends each gradient alone")
+        self.bcast_period = int(bcast_period)
+        self.compression = None if compression in (None, "none") else compression
+        self.sparse_as_dense = sparse_as_dense
+        self.shard_state = checks.shard_state(shard_state, optimizer)
+        local = checks.check_local_sgd(sync_every, outer_optimizer, local_warmup, reduce_op, bcast_period,
+                                       self.shard_state)
+        self.stall_warning = checks.seconds(stall_warning, "stall_warning")
+        self.stall_timeout = checks.seconds(stall_timeout, "stall_timeout")
+        # None stays None (the default group, looked up per call): holding the default group would
+        # keep it alive past destroy_process_group() into interpreter exit.
+        self.process_group = process_group
+        if process_group is not None:
+            check_member(process_group, "process_group")
+        self.rank = collectives.get_rank(self.process_group)
+        self.world_size = collectives.get_world_size(self.process_group)
+        if isinstance(root_rank, bool) or not isinstance(root_rank, int) or not 0 <= root_rank < self.world_size:
+            raise ValueError(
+                f"root_rank must be a rank of the process group (0..{self.world_size - 1}), got {root_rank!r}"
+            )
+        self.root_rank = root_rank
+        self._names_by_id = checks.names_by_id(named_parameters, optimizer)
+        self._engine = self._build_engine(wire_dtype=checks.COMPRESSIONS[self.compression],
+                                          backward_passes_per_step=int(backward_passes_per_step))
+        self._mode: Mode = choose(ModeArguments(
+            rank=self.rank, world_size=self.world_size, local=local, shard_state=self.shard_state,
+            sync_every=int(sync_every), outer_optimizer=outer_optimizer, local_warmup=int(local_warmup),
+        ))
+        self._retired_by: Optional[str] = None  # why this wrapper no longer reduces
+        self._params: List[Tensor] = []  # every parameter this wrapper broadcasts, in tracking order
+        self._context = ModeContext(
+            optimizer=optimizer, engine=self._engine, params=self._params, names=self._names_by_id,
+            process_group=process_group, rank=self.rank, world_size=self.world_size, root_rank=root_rank,
+            reduce_op=reduce_op, stall_warning=self.stall_warning, stall_timeout=self.stall_timeout,
+            reduce_for_step=_weakly(self._reduce_for_step), synchronize=_weakly(self.synchronize),
+        )
+        self._track_new_params()
+        self._mode.attach(self._context)
+
+    @property
+    def backward_passes_per_step(self) -> int:
+        """Backward passes accumulated locally before the gradients are reduced, on the last of them."""
+        return self._engine.backward_passes_per_step
+
+    @backward_passes_per_step.setter
+    def backward_passes_per_step(self, passes: int) -> None:
+        self._engine.backward_passes_per_step = passes
+
+    @property
+    def stats(self) -> StepStats:
+        """What the last reduction round (or step) did (packs, bytes on the wire, time waited), the
+        bytes of optimizer state this rank holds, and the extra memory the mode holds."""
+        stats = self._engine.stats
+        stats.optimizer_state_bytes = sum(v.numel() * v.element_size() for state in self.optimizer.state.values()
+                                          for v in state.values() if isinstance(v, Tensor))
+        stats.extra_state_bytes = self._mode.extra_state_bytes(self._context)
+        return stats
+
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """torch's protocol with ``GradScaler``: True when the mode takes its verdict itself (local SGD),
+        so that ``GradScaler.step`` always calls ``step()``, with ``found_inf`` and ``grad_scale`` set
+        on the wrapper (:mod:`distopt.modes.amp`). Other modes keep ``GradScaler``'s usual path."""
+        return self._mode.handles_amp_scaling
+
+    def __repr__(self) -> str:
+        return (
+            f"DistributedOptimizer({self.optimizer!r}, reduce_op={self.reduce_op!r}, "
+            f"pack_threshold={self.pack_threshold}, world_size={self.world_size})"
+        )
+
+    def __getstate__(self) -> Dict[str, Any]:
+        raise TypeError(
+            "a DistributedOptimizer cannot be pickled (it holds hooks and a process group); "
+            "save opt.state_dict() instead"
+        )
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """Add a parameter group to the inner optimizer and start averaging its gradients.
+
+        Every rank must add the same group. Its parameters are checked across ranks
+        and broadcast from the root like those given at construction.
+
+        Raises:
+            RuntimeError: called between ``backward()`` and ``step()``.
+        """
+        if self._engine.state != RoundState.OPEN:
+            raise RuntimeError(
+                "add_param_group() was called between backward() and step(); call it before "
+                "backward() or after step()"
+            )
+        self.optimizer.add_param_group(param_group)
+        self._track_new_params()
+
+    # ------------------------------------------------------------------ training loop
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """Average any gradients not averaged yet, then take the inner optimizer's step.
+
+        With a ``closure`` (e.g. LBFGS), every call of it is followed by a reduction
+        of the gradients it computed.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (default: None).
+
+        Returns:
+            Whatever the inner optimizer's ``step`` returns.
+        """
+        self._check_not_retired("step()")
+        engine, ctx = self._engine, self._context
+        if engine.progress is not None:
+            engine.progress.phase = "inside step()"
+        # GradScaler sets these on the object whose step it calls when _step_supports_amp_scaling.
+        ctx.found_inf, ctx.grad_scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
+        try:
+            loss = self._mode.step(ctx, closure)
+        finally:
+            ctx.found_inf = ctx.grad_scale = None
+        engine.after_step()
+        ctx.set_steps(engine.steps + 1)
+        # While a rank has joined it cannot take part in a broadcast; the join block's end settles the state.
+        if (self.bcast_period > 0 and engine.steps % self.bcast_period == 0
+                and engine.contributors == self.world_size):
+            self.broadcast_parameters()
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear gradients (see :meth:`torch.optim.Optimizer.zero_grad`) and start a new round.
+
+        Args:
+            set_to_none: set ``.grad`` to None instead of zeroing it (default: True).
+        """
+        engine = self._engine
+        if engine.inflight:  # a round left pending: settle it (plan, capacities, checks) as the other ranks did
+            with engine.lock:
+                engine.finish_round()
+        self.optimizer.zero_grad(set_to_none)
+        engine.reset_round()
+
+    def synchronize(self) -> None:
+        """Finish averaging gradients now, e.g. before clipping or ``GradScaler.unscale_``.
+
+        Gradients are normally final when ``backward()`` returns, but not when a
+        rank lagged (the wait at the end of backward is bounded), when fewer than
+        ``backward_passes_per_step`` passes ran, or when gradients were set by hand.
+        Calling it again, or calling ``step()`` after it, does not reduce a second time.
+        """
+        self._check_not_retired("synchronize()")
+        if self.world_size > 1 and self._mode.reduces_in_backward:  # local SGD keeps gradients local
+            self._engine.synchronize(explicit=True)
+
+    def _reduce_for_step(self) -> None:
+        """Reduce what backward did not, as ``step()`` must (the modes call this, through their context)."""
+        if self.world_size > 1:
+            self._engine.synchronize(explicit=False)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Context in which backward passes accumulate gradients locally, without communication.
+
+        The first reducing backward after it averages everything accumulated.
+        """
+        engine = self._engine
+        previous, engine.sync_enabled = engine.sync_enabled, False
+        try:
+            yield
+        finally:
+            engine.sync_enabled = previous
+
+    @contextlib.contextmanager
+    def join(self, divide_by_world: bool = False) -> Iterator[None]:
+        """Context around a training loop in which ranks may run different numbers of steps.
+
+        A rank whose loop ends first waits at the end of the block, taking part in
+        the other ranks' gradient reductions with zeros, until every rank has
+        finished; then all leave the block together, with the same parameters and
+        optimizer state, bitwise (the ranks that stopped early receive those of a
+        rank that ran the longest). While no rank has finished, nothing extra is
+        communicated: whether a rank has joined travels in flags inside the packs.
+
+        Every rank must enter the block; several optimizers stepped in one loop
+        join together, with :func:`distopt.join`. Inside the block, once a rank has finished, the
+        others must not run collectives of their own (a metric's all-reduce, a
+        barrier, ``add_param_group``, ``broadcast_parameters()``): the finished rank
+        cannot take part in them. Move them after the block. ``bcast_period``
+        broadcasts are skipped while a rank has joined. An LR scheduler or a
+        ``GradScaler`` on a finished rank is not advanced: step them per epoch,
+        after the block, or from the optimizer's own state.
+
+        Args:
+            divide_by_world: average over all ranks, counting the finished ones as
+                zeros (DDP's and Horovod's behaviour), instead of over the ranks that
+                contributed to the step (default: False).
+
+        Raises:
+            RuntimeError: only some ranks are inside a join block, or they pass
+                different ``divide_by_world`` (raised on every rank at the next reduction).
+
+        Example::
+
+            >>> with opt.join():
+            ...     for x, y in loader:          # a different number of batches per rank
+            ...         opt.zero_grad()
+            ...         loss_fn(model(x), y).backward()
+            ...         opt.step()
+        """
+        with join(self, divide_by_world=divide_by_world):
+            yield
+
+    def close(self) -> None:
+        """Remove the gradient hooks, destroy the private group and release the parameters."""
+        self._engine.close()
+        for p in self._params:
+            checks.release(p, self)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+    # ------------------------------------------------------------------ state dicts and broadcasts
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The inner optimizer's state dict; loads into a plain optimizer and back.
+
+        With ``shard_state=True`` it is gathered from every rank's shard, so every
+        rank must call it; it is the same dict an unsharded optimizer would give.
+        Local SGD adds its own state (step count, last-sync parameters, outer
+        optimizer state) under the key ``"distopt_local_sgd"``, which a plain
+        ``torch.optim`` optimizer's ``load_state_dict`` ignores.
+        """
+        return self._mode.state_dict(self._context)
+
+    def sharded_state_dict(self) -> Dict[str, Any]:
+        """With ``shard_state=True``: this rank's shard only, without communication (fast saves of
+        large models: one file per rank); :func:`distopt.merge_state_dicts` rebuilds the full dict.
+
+        In a world of one it is the only shard, the whole state, so a script that saves one
+        file per rank runs unchanged.
+
+        Raises:
+            RuntimeError: the wrapper does not shard its state.
+        """
+        shard = self._mode.sharded_state_dict(self._context)
+        if shard is not None:
+            return shard
+        if not self.shard_state:
+            raise RuntimeError("sharded_state_dict() needs shard_state=True; use state_dict()")
+        return shards.shard_of(self.optimizer, 0, 1, [0] * sum(len(g["params"]) for g in self.param_groups))
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Load a state dict from this wrapper or a plain optimizer (with ``shard_state``, from any world size).
+
+        A shard from :meth:`sharded_state_dict` loads as it is into the same rank of a sharded
+        wrapper with the same world size and owners, and anywhere if it was saved at world size 1.
+
+        Raises:
+            ValueError: a shard that lacks state this wrapper needs (merge the save's shards
+                with :func:`distopt.merge_state_dicts`), or a state dict of another optimizer.
+        """
+        self._mode.load_state_dict(self._context, state_dict)
+
+    def broadcast_parameters(self) -> None:
+        """Overwrite every rank's parameters with the root's (coalesced per device and dtype)."""
+        self._check_not_retired("broadcast_parameters()")
+        if self.world_size > 1 and self._params:
+            with torch.no_grad(), stalls.inspected(self._engine.progress, "the parameter broadcast"):
+                collectives.broadcast_parameters(self._params, src=self.root_rank, group=self._context.group)
+
+    def broadcast_optimizer_state(self) -> None:
+        """Give every rank the root's optimizer state, e.g. when only the root loaded a checkpoint.
+
+        Unlike Horovod, no optimizer step is taken to create the state first, so
+        parameters and moments are exactly the root's. In local SGD the mode's state
+        travels too: the step count, the steps since the last sync, the last-sync
+        parameters and the outer optimizer's state.
+
+        Raises:
+            RuntimeError: with ``shard_state=True``, where every rank holds its own shard.
+        """
+        self._check_not_retired("broadcast_optimizer_state()")
+        self._mode.broadcast_optimizer_state(self._context, self.root_rank)
+
+    # ------------------------------------------------------------------ set-up
+
+    def _build_engine(self, *, wire_dtype: Optional[torch.dtype], backward_passes_per_step: int) -> GradientEngine:
+        """The gradient engine, over a private group of its own (none in a group of one)."""
+        world_size, mean = self.world_size, self.reduce_op == "mean"
+        # NCCL averages natively. Otherwise the mean's 1/world is applied while each gradient is
+        # copied into its pack (no extra pass), and always before a 16-bit cast, which could overflow.
+        native_avg = world_size > 1 and dist.get_backend(self.process_group) == "nccl"
+        scale = 1.0 / world_size if mean and (wire_dtype is not None or not native_avg) else None
+        channel = progress = None
+        if world_size > 1:
+            channel, progress = self._open_channel()
+        return GradientEngine(
+            channel=channel, scale=scale, op=dist.ReduceOp.AVG if mean and scale is None else dist.ReduceOp.SUM,
+            pack_threshold=self.pack_threshold, wire_dtype=wire_dtype, sparse_as_dense=self.sparse_as_dense,
+            backward_passes_per_step=backward_passes_per_step, root_rank=self.root_rank, world_size=world_size,
+            mean=mean, progress=progress,
+        )
+
+    def _open_channel(self) -> Tuple[private_groups.PrivateGroup, Progress]:
+        """Create the private group (the *channel*) and have the stall inspector watch it.
+
+        The wrapper's own traffic travels on it, so it never pairs with the user's
+        collectives. Its timeout is the stall timeout, so that blocking collectives (the
+        construction check, broadcasts, the plan) honour it too.
+
+        Raises:
+            StallError: the other ranks did not create theirs within the timeout.
+        """
+        limit = None if self.stall_timeout is None else timedelta(seconds=self.stall_timeout)
+        try:
+            channel = private_groups.create(self.process_group, limit)
+        except RuntimeError as exc:  # torch's wording ("wait timeout after 1500ms, keys: /0//1//cpu//0/1") names no rank
+            if not any(word in str(exc).lower() for word in ("timeout", "timed out")):
+                raise
+            seconds = (limit or private_groups.timeout_of(self.process_group) or timedelta(0)).total_seconds()
+            raise stalls.StallError(
+                f"rank {dist.get_rank()} waited more than {seconds:g} s for the other ranks to build their "
+                "DistributedOptimizer: every rank must build it, at the same point of the script (is a rank stuck, "
+                "or did it fail before reaching it?)"
+            ) from exc
+        timeout = private_groups.timeout_of(channel.group)
+        progress = Progress(channel.group.group_name, dist.get_process_group_ranks(channel.group), dist.get_rank(),
+                            self.stall_warning, self.stall_timeout, None if timeout is None else timeout.total_seconds())
+        stalls.watch(progress)
+        return channel, progress
+
+    def _settings(self) -> Dict[str, Any]:
+        """Every setting that decides which collectives run; they must match on every rank.
+
+        They are the user's arguments, whatever the mode, so that an error about ranks that
+        differ names an argument; the mode itself comes last, as a backstop.
+        """
+        return {
+            "reduce_op": self.reduce_op,
+            "pack_threshold": self.pack_threshold,
+            "compression": self.compression,
+            "bcast_period": self.bcast_period,
+            "backward_passes_per_step": self.backward_passes_per_step,
+            "sparse_as_dense": self.sparse_as_dense,
+            "root_rank": self.root_rank,
+            "shard_state": self.shard_state,
+            **_NOT_LOCAL,
+            **self._mode.settings(),
+            "mode": type(self._mode).__name__,
+        }
+
+    def _track_new_params(self) -> None:
+        """Take on the parameters not held yet: claim them, check them across ranks, broadcast them,
+        reduce their gradients.
+
+        Each parameter is reduced by one wrapper only, the newest built over it, so an
+        older wrapper whose parameters are claimed is retired for good. Frozen parameters
+        are broadcast too, and reduced once they become trainable.
+
+        Raises:
+            ValueError: the ranks built different optimizers (settings or parameters).
+            StallError: a rank did not arrive at the check or the broadcast in time.
+        """
+        known = {id(p) for p in self._params}
+        new: List[Tensor] = []
+        for group in self.optimizer.param_groups:
+            for p in group["params"]:
+                if id(p) not in known:
+                    known.add(id(p))
+                    new.append(p)
+        names = [self._context.name_of(p, g, j) for g, j, p in checks.positions(self.optimizer, new)]
+        for p in new:
+            previous = checks.claim(p, self)
+            if previous is not None:
+                previous._retire()
+        self._params.extend(new)
+        engine = self._engine
+        if self.world_size == 1 or not new:
+            engine.reset_round()
+            return
+        group = self._context.group
+        with stalls.inspected(engine.progress, "the check that every rank built the same optimizer"):
+            checks.check_agreement(self._settings(), new, names, group, self.root_rank)
+        if self.bcast_period != -1:
+            with torch.no_grad(), stalls.inspected(engine.progress, "the broadcast of the initial parameters"):
+                collectives.broadcast_parameters(new, src=self.root_rank, group=group)
+        engine.track(new, names)
+        self._mode.on_track(self._context, new)
+
+    def _retire(self) -> None:
+        """A newer wrapper took this one's parameters over: stop reducing, for good."""
+        self._engine.close()
+        self._retired_by = "a newer DistributedOptimizer was built over the same parameters and took them over"
+
+    def _check_not_retired(self, what: str) -> None:
+        if self._retired_by is not None:
+            raise RuntimeError(
+                f"{what} on a DistributedOptimizer that no longer reduces: {self._retired_by}. Use the newer "
+                "wrapper (each parameter is reduced by one wrapper, the newest one built over it)"
+            )
+
+    # ------------------------------------------------------------------ join: a rank that ran out of data
+
+    def _enter_join(self, divide_by_world: bool) -> Tuple[bool, bool]:
+        engine = self._engine
+        previous = (engine.in_join, engine.divide_by_world)
+        engine.in_join, engine.divide_by_world = True, bool(divide_by_world)
+        return previous
+
+    def _leave_join(self, previous: Tuple[bool, bool]) -> None:
+        self._engine.in_join, self._engine.divide_by_world = previous
+
+    def _start_joined(self) -> Optional[Callable[[], None]]:
+        """This rank ran out of data: settle what it left pending, and launch the mode's last round."""
+        engine = self._engine
+        if engine.inflight:
+            engine.finish_round()  # a round this rank left pending at the end of backward
+        engine.reset_round()  # gradients accumulated but never reduced are not sent
+        if engine.progress is not None:
+            engine.progress.phase = "joined (it ran out of data and waits for the others)"
+        # A mode's last contributing round (local steps not averaged yet), launched already; the
+        # shadow rounds take its place until it is back.
+        return self._mode.leaving(self._context)
+
+    def _shadow_alone(self, final: Optional[Callable[[], None]]) -> None:
+        """Shadow the others' rounds until every rank has joined (one optimizer)."""
+        engine = self._engine
+        while True:
+            if final is None:
+                engine.shadow_launch()
+            if not engine.shadow_finish(final):
+                break
+            final = None
+            self._mode.shadow_step(self._context)
+
+    def _shadow_poll(self, final: Optional[Callable[[], None]]) -> Optional[bool]:
+        """One look at this optimizer's shadow round among several: None while it is in flight,
+        True once it came back with contributors (the next one is launched), False once none."""
+        engine = self._engine
+        pending = engine.shadow_pending()
+        if pending is not None:
+            _watch(engine, pending.index, pending.seq)
+            return None
+        # A gradient's rows may have overflowed: its dense all-reduce is polled like the rest. Waiting
+        # for it here could wait on a rank that is itself waiting for another optimizer's.
+        if final is None and not engine.poll():
+            return None
+        if engine.shadow_finish(final):
+            self._mode.shadow_step(self._context)
+            engine.shadow_launch()
+            return True
+        return False
+
+    def _settle_join(self) -> int:
+        """Give every rank the state of one of the last ranks to contribute; return that rank."""
+        engine, ctx = self._engine, self._context
+        mine = torch.tensor([int(engine.contributed_last), engine.steps], dtype=torch.int64)
+        with stalls.inspected(engine.progress, "the exchange at the end of the join block"):
+            everyone: List[Tensor] = collectives.all_gather(mine, group=ctx.group)
+        contributed = [r for r, t in enumerate(everyone) if t[0].item()]
+        steps = [int(t[1].item()) for t in everyone]
+        last = max(contributed) if contributed else self.root_rank
+        identical = len(contributed) == len(everyone) and len(set(steps)) == 1
+        self._mode.settle_after_join(ctx, last, identical)
+        ctx.set_steps(steps[last])
+        if not identical:
+            self._mode.broadcast_state(ctx, last)  # after the step count, which decides its phase
+        engine.contributors = self.world_size
+        engine.contributed_last = True
+        engine.reset_round()
+        if engine.progress is not None:
+            engine.progress.end()
+        return last
+
+
+@contextlib.contextmanager
+def join(*optimizers: DistributedOptimizer, divide_by_world: bool = False) -> Iterator[None]:
+    """Context around a loop with uneven inputs, for one or several optimizers stepped in it.
+
+    See :meth:`DistributedOptimizer.join`; several optimizers stepped in the
+    same loop must join together, in one block.
+
+    Args:
+        *optimizers: the loop's :class:`DistributedOptimizer`\\ s.
+        divide_by_world: count joined ranks as zeros in the average (default: False).
+
+    Raises:
+        TypeError: an argument is not a DistributedOptimizer.
+        RuntimeError: a block is nested in another block of this process.
+
+    Example::
+
+        >>> with distopt.join(gen_opt, disc_opt):
+        ...     for real in loader:              # a different number of batches per rank
+        ...         train_step(real)
+    """
+    if not optimizers:
+        raise TypeError("join() needs the DistributedOptimizers stepped in the loop, e.g. distopt.join(opt)")
+    for opt in optimizers:
+        if not isinstance(opt, DistributedOptimizer):
+            raise TypeError(f"join() takes DistributedOptimizers, got {type(opt).__name__}")
+        opt._check_not_retired("join()")
+    if _in_blocks:
+        raise RuntimeError(
+            "join blocks cannot be nested: a rank that joins the inner one would leave the outer optimizer's "
+            "rounds without it and the others would wait for ever. Join every optimizer of the loop in one "
+            "block: `with distopt.join(opt1, opt2):`"
+        )
+    previous = [opt._enter_join(divide_by_world) for opt in optimizers]
+    _in_blocks.update(id(opt) for opt in optimizers)
+    try:
+        yield
+        # An exception in the body propagates at once: shadowing would hide it, and the
+        # other ranks learn of it from the stall inspector when their next round fails.
+        join_and_wait(optimizers)
+    finally:
+        _in_blocks.difference_update(id(opt) for opt in optimizers)
+        for opt, before in zip(optimizers, previous):
+            opt._leave_join(before)
+
+
+def join_and_wait(optimizers: Sequence[DistributedOptimizer]) -> int:
+    """Take part in the other ranks' rounds with zeros until every rank has joined.
+
+    Returns:
+        The rank (in the first wrapper's group) whose state every rank now has: the
+        highest of those that contributed to the last round with contributors, i.e.
+        the last to join.
+    """
+    optimizers = [opt for opt in optimizers if opt.world_size > 1]
+    if not optimizers:
+        return 0
+    finals = [opt._start_joined() for opt in optimizers]
+    try:
+        if len(optimizers) == 1:
+            optimizers[0]._shadow_alone(finals[0])
+        else:
+            _shadow_together(optimizers, finals)
+    finally:
+        for opt in optimizers:
+            opt._engine.joined = False
+    return [opt._settle_join() for opt in optimizers][0]
+
+
+def _shadow_together(optimizers: Sequence[DistributedOptimizer], finals: List[Optional[Callable[[], None]]]) -> None:
+    """Keep one shadow round in flight per optimizer, finishing each as it comes back."""
+    final_of = {id(opt): final for opt, final in zip(optimizers, finals) if final is not None}
+    for opt in optimizers:
+        if id(opt) not in final_of:
+            opt._engine.shadow_launch()
+    active = list(optimizers)
+    while active:
+        progressed = False
+        for opt in list(active):
+            outcome = opt._shadow_poll(final_of.get(id(opt)))
+            if outcome is None:
+                continue
+            progressed = True
+            final_of.pop(id(opt), None)
+            if not outcome:
+                active.remove(opt)
+        if not progressed:
+            time.sleep(_POLL)
+
+
+def _weakly(method: Callable[[], None]) -> Callable[[], None]:
+    """``method`` called through a weak reference to its object, so that the mode's context does not
+    keep a dropped wrapper alive (its hooks would keep firing until a garbage collection)."""
+    ref = weakref.WeakMethod(method)
+
+    def call() -> None:
+        bound = ref()
+        if bound is not None:
+            bound()
+
+    return call
+
+
+def _watch(engine: GradientEngine, k: int, seq: int) -> None:
+    """A shadow round waited for by polling is watched like any wait."""
+    progress = engine.progress
+    if progress is None:
+        return
+    what = f"pack {k + 1}/{len(engine.packs)} of the gradient all-reduce (joined, sending zeros)"
+    progress.begin(seq, what)
+    if progress.raise_after is not None and progress.waited() >= progress.raise_after:
+        raise stalls.stall_error(progress, seq, what)

@@ -1,0 +1,127 @@
+"""Smoke tests of ``python -m distopt.benchmark``: tiny iteration counts, no performance asserted."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import List
+
+import pytest
+
+from distopt import benchmark
+from distopt._testing import run_command
+from distopt.benchmark import BenchConfig, ModeResult, WorkloadResult, format_size, parse_size
+
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["--iters", "2", "--rounds", "2", "--warmup", "1"]
+TIMEOUT = 240
+
+
+def _run(args: List[str], tmp_path: Path) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "distopt.benchmark", *args]
+    code, out, err = run_command(cmd, ROOT, None, TIMEOUT)  # past the timeout, its workers go too
+    assert code == 0, f"exit code {code}\nstdout:\n{out}\nstderr:\n{err}"
+    return subprocess.CompletedProcess(cmd, code, out, err)
+
+
+def test_two_ranks_all_sections(tmp_path: Path) -> None:
+    out, png = tmp_path / "bench.json", tmp_path / "sweep.png"
+    # One workload: every peak-memory probe is a launch of its own.
+    proc = _run(["--workloads", "mlp", *TINY, "--thresholds", "0", "--sweep", str(png), "--json", str(out)], tmp_path)
+    for text in ("[mlp]", "ratio distopt/ddp", "bare_allreduce", "distopt@0B", "[world size 1]"):
+        assert text in proc.stdout, proc.stdout
+    report = json.loads(out.read_text())
+    (workload,) = report["distributed"]
+    modes = workload["modes"]
+    assert set(modes) == {"local", "ddp", "distopt", "distopt@0", "bare_allreduce"}
+    # 2 rounds of ceil(iters * iters_scale / rounds) steps; mlp's iters_scale is 5
+    assert all(len(m["times_ms"]) == 10 for m in modes.values())
+    assert modes["local"]["allreduce_calls"] == 0
+    assert modes["ddp"]["allreduce_calls"] >= 1
+    assert modes["distopt"]["allreduce_calls"] >= 1
+    # threshold 0: one all-reduce per parameter
+    assert modes["distopt@0"]["allreduce_calls"] == workload["num_params"] == 100
+    for name in ("local", "ddp", "distopt"):
+        assert modes[name]["peak_mem_bytes"] is not None and modes[name]["peak_mem_bytes"] >= 0
+    assert workload["ratio"] > 0
+    assert [w["name"] for w in report["world1"]] == ["mlp"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_world_one_every_workload_json_to_stdout(tmp_path: Path) -> None:
+    proc = _run(["--world", "1", "--iters", "1", "--rounds", "1", "--warmup", "1", "--json"], tmp_path)
+    report = json.loads(proc.stdout)
+    assert report["distributed"] == []
+    assert [w["name"] for w in report["world1"]] == ["mlp", "wide", "transformer", "conv", "embedding"]
+    for workload in report["world1"]:
+        assert set(workload["modes"]) == {"local", "distopt"}
+        assert workload["modes"]["distopt"]["allreduce_calls"] == 0
+    assert report["world1"][1]["grad_bytes"] > 100 * 2**20
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [("0", 0), ("65536", 65536), ("256K", 256 * 2**10), ("1MiB", 2**20), ("25MB", 25 * 2**20), ("1.5M", 3 * 2**19)],
+)
+def test_parse_size(text: str, expected: int) -> None:
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "-1", "ten", "5 parsecs"])
+def test_parse_size_rejects(text: str) -> None:
+    with pytest.raises(ValueError, match="is not a byte count"):
+        parse_size(text)
+
+
+def test_format_size() -> None:
+    assert [format_size(n) for n in (0, 512, 2**10, 10 * 2**20, 3 * 2**19, 2**30)] == [
+        "0B", "512B", "1KiB", "10MiB", "1.5MiB", "1GiB"
+    ]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"workloads": ("mlp", "resnet")}, "workloads=\\['resnet'\\] are unknown"),
+        ({"world": 0}, "world=0 must be at least 1"),
+        ({"iters": 0}, "iters=0 must be at least 1"),
+        ({"warmup": 0}, "warmup=0 must be at least 1"),
+        ({"thresholds": (-1,)}, "thresholds=\\[-1\\] must be non-negative"),
+    ],
+)
+def test_config_rejects(kwargs: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        BenchConfig(**kwargs)
+
+
+def _result(local: float, ddp: float, distopt: float) -> WorkloadResult:
+    modes = {name: ModeResult(name, ms, ms, ms) for name, ms in (("local", local), ("ddp", ddp), ("distopt", distopt))}
+    return WorkloadResult("mlp", "", 2, 1, 4, modes)
+
+
+def test_ratio_and_overhead() -> None:
+    result = _result(local=10.0, ddp=20.0, distopt=15.0)
+    assert result.ratio == pytest.approx(0.75)
+    assert result.overhead == pytest.approx(0.5)
+    # DDP within 5% of the floor: the overhead is reported as undefined, not as noise over ~0.
+    assert _result(local=10.0, ddp=10.4, distopt=12.0).overhead is None
+    assert benchmark.format_report({
+        "config": {"world": 2, "backend": "gloo", "iters": 1, "rounds": 1},
+        "environment": {"device": "cpu", "torch": "x", "cpu_cores": 2, "distopt_default_pack_threshold": 2**20},
+        "distributed": [result], "world1": [],
+    }).count("ratio distopt/ddp = 0.750") == 1
+
+
+def test_profile_prints_each_modes_phases_and_top_operators(tmp_path: Path) -> None:
+    proc = _run(["--profile", "mlp", "--iters", "4", "--rounds", "2", "--warmup", "1"], tmp_path)
+    lines = proc.stdout.splitlines()
+    header = next(line for line in lines if line.strip().startswith("phase"))
+    assert header.split() == ["phase", "local", "ddp", "distopt"]
+    backward = next(line for line in lines if line.strip().startswith("backward")).split()
+    assert all(float(v) > 0 for v in backward[1:]), proc.stdout
+    wait = next(line for line in lines if line.strip().startswith("distopt.wait")).split()
+    assert float(wait[1]) == 0.0 and float(wait[2]) == 0.0  # only distopt waits on its own packs
+    assert "top self-CPU operators, distopt:" in proc.stdout

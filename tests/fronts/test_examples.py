@@ -1,0 +1,175 @@
+"""The main job, examples/train_digits.py, run for one short epoch as users run it."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Dict, List, Optional
+
+import pytest
+
+from distopt._testing import kill_tree, run_command
+
+pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "examples" / "train_digits.py"
+EPOCH_LINE = re.compile(r"^epoch\s+(\d+)/(\d+)\s+loss (\d+\.\d+)\s+test acc (\d+\.\d+)%", re.MULTILINE)
+# One epoch of ~23 steps lifts a 10-class model well above chance (10%): about 75% with
+# AdamW and 40% with SGD (it starts slower); the bounds leave room for noise.
+MIN_ONE_EPOCH_ACCURACY = {"adamw": 50.0, "sgd": 25.0}
+TIMEOUT = 240
+
+
+def _run(args: List[str], tmp_path: Path, env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
+    # Past the timeout the whole tree goes, torchrun's workers (sessions of their own) included.
+    code, out, err = run_command(args, tmp_path, env, TIMEOUT)
+    assert code is not None, f"timed out after {TIMEOUT} s\nstdout:\n{out}\nstderr:\n{err}"
+    return subprocess.CompletedProcess(args, code, out, err)
+
+
+def _check_one_epoch(proc: subprocess.CompletedProcess, ranks: int, optimizer: str = "adamw") -> None:
+    assert proc.returncode == 0, f"exit code {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    lines = EPOCH_LINE.findall(proc.stdout)
+    assert len(lines) == 1, f"expected one epoch line in:\n{proc.stdout}"
+    epoch, epochs, loss, accuracy = lines[0]
+    assert (epoch, epochs) == ("1", "1")
+    assert float(loss) > 0
+    assert float(accuracy) >= MIN_ONE_EPOCH_ACCURACY[optimizer], proc.stdout
+    assert f"{ranks} rank(s)" in proc.stdout
+    assert "bitwise identical" in proc.stdout
+
+
+def test_two_processes_one_epoch_with_plot(tmp_path: Path) -> None:
+    plot = tmp_path / "digits.png"
+    proc = _run([sys.executable, str(SCRIPT), "--epochs", "1", "--plot", str(plot)], tmp_path)
+    _check_one_epoch(proc, ranks=2)
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compressed_small_packs(tmp_path: Path) -> None:
+    proc = _run(
+        [sys.executable, str(SCRIPT), "--epochs", "1", "--compression", "bf16", "--pack-threshold", "16K",
+         "--bcast-period", "5"],
+        tmp_path,
+    )
+    _check_one_epoch(proc, ranks=2)
+    assert "compression bf16" in proc.stdout
+
+
+def test_diloco_every_4_steps_with_curves_and_plot(tmp_path: Path) -> None:
+    plot, curves = tmp_path / "runs.png", tmp_path / "runs.json"
+    proc = _run([sys.executable, str(SCRIPT), "--epochs", "1", "--sync-every", "4", "--outer-lr", "0.7",
+                 "--curves", str(curves), "--plot", str(plot)], tmp_path)
+    _check_one_epoch(proc, ranks=2)  # the join block's end syncs the steps after the last sync
+    assert "DiLoCo H=4" in proc.stdout
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (run,) = json.loads(curves.read_text())
+    assert run["label"] == "DiLoCo H=4" and len(run["history"]) == 1
+    # 23 steps, a sync every 4th: 5 of the ~150 KiB rounds synchronous training sends at every step
+    assert 0 < run["bytes_per_step"] < 0.25 * 150 * 1024
+
+
+def test_single_process_without_process_group(tmp_path: Path) -> None:
+    proc = _run([sys.executable, str(SCRIPT), "--epochs", "1", "--nprocs", "1"], tmp_path)
+    _check_one_epoch(proc, ranks=1)
+    assert "no process group" in proc.stdout
+
+
+def test_under_torchrun(tmp_path: Path) -> None:
+    proc = _run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         str(SCRIPT), "--epochs", "1", "--optimizer", "sgd"],
+        tmp_path,
+    )
+    _check_one_epoch(proc, ranks=2, optimizer="sgd")
+
+
+def _load_example() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("train_digits", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--epochs", "0"], "--epochs must be at least 1"),
+        (["--batch-size", "0"], "--batch-size must be at least 1"),
+        (["--nprocs", "0"], "--nprocs must be at least 1"),
+        (["--pack-threshold", "ten"], "is not a byte count"),
+        (["--compression", "int8"], "invalid choice"),
+        (["--sync-every", "0"], "--sync-every must be at least 1"),
+    ],
+)
+def test_bad_flags_are_rejected(argv: List[str], message: str, capsys: pytest.CaptureFixture) -> None:
+    example = _load_example()
+    with pytest.raises(SystemExit, match="^2$") as exc:
+        example.parse_args(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_flag_defaults() -> None:
+    example = _load_example()
+    args = example.parse_args([])
+    assert (args.optimizer, args.compression, args.bcast_period) == ("adamw", "none", 0)
+    assert args.lr == pytest.approx(3e-3)
+    assert example.parse_args(["--pack-threshold", "256K"]).pack_threshold == 256 * 1024
+    assert example.parse_args(["--optimizer", "sgd"]).lr == pytest.approx(0.05)
+
+
+def _final_line(out: str) -> str:
+    lines = [line for line in out.splitlines() if line.startswith("final test accuracy")]
+    assert lines, out
+    return lines[-1].split(" in ")[0]  # "final test accuracy 95.82% after 3 epochs"
+
+
+@pytest.mark.timeout(300)
+def test_a_worker_killed_mid_training_restarts_and_resumes_to_the_same_result(tmp_path: Path) -> None:
+    """torchrun --max-restarts 1: a worker killed after an epoch's checkpoint resumes from it, and the
+    job ends with the final accuracy of an uninterrupted run."""
+    import os
+    import signal
+    import time
+
+    import psutil
+
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "--max-restarts", "1", str(SCRIPT), "--epochs", "4", "--optimizer", "sgd"]
+    plain = _run(command, tmp_path, env)
+    assert plain.returncode == 0, plain.stdout + plain.stderr
+    ckpt = tmp_path / "ckpt"
+    proc = subprocess.Popen(command + ["--checkpoint-dir", str(ckpt)], cwd=tmp_path, env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=open(tmp_path / "stderr.log", "w"), start_new_session=True)
+    killed = False
+    out: List[str] = []
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            out.append(line)
+            if not killed and line.startswith("epoch   2/4"):
+                # rank 1, somewhere after its epoch-2 checkpoint: in the save, the test, or epoch 3
+                worker = next(p for p in psutil.Process(proc.pid).children(recursive=True)
+                              if "train_digits.py" in " ".join(p.cmdline()) and p.environ().get("RANK") == "1")
+                time.sleep(0.05)
+                worker.send_signal(signal.SIGKILL)
+                killed = True
+        proc.wait(timeout=TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            kill_tree(proc.pid)
+            proc.wait()
+    text = "".join(out)
+    assert killed and proc.returncode == 0, text
+    assert "resumed from" in text and "after epoch 2" in text, text
+    assert _final_line(text) == _final_line(plain.stdout), (text, plain.stdout)
+    assert "bitwise identical" in text

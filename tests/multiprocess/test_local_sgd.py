@@ -1,0 +1,758 @@
+"""Local SGD and DiLoCo (``sync_every``, ``outer_optimizer``, ``local_warmup``).
+
+Every multi-process check runs on each rank of one world (one launch per world
+size) and compares against references computed inside the worker: torch's own
+``PostLocalSGDOptimizer``, distopt's synchronous mode, and :func:`simulate`, a
+single-process replay of every rank's replica and of the protocol (float64,
+1e-10). The assertions live in the tests.
+"""
+import copy
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import distopt
+from distopt import DistributedOptimizer
+from distopt.modes.local_sgd import STATE_KEY
+
+from _worlds import Worlds
+
+TOL = 1e-10
+ROWS = 6  # rows per rank and step
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+
+
+def batch(rank, step):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(ROWS, 4, generator=g, dtype=torch.float64), torch.randn(ROWS, 2, generator=g, dtype=torch.float64)
+
+
+def loss_of(model, x, y):
+    return nn.functional.mse_loss(model(x), y)
+
+
+INNER = {
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
+    "momentum": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+    "adam": lambda ps: torch.optim.Adam(ps, lr=0.01),
+}
+OUTER = {
+    None: None,
+    "nesterov": lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True),
+    "sgd1": lambda ps: torch.optim.SGD(ps, lr=1.0),
+    "half": lambda ps: torch.optim.SGD(ps, lr=0.5),
+}
+
+
+def params_of(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def max_diff(a, b):
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+def simulate(counts, sync_every, inner="sgd", outer=None, warmup=0, skips=frozenset()):
+    """Every rank's replica in one process, and the protocol between them.
+
+    Rank r runs ``counts[r]`` steps. The first ``warmup`` steps average gradients over
+    the ranks still training; then each rank steps alone and, every ``sync_every``
+    local steps (and once more when it runs out with steps not yet averaged), offers
+    its pseudo-gradient ``anchor - param``. The k-th offer of every rank meets the
+    others' k-th (collectives pair by order); the mean over those present moves the
+    anchors (minus it, or the outer optimizer steps on it) and each of them takes
+    the anchors. Rank r's inner step t is skipped (but counted) where ``(r, t)`` is in ``skips``.
+
+    Returns:
+        ``(trace, final)``: ``trace[r][t]`` is rank r's parameters after its step t;
+        ``final`` the parameters every rank ends a join block with (those of the
+        highest rank in the last round).
+    """
+    world = len(counts)
+    models = [make_model() for _ in range(world)]
+    opts = [INNER[inner](m.parameters()) for m in models]
+    anchors = params_of(models[0])
+    outer_opt = OUTER[outer](anchors) if outer else None
+    trace = [[] for _ in range(world)]
+
+    def program(r):
+        model, opt, since = models[r], opts[r], 0
+        for t in range(counts[r]):
+            opt.zero_grad()
+            loss_of(model, *batch(r, t)).backward()
+            if t < warmup:
+                mean = yield "grad", [p.grad.clone() for p in model.parameters()]
+                for p, g in zip(model.parameters(), mean):
+                    p.grad = g
+                if (r, t) not in skips:
+                    opt.step()
+                if t == warmup - 1:
+                    with torch.no_grad():
+                        for a, p in zip(anchors, model.parameters()):
+                            a.copy_(p)
+            else:
+                if (r, t) not in skips:
+                    opt.step()
+                since += 1
+                if since == sync_every:
+                    since = 0
+                    yield "delta", [a - p.detach() for a, p in zip(anchors, model.parameters())]
+            trace[r].append(params_of(model))
+        if since:
+            yield "delta", [a - p.detach() for a, p in zip(anchors, model.parameters())]
+
+    programs = [program(r) for r in range(world)]
+    offers = {}
+    for r, prog in enumerate(programs):
+        offer = next(prog, None)
+        if offer is not None:
+            offers[r] = offer
+    last = world - 1
+    while offers:
+        kinds = {kind for kind, _ in offers.values()}
+        assert len(kinds) == 1, "the simulation paired a gradient round with an exchange"
+        kind = kinds.pop()
+        present = sorted(offers)
+        mean = [sum(offers[r][1][i] for r in present) / len(present) for i in range(len(anchors))]
+        reply = mean
+        if kind == "delta":
+            with torch.no_grad():
+                if outer_opt is None:
+                    for a, m in zip(anchors, mean):
+                        a.sub_(m)
+                else:
+                    for a, m in zip(anchors, mean):
+                        a.grad = m
+                    outer_opt.step()
+                for r in present:
+                    for p, a in zip(models[r].parameters(), anchors):
+                        p.copy_(a)
+            reply = None
+        last = present[-1]
+        offers = {}
+        for r in present:
+            try:
+                offers[r] = programs[r].send(reply)
+            except StopIteration:
+                pass
+    return trace, params_of(models[last])
+
+
+# ---------------------------------------------------------------------- checks (run on every rank)
+
+
+def everyone_equal(tensors):
+    mine = [t.detach().clone() for t in tensors]
+    return all(len(o) == len(mine) and all(torch.equal(a, b) for a, b in zip(mine, o))
+               for o in distopt.all_gather_object(mine))
+
+
+def train_against_simulation(steps, sync_every, inner="sgd", outer=None, warmup=0, compression=None,
+                             threshold=256):
+    """Train ``steps`` steps; after each, compare with the simulation and with the other ranks."""
+    rank = dist.get_rank()
+    model = make_model(seed=rank)  # the construction broadcast aligns them
+    opt = DistributedOptimizer(INNER[inner](model.parameters()), sync_every=sync_every,
+                               outer_optimizer=OUTER[outer], local_warmup=warmup, compression=compression,
+                               pack_threshold=threshold)
+    trace, _ = simulate([steps] * dist.get_world_size(), sync_every, inner, outer, warmup)
+    diffs, identical, packs, local_grads_exact = [], [], [], True
+    for t in range(steps):
+        x, y = batch(rank, t)
+        opt.zero_grad()
+        if t >= warmup:  # between syncs .grad must be this rank's own gradient
+            expected = torch.autograd.grad(loss_of(model, x, y), list(model.parameters()))
+        loss_of(model, x, y).backward()
+        if t >= warmup:
+            local_grads_exact &= all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), expected))
+        opt.step()
+        packs.append(opt.stats.packs)
+        diffs.append(max_diff(params_of(model), trace[rank][t]))
+        identical.append(everyone_equal(model.parameters()))
+    extra = opt.stats.extra_state_bytes
+    opt.close()
+    return {"diffs": diffs, "identical": identical, "packs": packs, "local_grads_exact": local_grads_exact,
+            "extra": extra, "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters())}
+
+
+def one_step_diloco_equals_synchronous_sgd(steps):
+    """H=1 with an outer SGD at lr 1 (no momentum) against distopt's synchronous mode, step by step."""
+    rank = dist.get_rank()
+    models = [make_model(seed=rank), make_model(seed=rank)]  # the root's pair is broadcast: equal starts
+    opts = [DistributedOptimizer(INNER["sgd"](models[0].parameters())),
+            DistributedOptimizer(INNER["sgd"](models[1].parameters()), sync_every=1, outer_optimizer=OUTER["sgd1"])]
+    diffs = []
+    for t in range(steps):
+        for model, opt in zip(models, opts):
+            opt.zero_grad()
+            loss_of(model, *batch(rank, t)).backward()
+            opt.step()
+        diffs.append(max_diff(params_of(models[0]), params_of(models[1])))
+    for opt in opts:
+        opt.close()
+    return diffs
+
+
+def averaging_equals_torch_post_local_sgd(steps, sync_every):
+    """Plain averaging against torch's PostLocalSGDOptimizer + PeriodicModelAverager on the same data."""
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+    from torch.distributed.optim import PostLocalSGDOptimizer
+
+    rank = dist.get_rank()
+    theirs_model, mine_model = make_model(), make_model(seed=rank)
+    # torch's averager counts steps from 0 and averages at its warm-up step itself: warm-up H-1
+    # makes it average after every H-th step, as distopt does.
+    theirs = PostLocalSGDOptimizer(INNER["momentum"](theirs_model.parameters()),
+                                   PeriodicModelAverager(period=sync_every, warmup_steps=sync_every - 1))
+    mine = DistributedOptimizer(INNER["momentum"](mine_model.parameters()), sync_every=sync_every)
+    diffs, identical = [], []
+    for t in range(steps):
+        for model, opt in ((theirs_model, theirs), (mine_model, mine)):
+            opt.zero_grad()
+            loss_of(model, *batch(rank, t)).backward()
+            opt.step()
+        diffs.append(max_diff(params_of(mine_model), params_of(theirs_model)))
+        identical.append(everyone_equal(mine_model.parameters()))
+    mine.close()
+    return {"diffs": diffs, "identical": identical}
+
+
+def pseudo_gradient_sign(sync_every):
+    """Outer SGD at lr 0.5: the sync lands halfway between the last-sync parameters and the mean of the ranks'."""
+    rank = dist.get_rank()
+    model = make_model(seed=rank)
+    opt = DistributedOptimizer(INNER["sgd"](model.parameters()), sync_every=sync_every,
+                               outer_optimizer=OUTER["half"])
+    local = []
+    opt.register_step_post_hook(lambda *_: local.__setitem__(slice(None), params_of(model)))  # before the sync
+    anchor = params_of(model)
+    results = []
+    for t in range(3 * sync_every):
+        opt.zero_grad()
+        loss_of(model, *batch(rank, t)).backward()
+        opt.step()
+        if (t + 1) % sync_every == 0:
+            everyone = distopt.all_gather_object(local)
+            mean = [sum(ps[i] for ps in everyone) / len(everyone) for i in range(len(local))]
+            halfway = [(a + m) / 2 for a, m in zip(anchor, mean)]
+            overshoot = [a - (m - a) / 2 for a, m in zip(anchor, mean)]  # the opposite sign
+            results.append((max_diff(params_of(model), halfway), max_diff(params_of(model), overshoot)))
+            anchor = params_of(model)
+    opt.close()
+    return results
+
+
+def collectives_per_step(steps, sync_every, outer):
+    """stats.packs/bytes summed over steps: local SGD against synchronous training of the same model."""
+    rank = dist.get_rank()
+    out = {}
+    for name, kwargs in (("sync", {}), ("local", {"sync_every": sync_every, "outer_optimizer": OUTER[outer]})):
+        model = make_model()
+        # one pack per parameter: the same plan whatever order the gradients arrive in
+        opt = DistributedOptimizer(INNER["momentum"](model.parameters()), pack_threshold=0, **kwargs)
+        packs, nbytes = [], []
+        for t in range(steps):
+            opt.zero_grad()
+            loss_of(model, *batch(rank, t)).backward()
+            opt.step()
+            packs.append(opt.stats.packs)
+            nbytes.append(opt.stats.bytes)
+        out[name] = {"packs": packs, "bytes": nbytes, "plan": len(opt._engine.packs),
+                     "extra": opt.stats.extra_state_bytes}
+        opt.close()
+    out["param_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
+    return out
+
+
+def checkpoint_round_trip(steps, cut, sync_every, warmup):
+    """Save every rank's model and optimizer mid-period, load into fresh ones, finish: the same bits."""
+    rank = dist.get_rank()
+
+    def build(seed):
+        model = make_model(seed)
+        return model, DistributedOptimizer(INNER["momentum"](model.parameters()), sync_every=sync_every,
+                                           outer_optimizer=OUTER["nesterov"], local_warmup=warmup)
+
+    def run(model, opt, start, stop):
+        for t in range(start, stop):
+            opt.zero_grad()
+            loss_of(model, *batch(rank, t)).backward()
+            opt.step()
+
+    model, opt = build(0)
+    run(model, opt, 0, steps)
+    straight = params_of(model)
+    opt.close()
+
+    model, opt = build(0)
+    run(model, opt, 0, cut)
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buffer)
+    saved_keys = sorted(opt.state_dict())
+    opt.close()
+    buffer.seek(0)
+    saved = torch.load(buffer)
+    model, opt = build(seed=100 + rank)  # different weights: everything must come from the checkpoint
+    model.load_state_dict(saved["model"])  # after the wrapper: its construction broadcast would overwrite it
+    opt.load_state_dict(saved["opt"])
+    run(model, opt, cut, steps)
+    resumed = params_of(model)
+    opt.close()
+    plain = torch.optim.SGD(make_model().parameters(), lr=0.05, momentum=0.9)
+    plain.load_state_dict(saved["opt"])  # the extra key is ignored by a plain torch optimizer
+    return {"bitwise": all(torch.equal(a, b) for a, b in zip(straight, resumed)), "keys": saved_keys,
+            "plain_momentum": sorted(plain.state[plain.param_groups[0]["params"][0]])}
+
+
+def train_uneven(counts, sync_every, inner="sgd", outer=None, warmup=0, compression=None):
+    """``with opt.join():`` around a loop of ``counts[rank]`` steps."""
+    rank = dist.get_rank()
+    model = make_model(seed=rank)
+    opt = DistributedOptimizer(INNER[inner](model.parameters()), sync_every=sync_every,
+                               outer_optimizer=OUTER[outer], local_warmup=warmup, compression=compression,
+                               pack_threshold=256)
+    with opt.join():
+        for t in range(counts[rank]):
+            opt.zero_grad()
+            loss_of(model, *batch(rank, t)).backward()
+            opt.step()
+    mode = opt._mode
+    anchors = [a for _, a in mode._pairs(opt._context)]
+    outer_state = [v for s in (mode.outer.state.values() if mode.outer else []) for v in s.values()
+                   if torch.is_tensor(v)]
+    identical = everyone_equal(list(model.parameters()) + anchors + outer_state)
+    _, final = simulate(counts, sync_every, inner, outer, warmup)
+    result = {"identical": identical, "diff": max_diff(params_of(model), final), "steps": opt._engine.steps,
+              "since_sync": mode.since_sync, "anchors_are_params": max_diff(anchors, params_of(model))}
+    opt.close()
+    return result
+
+
+def state_of(opt):
+    """The local-SGD mode's state on this rank: step counts, anchors and outer optimizer state, in order."""
+    mode = opt._mode
+    outer = [v for s in (mode.outer.state.values() if mode.outer else []) for v in s.values() if torch.is_tensor(v)]
+    return {"steps": opt._engine.steps, "since_sync": mode.since_sync, "anchors": [a for _, a in mode._pairs(opt._context)],
+            "outer": outer, "layout": mode.outer_layout(opt._context)}
+
+
+def root_only_resume(cut, grow, steps=9, sync_every=3):
+    """Only the root loads a DiLoCo checkpoint (with ``grow``, taken after add_param_group, into a wrapper
+    built with the final param groups); broadcast_parameters() and broadcast_optimizer_state() then give
+    every rank its state."""
+    rank = dist.get_rank()
+
+    def run(model, opt, start, stop, late=False):
+        for t in range(start, stop):
+            if t == 2 and late:
+                opt.add_param_group({"params": list(model[4].parameters())})
+            opt.zero_grad()
+            loss_of(model, *batch(rank, t)).backward()
+            opt.step()
+
+    def first_layers(model):
+        return list(model[0].parameters()) + list(model[2].parameters())
+
+    model = make_model()
+    opt = DistributedOptimizer(INNER["sgd"](first_layers(model) if grow else model.parameters()),
+                               sync_every=sync_every, outer_optimizer=OUTER["nesterov"], stall_timeout=30)
+    run(model, opt, 0, cut, late=grow)
+    buffer = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buffer)
+    run(model, opt, cut, steps)
+    straight = params_of(model)
+    opt.close()
+    model = make_model(seed=10 + rank)
+    groups = [{"params": first_layers(model)}, {"params": model[4].parameters()}] if grow else model.parameters()
+    opt = DistributedOptimizer(INNER["sgd"](groups), sync_every=sync_every, outer_optimizer=OUTER["nesterov"],
+                               stall_timeout=30)
+    if rank == 0:
+        buffer.seek(0)
+        saved = torch.load(buffer)
+        model.load_state_dict(saved["model"])
+        opt.load_state_dict(saved["opt"])
+    opt.broadcast_parameters()
+    opt.broadcast_optimizer_state()
+    mine = state_of(opt)
+    counts = distopt.all_gather_object((mine["steps"], mine["since_sync"], mine["layout"]))
+    identical_state = everyone_equal(mine["anchors"] + mine["outer"] + list(model.parameters()))
+    run(model, opt, cut, steps)
+    result = {"counts": counts, "identical_state": identical_state,
+              "identical_after": everyone_equal(model.parameters()), "diff": max_diff(params_of(model), straight)}
+    opt.close()
+    return result
+
+
+def scaled_training(steps, sync_every, infs, warmup=0, unscale=False):
+    """torch.amp.GradScaler with an inf in rank r's batch at step t for each (r, t) in ``infs``: against
+    the simulation with those steps skipped (on every rank during the warm-up, where gradients are averaged)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model(seed=rank)
+    opt = DistributedOptimizer(INNER["momentum"](model.parameters()), sync_every=sync_every, local_warmup=warmup,
+                               stall_timeout=30)  # ranks whose syncs drift apart fail in time
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    skips = {(r, t) for _, t in infs if t < warmup for r in range(world)} | {i for i in infs if i[1] >= warmup}
+    trace, _ = simulate([steps] * world, sync_every, "momentum", None, warmup, skips=skips)
+    counts, diffs, identical = [], [], []
+    for t in range(steps):
+        x, y = batch(rank, t)
+        if (rank, t) in infs:
+            x[0, 0] = float("inf")  # an overflow on this rank only
+        opt.zero_grad()
+        scaler.scale(loss_of(model, x, y)).backward()
+        if unscale:
+            scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        counts.append((opt._engine.steps, opt._mode.since_sync))
+        diffs.append(max_diff(params_of(model), trace[rank][t]))
+        identical.append(everyone_equal(model.parameters()))
+    opt.close()
+    return {"counts": counts, "diffs": diffs, "identical": identical, "scale": scaler.get_scale()}
+
+
+def outer_optimizer_on_one_rank():
+    """Rank 0 passes sync_every=1 with an outer optimizer (DiLoCo), rank 1 neither: the error names the argument."""
+    kwargs = {"sync_every": 1, "outer_optimizer": OUTER["sgd1"]} if dist.get_rank() == 0 else {}
+    try:
+        DistributedOptimizer(INNER["sgd"](make_model().parameters()), stall_timeout=30, **kwargs).close()
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+# (world, check, args, kwargs)
+CASES = {
+    "plain H=4": (2, train_against_simulation, (12, 4), {"inner": "momentum"}),
+    "diloco H=3": (2, train_against_simulation, (12, 3), {"inner": "adam", "outer": "nesterov"}),
+    "diloco H=4, world 3": (3, train_against_simulation, (12, 4), {"outer": "nesterov"}),
+    "warm-up": (2, train_against_simulation, (15, 4), {"inner": "momentum", "outer": "nesterov", "warmup": 3}),
+    "compression": (2, train_against_simulation, (12, 4), {"outer": "nesterov", "compression": "bf16"}),
+    "H=1 outer lr 1": (2, one_step_diloco_equals_synchronous_sgd, (8,), {}),
+    "torch post-local SGD": (2, averaging_equals_torch_post_local_sgd, (20, 4), {}),
+    "sign": (2, pseudo_gradient_sign, (3,), {}),
+    "collectives": (2, collectives_per_step, (16, 4, "nesterov"), {}),
+    "checkpoint": (2, checkpoint_round_trip, (14, 7, 4, 2), {}),
+    "join plain": (2, train_uneven, ([6, 11], 4), {"inner": "momentum"}),
+    "join diloco, root last": (2, train_uneven, ([11, 5], 4), {"outer": "nesterov"}),
+    "join equal counts off the period": (2, train_uneven, ([10, 10], 4), {"outer": "nesterov"}),
+    "join during warm-up": (2, train_uneven, ([2, 9], 3), {"outer": "nesterov", "warmup": 4}),
+    "join, a rank without data": (3, train_uneven, ([5, 0, 9], 2), {"outer": "nesterov"}),
+    "join compression": (2, train_uneven, ([7, 4], 3), {"compression": "bf16"}),
+    "root-only load at a sync": (2, root_only_resume, (6, False), {}),
+    "root-only load mid-period, after add_param_group": (2, root_only_resume, (7, True), {}),
+    "settings differ": (2, outer_optimizer_on_one_rank, (), {}),
+    # last: before the fix, these ranks' syncs drift apart and leave the world out of step
+    "scaler, inf on one rank": (2, scaled_training, (9, 3, {(1, 0), (1, 4)}), {}),
+    "scaler after unscale_, warm-up": (2, scaled_training, (9, 2, {(1, 0), (0, 4)}), {"warmup": 2, "unscale": True}),
+}
+
+WORLDS = Worlds(CASES, timeout=280)
+results = WORLDS.results
+
+
+# ---------------------------------------------------------------------- the tests
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["plain H=4", "diloco H=3", "diloco H=4, world 3", "warm-up"])
+def test_training_matches_the_single_process_simulation_after_every_step(name, no_leftover_processes):
+    steps, sync_every = CASES[name][2]
+    warmup = CASES[name][3].get("warmup", 0)
+    for r in results(name):
+        assert max(r["diffs"]) < TOL, r["diffs"]
+        assert r["local_grads_exact"]
+        syncs = [t for t in range(steps) if t < warmup or (t + 1 - warmup) % sync_every == 0]
+        # (3) bitwise identical after every sync (and warm-up step), and apart in between
+        assert all(r["identical"][t] for t in syncs), r["identical"]
+        assert not any(r["identical"][t] for t in range(steps) if t not in syncs), r["identical"]
+        # communication happens exactly at those steps
+        assert [t for t in range(steps) if r["packs"][t]] == syncs
+
+
+@pytest.mark.timeout(300)
+def test_one_step_diloco_with_outer_sgd_at_lr_1_is_synchronous_sgd(no_leftover_processes):
+    for diffs in results("H=1 outer lr 1"):
+        assert max(diffs) < TOL, diffs
+
+
+@pytest.mark.timeout(300)
+def test_plain_averaging_equals_torch_post_local_sgd_optimizer(no_leftover_processes):
+    for r in results("torch post-local SGD"):
+        assert len(r["diffs"]) == 20 and max(r["diffs"]) < TOL, r["diffs"]
+        # not vacuous: the ranks train apart between the syncs, after the 4th, 8th, ... step
+        assert r["identical"] == [(t + 1) % 4 == 0 for t in range(20)]
+
+
+@pytest.mark.timeout(300)
+def test_the_pseudo_gradient_points_from_the_local_parameters_back_to_the_last_sync(no_leftover_processes):
+    for syncs in results("sign"):
+        assert len(syncs) == 3
+        for halfway, overshoot in syncs:
+            assert halfway < TOL and overshoot > 1e-4, syncs
+
+
+@pytest.mark.timeout(300)
+def test_local_sgd_sends_one_in_h_of_synchronous_training_and_reports_its_memory(no_leftover_processes):
+    for r in results("collectives"):
+        sync, local = r["sync"], r["local"]
+        assert local["plan"] == sync["plan"] > 1
+        assert all(p == sync["plan"] for p in sync["packs"])
+        assert local["packs"] == [sync["plan"] if (t + 1) % 4 == 0 else 0 for t in range(16)]
+        assert sum(local["packs"]) * 4 == sum(sync["packs"])
+        assert sum(local["bytes"]) * 4 == sum(sync["bytes"])
+        assert sync["extra"] == 0
+        assert local["extra"] == 2 * r["param_bytes"]  # the last-sync copy and the outer momentum
+
+
+@pytest.mark.timeout(300)
+def test_compressed_pseudo_gradients_keep_the_ranks_identical_at_every_sync(no_leftover_processes):
+    for r in results("compression"):
+        assert all(r["identical"][t] for t in (3, 7, 11))
+        assert 0 < max(r["diffs"]) < 2e-2, r["diffs"]  # rounded, so not exact, but close
+
+
+@pytest.mark.timeout(300)
+def test_a_checkpoint_taken_mid_period_resumes_bitwise(no_leftover_processes):
+    for r in results("checkpoint"):
+        assert r["bitwise"]
+        assert r["keys"] == ["distopt_local_sgd", "param_groups", "state"]
+        assert r["plain_momentum"] == ["momentum_buffer"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", [n for n, c in CASES.items() if c[1] is train_uneven and "compression" not in n])
+def test_join_with_uneven_batches_ends_identical_and_follows_the_protocol(name, no_leftover_processes):
+    counts = CASES[name][2][0]
+    for r in results(name):
+        assert r["identical"], r
+        assert r["diff"] < TOL, r
+        assert r["steps"] == max(counts)
+        assert r["since_sync"] == 0
+        assert r["anchors_are_params"] == 0.0
+
+
+@pytest.mark.timeout(300)
+def test_join_with_compression_ends_identical(no_leftover_processes):
+    for r in results("join compression"):
+        assert r["identical"], r
+        assert r["diff"] < 2e-2, r
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["root-only load at a sync", "root-only load mid-period, after add_param_group"])
+def test_broadcast_optimizer_state_gives_every_rank_the_roots_local_sgd_state(name, no_leftover_processes):
+    cut, grow = CASES[name][2]
+    layout = [[0, 1, 2, 3], [4, 5]] if grow else [[0, 1, 2, 3, 4, 5]]
+    for r in results(name):
+        # the step count, the steps since the last sync and the outer groups are the root's on every rank
+        assert r["counts"] == [(cut, cut % 3, layout)] * 2, r
+        assert r["identical_state"] and r["identical_after"], r
+        if cut % 3 == 0:  # after a sync every rank had the root's state: as if never interrupted
+            assert r["diff"] == 0.0, r
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["scaler, inf on one rank", "scaler after unscale_, warm-up"])
+def test_a_gradscaler_inf_on_one_rank_skips_its_step_there_and_keeps_the_sync_schedule(name, no_leftover_processes):
+    steps, sync_every, _ = CASES[name][2]
+    warmup = CASES[name][3].get("warmup", 0)
+    (r0, r1) = results(name)
+    assert r0["counts"] == r1["counts"] == [(t + 1, 0 if t < warmup else (t + 1 - warmup) % sync_every)
+                                            for t in range(steps)]
+    for r in (r0, r1):
+        assert max(r["diffs"]) < TOL, r["diffs"]
+        assert all(r["identical"][t] for t in range(steps) if t < warmup or (t + 1 - warmup) % sync_every == 0)
+    assert r0["scale"] != r1["scale"]  # each rank's scaler saw its own inf
+
+
+@pytest.mark.timeout(300)
+def test_ranks_that_differ_in_outer_optimizer_are_told_the_argument_not_the_mode(no_leftover_processes):
+    for error in results("settings differ"):
+        assert "different outer_optimizer on different ranks (rank 0: True, rank 1: False)" in error, error
+
+
+# ---------------------------------------------------------------------- one process
+
+
+def test_plain_averaging_in_one_process_is_bitwise_the_inner_optimizer():
+    a, b = make_model(), make_model()
+    plain = INNER["momentum"](a.parameters())
+    wrapped = DistributedOptimizer(INNER["momentum"](b.parameters()), sync_every=4)
+    for t in range(9):
+        for model, opt in ((a, plain), (b, wrapped)):
+            opt.zero_grad()
+            loss_of(model, *batch(0, t)).backward()
+            opt.step()
+    assert all(torch.equal(x, y) for x, y in zip(a.parameters(), b.parameters()))
+    assert wrapped.stats.extra_state_bytes == 0  # nothing to average with: no copy kept
+
+
+def test_diloco_in_one_process_takes_outer_steps_like_the_simulation():
+    model = make_model()
+    opt = DistributedOptimizer(INNER["adam"](model.parameters()), sync_every=3, outer_optimizer=OUTER["nesterov"])
+    trace, _ = simulate([10], 3, "adam", "nesterov")
+    for t in range(10):
+        opt.zero_grad()
+        loss_of(model, *batch(0, t)).backward()
+        opt.step()
+        assert max_diff(params_of(model), trace[0][t]) < TOL
+    assert opt.state_dict()[STATE_KEY]["since_sync"] == 1
+
+
+OUTER_SGD = OUTER["nesterov"]
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"sync_every": 0}, ValueError, r"sync_every must be an int >= 1 .*got 0"),
+    ({"sync_every": 2.5}, TypeError, r"sync_every must be an int, got 2.5; pass e.g. sync_every="),
+    ({"sync_every": True}, TypeError, r"sync_every must be an int, got True"),
+    ({"local_warmup": -1, "sync_every": 2}, ValueError, r"local_warmup must be an int >= 0 .*got -1"),
+    ({"local_warmup": 3}, ValueError, r"local_warmup=3 needs local SGD: pass sync_every > 1"),
+    ({"outer_optimizer": "sgd"}, TypeError, r"outer_optimizer must be a function .*got str; pass e.g. outer_"),
+    ({"sync_every": 4, "reduce_op": "sum"}, ValueError, r"reduce_op='sum' cannot be combined .*use reduce_op='mean'"),
+    ({"sync_every": 4, "bcast_period": 10}, ValueError, r"bcast_period=10 cannot be combined .*use bcast_period=0"),
+])
+def test_bad_local_sgd_arguments_name_the_argument_the_value_and_the_fix(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        DistributedOptimizer(INNER["sgd"](make_model().parameters()), **kwargs)
+
+
+def test_an_optimizer_instead_of_a_factory_or_one_over_the_model_is_refused_with_the_fix():
+    model = make_model()
+    with pytest.raises(TypeError, match=r"got SGD; pass e.g. outer_optimizer=lambda ps"):
+        DistributedOptimizer(INNER["sgd"](model.parameters()), outer_optimizer=torch.optim.SGD(model.parameters()))
+    with pytest.raises(ValueError, match=r"over the tensors it is given .*not over the model's parameters"):
+        DistributedOptimizer(INNER["sgd"](model.parameters()),
+                             outer_optimizer=lambda ps: torch.optim.SGD(model.parameters(), lr=0.7))
+    with pytest.raises(TypeError, match=r"must return a torch.optim.Optimizer, got list"):
+        DistributedOptimizer(INNER["sgd"](model.parameters()), outer_optimizer=lambda ps: list(ps))
+
+
+def test_the_arguments_reach_distopt_optim_constructors():
+    model = make_model()
+    opt = distopt.optim.Adam(model.parameters(), lr=0.01, sync_every=8, outer_optimizer=OUTER_SGD, local_warmup=2)
+    assert (opt._mode.sync_every, opt._mode.local_warmup) == (8, 2)
+    assert opt._settings()["sync_every"] == 8 and opt._settings()["outer_optimizer"] is True
+
+
+def test_a_state_dict_saved_with_an_outer_optimizer_needs_one_to_load():
+    model = make_model()
+    saved = DistributedOptimizer(INNER["sgd"](model.parameters()), outer_optimizer=OUTER_SGD).state_dict()
+    other = DistributedOptimizer(INNER["sgd"](model.parameters()), sync_every=2)
+    with pytest.raises(ValueError, match="pass the same outer_optimizer="):
+        other.load_state_dict(saved)
+    plain = DistributedOptimizer(INNER["sgd"](model.parameters()))
+    plain.load_state_dict(saved)  # synchronous: the inner part loads, the extra key is ignored
+
+
+def grown_diloco(model, history, at_construction):
+    """DiLoCo over ``model`` whose last layer joins late (``history``: "add_param_group" or "unfrozen"),
+    or is there from the start (``at_construction``, as a wrapper rebuilt from a checkpoint would be)."""
+    first = list(model[0].parameters()) + list(model[2].parameters())
+    last = list(model[4].parameters())
+    if history == "add_param_group" and not at_construction:
+        inner = INNER["momentum"](first)
+    else:
+        inner = INNER["momentum"]([{"params": first}, {"params": last}])
+        for p in last:
+            p.requires_grad_(at_construction or history != "unfrozen")
+    return DistributedOptimizer(inner, sync_every=3, outer_optimizer=OUTER["nesterov"])
+
+
+def grow(model, opt, history):
+    if history == "add_param_group":
+        opt.add_param_group({"params": list(model[4].parameters())})
+    else:
+        model[4].requires_grad_(True)
+
+
+def run_local(model, opt, start, stop):
+    for t in range(start, stop):
+        opt.zero_grad()
+        loss_of(model, *batch(0, t)).backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("rebuilt", ["with the final groups", "replaying the history"])
+@pytest.mark.parametrize("history", ["add_param_group", "unfrozen"])
+def test_a_diloco_checkpoint_after_new_outer_groups_resumes_bitwise_however_the_wrapper_is_rebuilt(history, rebuilt):
+    model = make_model()
+    opt = grown_diloco(model, history, at_construction=False)
+    run_local(model, opt, 0, 4)
+    grow(model, opt, history)
+    run_local(model, opt, 4, 8)  # mid-period: since_sync is 2
+    saved = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict()})
+    assert len(saved["opt"][STATE_KEY]["outer_groups"]) == 2
+    run_local(model, opt, 8, 12)
+    straight = params_of(model)
+    opt.close()
+    model = make_model(seed=1)
+    opt = grown_diloco(model, history, at_construction=rebuilt == "with the final groups")
+    if rebuilt == "replaying the history":
+        grow(model, opt, history)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(saved["opt"])
+    assert opt._mode.outer_layout(opt._context) == saved["opt"][STATE_KEY]["outer_groups"]
+    run_local(model, opt, 8, 12)
+    assert all(torch.equal(a, b) for a, b in zip(params_of(model), straight))
+
+
+def test_a_local_sgd_load_that_fails_leaves_the_wrapper_as_it_was():
+    model = make_model()
+    opt = grown_diloco(model, "add_param_group", at_construction=True)
+    run_local(model, opt, 0, 4)
+    saved = opt.state_dict()
+    other = make_model(seed=1)
+    fresh = grown_diloco(other, "add_param_group", at_construction=True)
+    run_local(other, fresh, 0, 3)  # a sync: the outer optimizer has state
+    before = state_of(fresh)
+    before = dict(before, anchors=[a.clone() for a in before["anchors"]], outer=[v.clone() for v in before["outer"]])
+    extra_group = dict(saved, param_groups=saved["param_groups"] + [dict(saved["param_groups"][0], params=[])])
+    bad_layout = dict(saved, **{STATE_KEY: dict(saved[STATE_KEY], outer_groups=[[0, 0, 1, 2, 3, 4]])})
+    with pytest.raises(ValueError, match="different number of parameter groups"):  # the inner optimizer's
+        fresh.load_state_dict(extra_group)
+    with pytest.raises(ValueError, match=r"'outer_groups'\] = \[\[0, 0, 1, 2, 3, 4\]\] does not fit"):
+        fresh.load_state_dict(bad_layout)
+    after = state_of(fresh)
+    assert (after["steps"], after["since_sync"], after["layout"]) == (3, 0, before["layout"])
+    assert len(after["outer"]) == len(before["outer"]) > 0
+    assert all(torch.equal(a, b) for a, b in zip(after["anchors"] + after["outer"], before["anchors"] + before["outer"]))
+    fresh.load_state_dict(saved)
+    assert (fresh._engine.steps, fresh._mode.since_sync) == (4, 1)
+
+
+def test_an_older_diloco_checkpoint_without_the_layout_loads_where_it_did_and_says_why_where_it_cannot():
+    model = make_model()
+    opt = grown_diloco(model, "add_param_group", at_construction=True)
+    run_local(model, opt, 0, 4)
+    old = opt.state_dict()
+    del old[STATE_KEY]["outer_groups"]
+    same = grown_diloco(make_model(), "add_param_group", at_construction=True)
+    same.load_state_dict(old)  # one outer group, as when it was saved
+    assert all(torch.equal(a, b) for a, b in zip(state_of(same)["outer"], state_of(opt)["outer"]))
+    model = make_model()
+    grown = grown_diloco(model, "add_param_group", at_construction=False)
+    run_local(model, grown, 0, 2)
+    grow(model, grown, "add_param_group")
+    run_local(model, grown, 2, 4)
+    older = grown.state_dict()
+    del older[STATE_KEY]["outer_groups"]
+    rebuilt = grown_diloco(make_model(), "add_param_group", at_construction=True)
+    with pytest.raises(ValueError, match=r"saved by an older distopt.* has 2 param groups of \[4, 2\] tensors, "
+                                         r"and this wrapper's would have 1 of \[6\]; build the wrapper as the run"):
+        rebuilt.load_state_dict(older)
+    assert rebuilt._engine.steps == 0
+
+
+def test_only_local_sgd_takes_gradscalers_steps_itself():
+    model = make_model()
+    assert DistributedOptimizer(INNER["sgd"](model.parameters()))._step_supports_amp_scaling is False
+    assert DistributedOptimizer(INNER["sgd"](model.parameters()), sync_every=2)._step_supports_amp_scaling is True

@@ -1,0 +1,550 @@
+"""DistributedOptimizer across real processes (gloo over 127.0.0.1).
+
+Each check is a module-level function that runs on every rank and returns what
+it measured, compared against a single-process reference computed inside the
+worker; the assertions live in the tests. Starting a rank costs seconds (torch
+and torch._dynamo imports), so one world per world size runs every check once
+(``world`` fixture) and each test reads its check's results. A check that raises
+reports its traceback to its own test only.
+"""
+import random
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import distopt
+from distopt import DistributedOptimizer
+from distopt.planning.control import CONTROL_FLAGS
+
+from _worlds import Worlds
+
+pytestmark = pytest.mark.timeout(300)  # the first test of a world pays for starting it
+
+BATCH = 12  # divisible by every world size tested
+TOL = 1e-10
+
+
+def world_results(world, fn, *args):
+    """Per-rank results of ``fn(*args)``, from the one run of every check registered for ``world``."""
+    return WORLDS.results(_check_name(world, fn, args))
+
+
+def _check_name(world, fn, args):
+    return f"{fn.__name__}{args!r}, world {world}"
+
+
+def rank_world():
+    return dist.get_rank(), dist.get_world_size()
+
+
+def make_model(seed=0, dtype=torch.float64):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)).to(dtype)
+
+
+def batches(steps, seed=1, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(BATCH, 5, generator=g, dtype=dtype), torch.randn(BATCH, 3, generator=g, dtype=dtype)) for _ in range(steps)]
+
+
+def shard(t):
+    rank, world = rank_world()
+    n = t.shape[0] // world
+    return t[rank * n : (rank + 1) * n]
+
+
+def max_diff(a, b):
+    return max((x.detach() - y.detach()).abs().max().item() for x, y in zip(a, b))
+
+
+def same_on_all_ranks(params):
+    mine = [p.detach().clone() for p in params]
+    everyone = distopt.collectives.all_gather_object(mine)
+    return all(torch.equal(a, b) for other in everyone for a, b in zip(mine, other))
+
+
+# ---------------------------------------------------------------------- parity
+
+
+def parity_worker():
+    results = {}
+    data = batches(6)
+    optimizers = {
+        "SGD+momentum": lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9),
+        "AdamW": lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1),
+    }
+    for opt_name, make_opt in optimizers.items():
+        reference = make_model()
+        ref_opt = make_opt(reference.parameters())
+        for x, y in data:
+            ref_opt.zero_grad()
+            nn.functional.mse_loss(reference(x), y).backward()
+            ref_opt.step()
+        for threshold in (1, distopt.wrapper.DEFAULT_PACK_THRESHOLD, 10**9):
+            model = make_model(seed=rank_world()[0])  # different start: the construction broadcast aligns them
+            opt = DistributedOptimizer(make_opt(model.parameters()), pack_threshold=threshold)
+            for x, y in data:
+                opt.zero_grad()
+                nn.functional.mse_loss(model(shard(x)), shard(y)).backward()
+                opt.step()
+            results[(opt_name, threshold)] = max_diff(model.parameters(), reference.parameters())
+            opt.close()
+    return results
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_sharded_training_matches_single_process_training_on_the_whole_batch(world):
+    for rank_results in world_results(world, parity_worker):
+        for case, diff in rank_results.items():
+            assert diff < TOL, (case, diff)
+
+
+def ddp_parity_worker():
+    from torch.nn.parallel import DistributedDataParallel
+
+    ddp_model = DistributedDataParallel(make_model())
+    ddp_opt = torch.optim.SGD(ddp_model.parameters(), lr=0.05, momentum=0.9)
+    model = make_model()
+    opt = distopt.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, pack_threshold=200)
+    for x, y in batches(6):
+        for m, o in ((ddp_model, ddp_opt), (model, opt)):
+            o.zero_grad()
+            nn.functional.mse_loss(m(shard(x)), shard(y)).backward()
+            o.step()
+    return max_diff(model.parameters(), ddp_model.module.parameters())
+
+
+def test_training_matches_pytorch_ddp_on_the_same_data():
+    assert all(diff < TOL for diff in world_results(2, ddp_parity_worker))
+
+
+# ---------------------------------------------------------------------- randomized reduction
+
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+DTYPE_TOL = {torch.float32: 1e-5, torch.float64: 1e-12, torch.float16: 2e-2, torch.bfloat16: 5e-2}
+
+
+def case_grad(case, rnd, rank, index, shape, dtype):
+    g = torch.Generator().manual_seed(hash((case, rnd, rank, index)) % 2**31)
+    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+
+
+def random_reduction_worker(cases):
+    rank, world = rank_world()
+    failures = []
+    for case in range(cases):
+        rng = random.Random(case)  # the same parameter set on every rank
+        n = rng.randint(1, 10)
+        specs = [(tuple(rng.randint(0, 4) for _ in range(rng.randint(0, 2))), rng.choice(DTYPES)) for _ in range(n)]
+        threshold = rng.choice([0, 1, 16, 100, 10**9])
+        params = [torch.zeros(shape, dtype=dtype, requires_grad=True) for shape, dtype in specs]
+        opt = DistributedOptimizer(torch.optim.SGD(params, lr=1.0), pack_threshold=threshold)
+        for rnd in range(3):
+            # Which parameters each rank uses, and in what order, differs by rank and round.
+            used = {r: [i for i in range(n) if random.Random(hash((case, rnd, r))).random() < 0.7 or n == 1] for r in range(world)}
+            order = list(used[rank])
+            random.Random(f"{case}-{rnd}-{rank}-order").shuffle(order)  # str seeds: the same in every run
+            anchor = torch.zeros((), requires_grad=True)  # backward must run even with nothing used
+            loss = anchor * 0
+            for i in order:
+                loss = loss + (params[i] * case_grad(case, rnd, rank, i, *specs[i])).sum().double()
+            opt.zero_grad()
+            plan_was_fixed = opt._engine.planned  # the first round may re-plan, changing the pack count
+            loss.backward()
+            opt.synchronize()
+            for i, (shape, dtype) in enumerate(specs):
+                users = [r for r in range(world) if i in used[r]]
+                got = params[i].grad
+                if not users:
+                    if got is not None:
+                        failures.append(f"case {case} round {rnd}: param {i} used on no rank has a gradient")
+                    continue
+                expected = sum(case_grad(case, rnd, r, i, shape, torch.float64) for r in users) / world
+                if got is None or got.dtype != dtype or got.shape != torch.Size(shape):
+                    failures.append(f"case {case} round {rnd}: param {i} gradient is {got!r}")
+                elif not torch.allclose(got.double(), expected, rtol=DTYPE_TOL[dtype], atol=DTYPE_TOL[dtype]):
+                    failures.append(f"case {case} round {rnd}: param {i} ({dtype}) {got} != {expected}")
+            if plan_was_fixed and opt.stats.packs != len(opt._engine.packs):
+                failures.append(f"case {case} round {rnd}: {opt.stats.packs} all-reduces for {len(opt._engine.packs)} packs")
+            opt.step()
+        for pack in opt._engine.packs:
+            if len({(params[i].dtype, params[i].device) for i in pack.spec.members}) != 1:
+                failures.append(f"case {case}: a pack mixes dtypes or devices")
+        opt.close()
+    return failures
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_random_parameter_sets_get_every_gradient_averaged_exactly_once(world):
+    for failures in world_results(world, random_reduction_worker, 30):
+        assert failures == []
+
+
+# ---------------------------------------------------------------------- control flow
+
+
+class Branchy(nn.Module):
+    """``only_rank1`` is used on rank 1 only; ``nowhere`` is never used."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Linear(5, 3).double()
+        self.only_rank1 = nn.Linear(3, 3).double()
+        self.nowhere = nn.Linear(3, 3).double()
+
+    def forward(self, x, rank):
+        h = self.body(x)
+        return self.only_rank1(h) if rank == 1 else h
+
+
+def unused_parameters_worker():
+    rank, world = rank_world()
+    model = Branchy()
+    plain = Branchy()  # computes this rank's local gradients for the reference
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters())
+    report = []
+    for x, y in batches(4):
+        plain.load_state_dict(model.state_dict())
+        plain.zero_grad(set_to_none=True)
+        nn.functional.mse_loss(plain(shard(x), rank), shard(y)).backward()
+        local = {n: (None if p.grad is None else p.grad.clone()) for n, p in plain.named_parameters()}
+        everyone = distopt.collectives.all_gather_object(local)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(shard(x), rank), shard(y)).backward()
+        for name, p in model.named_parameters():
+            grads = [g[name] for g in everyone if g[name] is not None]
+            expected = None if not grads else sum(grads) / world
+            if expected is None:
+                report.append(p.grad is None)
+            else:
+                report.append(p.grad is not None and (p.grad - expected).abs().max().item() < TOL)
+        opt.step()
+    return all(report), same_on_all_ranks(model.parameters()), model.nowhere.weight.grad is None
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_parameters_unused_on_some_ranks_average_with_zeros_and_unused_everywhere_stay_none(world):
+    for grads_ok, in_step, nowhere_none in world_results(world, unused_parameters_worker):
+        assert grads_ok and in_step and nowhere_none
+
+
+# ---------------------------------------------------------------------- periodic broadcast
+
+
+def bcast_period_worker(period):
+    rank, _ = rank_world()
+    model = make_model()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), bcast_period=period)
+    if rank == 1:
+        with torch.no_grad():
+            model[0].weight.add_(1.0)  # drift that only a broadcast can undo
+    agree = []
+    for x, y in batches(4):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(shard(x)), shard(y)).backward()
+        opt.step()
+        agree.append(same_on_all_ranks(model.parameters()))
+    return agree
+
+
+def test_bcast_period_realigns_drifted_ranks_after_every_nth_step():
+    assert world_results(2, bcast_period_worker, 3) == [[False, False, True, True]] * 2
+
+
+def test_bcast_period_minus_one_never_broadcasts():
+    assert world_results(2, bcast_period_worker, -1) == [[False] * 4] * 2
+
+
+# ---------------------------------------------------------------------- accumulation and no_sync
+
+
+def accumulation_worker(mode):
+    reference = make_model()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
+    model = make_model()
+    passes = 2 if mode == "backward_passes_per_step" else 1
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), backward_passes_per_step=passes)
+    data = batches(6)
+    packs_after_first = []
+    for (x1, y1), (x2, y2) in zip(data[0::2], data[1::2]):
+        ref_opt.zero_grad()
+        (nn.functional.mse_loss(reference(x1), y1) + nn.functional.mse_loss(reference(x2), y2)).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        if mode == "no_sync":
+            with opt.no_sync():
+                nn.functional.mse_loss(model(shard(x1)), shard(y1)).backward()
+        else:
+            nn.functional.mse_loss(model(shard(x1)), shard(y1)).backward()
+        packs_after_first.append(opt._engine.state)
+        nn.functional.mse_loss(model(shard(x2)), shard(y2)).backward()
+        opt.step()
+    error = ""
+    opt.zero_grad()
+    for x, y in data[: passes + 1]:
+        try:
+            nn.functional.mse_loss(model(shard(x)), shard(y)).backward()
+        except RuntimeError as e:
+            error = str(e)
+    return max_diff(model.parameters(), reference.parameters()), packs_after_first, error
+
+
+@pytest.mark.parametrize("mode", ["backward_passes_per_step", "no_sync"])
+def test_accumulated_gradients_are_reduced_once_on_the_last_pass(mode):
+    for diff, states, error in world_results(2, accumulation_worker, mode):
+        assert diff < TOL
+        assert states == [distopt.engine.RoundState.OPEN] * 3  # nothing was reduced after the first pass
+        assert "call step() or zero_grad() before the next backward()" in error
+
+
+# ---------------------------------------------------------------------- clipping and GradScaler
+
+
+def scaler_worker():
+    reference = make_model(dtype=torch.float32)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    model = make_model(dtype=torch.float32)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), pack_threshold=500)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    launches = []
+    for x, y in batches(5, dtype=torch.float32):
+        ref_opt.zero_grad()
+        ref_scaler.scale(nn.functional.mse_loss(reference(x), y)).backward()
+        ref_scaler.unscale_(ref_opt)
+        nn.utils.clip_grad_norm_(reference.parameters(), 0.1)
+        ref_scaler.step(ref_opt)
+        ref_scaler.update()
+
+        opt.zero_grad()
+        scaler.scale(nn.functional.mse_loss(model(shard(x)), shard(y))).backward()
+        opt.synchronize()
+        scaler.unscale_(opt)
+        nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+        packs = opt.stats.packs
+        scaler.step(opt)
+        scaler.update()
+        launches.append((packs, opt.stats.packs, len(opt._engine.packs)))
+    return max_diff(model.parameters(), reference.parameters()), launches
+
+
+def test_synchronize_clipping_and_grad_scaler_reduce_exactly_once():
+    for diff, launches in world_results(2, scaler_worker):
+        assert diff < 1e-5  # float32
+        for before_step, after_step, packs in launches:
+            assert before_step == after_step == packs
+
+
+# ---------------------------------------------------------------------- construction checks
+
+
+def mismatch_worker():
+    rank, _ = rank_world()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 9 if rank == 1 else 2))
+    try:
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), named_parameters=model.named_parameters())
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_ranks_with_different_models_all_fail_at_construction_naming_the_parameter():
+    for message in world_results(2, mismatch_worker):
+        assert "parameter 2 ('1.weight') is shape [2, 8] torch.float32 on rank 0 but shape [9, 8]" in message
+
+
+# ---------------------------------------------------------------------- other optimizers and state
+
+
+def lbfgs_worker(line_search_fn=None, tolerance_change=1e-9):
+    settings = dict(lr=0.5, max_iter=4 if line_search_fn is None else 10, line_search_fn=line_search_fn,
+                    tolerance_change=tolerance_change)
+    reference, model = make_model(), make_model()
+    ref_opt = torch.optim.LBFGS(reference.parameters(), **settings)
+    opt = DistributedOptimizer(torch.optim.LBFGS(model.parameters(), **settings), pack_threshold=300)
+    losses = []
+    for x, y in batches(3):
+        def ref_closure():
+            ref_opt.zero_grad()
+            loss = nn.functional.mse_loss(reference(x), y)
+            loss.backward()
+            return loss
+
+        def closure():
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(shard(x)), shard(y))
+            loss.backward()
+            return loss
+
+        losses.append((ref_opt.step(ref_closure).item(), opt.step(closure).item()))
+    return max_diff(model.parameters(), reference.parameters()), losses
+
+
+def test_lbfgs_with_a_closure_matches_single_process_lbfgs():
+    assert all(diff < 1e-8 for diff, _ in world_results(2, lbfgs_worker))
+
+
+@pytest.mark.parametrize("line_search_fn, tolerance_change", [("strong_wolfe", 1e-9), (None, 1e-3)])
+def test_lbfgs_line_search_and_stopping_read_the_mean_loss_so_every_rank_steps_alike(line_search_fn,
+                                                                                    tolerance_change):
+    # Both read the loss the closure returns: with each rank's own, the ranks stepped apart.
+    for diff, losses in world_results(2, lbfgs_worker, line_search_fn, tolerance_change):
+        assert diff < 1e-8
+        assert all(abs(ref - mine) < 1e-10 for ref, mine in losses)  # step() returns the full batch's loss
+
+
+def optimizer_state_worker():
+    rank, _ = rank_world()
+    model = make_model()
+    opt = DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01))
+    if rank == 0:  # as if only the root loaded a checkpoint
+        x, y = batches(1)[0]
+        with opt.no_sync():  # a local backward: the other rank takes no part
+            nn.functional.mse_loss(model(x), y).backward()
+        opt.optimizer.step()
+        opt.optimizer.zero_grad()
+    before = {k: v.clone() for k, v in opt.state_dict()["state"].get(0, {}).items()}
+    opt.broadcast_optimizer_state()
+    opt.broadcast_parameters()
+    state = opt.state_dict()["state"]
+    everyone = distopt.collectives.all_gather_object({k: v for k, v in state[0].items()})
+    return all(torch.equal(everyone[0][k], other[k]) for other in everyone for k in everyone[0]), (
+        rank != 0 or all(torch.equal(before[k], state[0][k]) for k in before)
+    ), same_on_all_ranks(model.parameters())
+
+
+def test_broadcast_optimizer_state_gives_every_rank_the_roots_state_unchanged():
+    for equal, root_unchanged, params_equal in world_results(2, optimizer_state_worker):
+        assert equal and root_unchanged and params_equal
+
+
+def sparse_worker(sparse_as_dense):
+    rank, _ = rank_world()
+    torch.manual_seed(0)
+    emb = nn.Embedding(10, 3, sparse=True).double()
+    opt = DistributedOptimizer(torch.optim.SGD(emb.parameters(), lr=0.1), sparse_as_dense=sparse_as_dense)
+    try:
+        emb(torch.tensor([rank, 5])).sum().backward()
+    except RuntimeError as e:
+        return str(e)
+    opt.step()
+    return emb.weight.grad.tolist()
+
+
+def test_sparse_gradients_are_rejected_with_the_fix_or_reduced_dense_when_asked():
+    for message in world_results(2, sparse_worker, False):
+        assert "has a sparse gradient" in message and "sparse_as_dense=True" in message
+    grads = world_results(2, sparse_worker, True)
+    expected = [[0.5] * 3, [0.5] * 3] + [[0.0] * 3] * 3 + [[1.0] * 3] + [[0.0] * 3] * 4
+    assert grads == [expected, expected]
+
+
+# ---------------------------------------------------------------------- compression
+
+
+def compression_worker(compression):
+    rank, world = rank_world()
+    params = [torch.zeros(1000, requires_grad=True), torch.zeros(7, dtype=torch.float64, requires_grad=True)]
+    opt = DistributedOptimizer(torch.optim.SGD(params, lr=1.0), compression=compression)
+    big = torch.full((1000,), 40000.0 * (rank + 1))  # the sum, 120000, would overflow fp16 without pre-scaling
+    loss = (params[0] * big).sum() + (params[1] * (rank + 1)).sum()
+    loss.backward()
+    return params[0].grad[0].item(), params[1].grad[0].item(), opt.stats.bytes
+
+
+@pytest.mark.parametrize("compression", ["fp16", "bf16"])
+def test_compression_sends_16_bits_and_scales_the_mean_before_the_cast(compression):
+    for big, small, nbytes in world_results(2, compression_worker, compression):
+        assert big == pytest.approx(60000.0, rel=1e-2)
+        assert small == pytest.approx(1.5, rel=1e-2)
+        flags = 1 + CONTROL_FLAGS  # per pack of one member: its presence flag and the control flags
+        assert nbytes == (1000 + flags + 7 + flags) * 2  # both packs 16-bit on the wire, flags included
+
+
+# ---------------------------------------------------------------------- plan
+
+
+def plan_worker():
+    model = make_model()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), pack_threshold=1)
+    planned = []
+    for x, y in batches(3):
+        opt.zero_grad()
+        nn.functional.mse_loss(model(shard(x)), shard(y)).backward()
+        opt.step()
+        planned.append((opt._engine.planned, opt.stats.packs_at_flush))
+    return planned, [pack.spec.members for pack in opt._engine.packs]
+
+
+def test_the_roots_observed_order_becomes_the_fixed_plan_and_packs_overlap_backward():
+    (planned, plan), (planned1, plan1) = world_results(2, plan_worker)
+    assert plan == plan1
+    assert [p for p, _ in planned] == [True, True, True]
+    # Biases get their gradient before weights here, so the order differs from reverse registration.
+    assert plan[0] == (5,) and plan[1] == (4,)
+    assert all(at_flush == 0 for _, at_flush in planned[1:])
+
+
+# ---------------------------------------------------------------------- activation checkpointing
+
+
+def checkpoint_worker(reentrant):
+    from torch.utils.checkpoint import checkpoint
+
+    reference, model = make_model(), make_model()
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.05)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), pack_threshold=1)
+    for x, y in batches(3):
+        ref_opt.zero_grad()
+        nn.functional.mse_loss(reference(x), y).backward()
+        ref_opt.step()
+        opt.zero_grad()
+        # Checkpointing the last layers puts the first gradients inside the recomputation.
+        out = checkpoint(model[3:], model[:3](shard(x)), use_reentrant=reentrant)
+        try:
+            nn.functional.mse_loss(out, shard(y)).backward()
+        except RuntimeError as e:
+            return str(e)
+        opt.step()
+    return max_diff(model.parameters(), reference.parameters())
+
+
+def test_non_reentrant_checkpointing_trains_like_single_process():
+    assert all(diff < TOL for diff in world_results(2, checkpoint_worker, False))
+
+
+def test_reentrant_checkpointing_fails_loudly_and_names_the_fix():
+    for message in world_results(2, checkpoint_worker, True):
+        assert "use_reentrant=False" in message
+
+
+# (worlds, check, args): every check the world fixture runs, in order.
+CHECKS = [
+    ((1, 2, 3), parity_worker, ()),
+    ((2,), ddp_parity_worker, ()),
+    ((2, 3), random_reduction_worker, (30,)),
+    ((2, 3), unused_parameters_worker, ()),
+    ((2,), bcast_period_worker, (3,)),
+    ((2,), bcast_period_worker, (-1,)),
+    ((2,), accumulation_worker, ("backward_passes_per_step",)),
+    ((2,), accumulation_worker, ("no_sync",)),
+    ((2,), scaler_worker, ()),
+    ((2,), mismatch_worker, ()),
+    ((2,), lbfgs_worker, ()),
+    ((2,), lbfgs_worker, ("strong_wolfe", 1e-9)),
+    ((2,), lbfgs_worker, (None, 1e-3)),
+    ((2,), optimizer_state_worker, ()),
+    ((2,), sparse_worker, (False,)),
+    ((2,), sparse_worker, (True,)),
+    ((2,), compression_worker, ("fp16",)),
+    ((2,), compression_worker, ("bf16",)),
+    ((2,), plan_worker, ()),
+    ((2,), checkpoint_worker, (False,)),
+    ((2,), checkpoint_worker, (True,)),
+]
+WORLDS = Worlds({_check_name(w, fn, args): (w, fn, args) for worlds, fn, args in CHECKS for w in worlds})

@@ -1,0 +1,529 @@
+"""``shard_state=True``: each rank keeps 1/N of the optimizer state, and trains exactly like the unsharded wrapper.
+
+The checks of one world run in one launch; each compares, inside the worker, a
+sharded wrapper with an unsharded one on the same data (float64, 1e-10), or a
+checkpoint's round trip with an uninterrupted run.
+"""
+import copy
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
+
+import distopt
+from distopt import DistributedOptimizer
+from distopt._testing import run_world
+from distopt.planning.ownership import assign_owners
+
+from _worlds import Worlds
+
+pytestmark = [pytest.mark.usefixtures("no_leftover_processes"), pytest.mark.timeout(300)]
+
+TOL = 1e-10
+STEPS = 20
+
+
+# ---------------------------------------------------------------------- ownership, without processes
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 10_000), max_size=40), st.integers(1, 8))
+def test_every_rank_owns_at_most_its_share_plus_the_largest_parameter(sizes, world):
+    owners, loads = assign_owners(sizes, world)
+    assert len(owners) == len(sizes) and all(0 <= r < world for r in owners)
+    for r in range(world):
+        assert loads[r] == sum(n for n, o in zip(sizes, owners) if o == r)
+        assert loads[r] <= sum(sizes) / world + max(sizes, default=0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 10_000), max_size=40).flatmap(lambda s: st.tuples(st.just(s), st.permutations(s))),
+       st.integers(1, 8))
+def test_every_ranks_share_depends_on_the_sizes_alone_not_on_their_order(sizes_and_shuffled, world):
+    sizes, shuffled = sizes_and_shuffled
+    assert assign_owners(shuffled, world)[1] == assign_owners(sizes, world)[1]
+
+
+def test_parameters_added_later_keep_the_earlier_owners():
+    owners, loads = assign_owners([40, 10, 30, 20], 2)
+    more, _ = assign_owners([25], 2, loads)
+    assert owners == [0, 0, 1, 1] and more == [0]
+
+
+def test_ownership_rejects_bad_input_naming_it():
+    with pytest.raises(ValueError, match="world_size must be at least 1"):
+        assign_owners([1], 0)
+    with pytest.raises(ValueError, match="loads has 1 entries for world_size=2"):
+        assign_owners([1], 2, [0])
+
+
+# ---------------------------------------------------------------------- a whole-tensor optimizer
+
+
+class Lamb(torch.optim.Optimizer):
+    """A small LAMB: Adam's direction scaled by a per-tensor trust ratio, which needs the whole tensor."""
+
+    def __init__(self, params, lr=0.01, betas=(0.9, 0.999), eps=1e-8):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["m"] = torch.zeros_like(p)
+                    state["v"] = torch.zeros_like(p)
+                state["step"] += 1
+                state["m"].mul_(b1).add_(p.grad, alpha=1 - b1)
+                state["v"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                update = state["m"] / (state["v"].sqrt() + group["eps"])
+                trust = p.norm() / update.norm().clamp_min(1e-12)
+                p.add_(update, alpha=-group["lr"] * float(trust))
+
+
+OPTIMIZERS = {
+    "momentum": lambda groups: torch.optim.SGD(groups, lr=0.05, momentum=0.9),
+    "adam": lambda groups: torch.optim.Adam(groups, lr=0.01),
+    "adamw": lambda groups: torch.optim.AdamW(groups, lr=0.01, weight_decay=0.1),
+    "lamb": lambda groups: Lamb(groups, lr=0.01),
+}
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(4, 16)
+        self.b = nn.Linear(16, 16)
+        self.c = nn.Linear(16, 2)
+        self.frozen = nn.Linear(4, 4)
+        self.frozen.requires_grad_(False)
+        self.unused = nn.Linear(3, 3)
+        self.double()
+
+    def forward(self, x):
+        return self.c(torch.tanh(self.b(torch.tanh(self.a(x)))))
+
+
+def param_groups(model):
+    return [
+        {"params": list(model.a.parameters()) + list(model.frozen.parameters())},
+        {"params": list(model.b.parameters()) + list(model.c.parameters()) + list(model.unused.parameters()),
+         "lr": 0.02},
+    ]
+
+
+def batch(step):
+    rank = dist.get_rank()
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(6, 4, generator=g, dtype=torch.float64), torch.randn(6, 2, generator=g, dtype=torch.float64)
+
+
+def train(model, opt, steps, start=0, scheduler=None):
+    for step in range(start, start + steps):
+        x, y = batch(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.synchronize()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # clipping after synchronize()
+        opt.step()
+        if scheduler is not None:
+            scheduler.step()
+
+
+def state_bytes(states):
+    return sum(v.numel() * v.element_size() for state in states for v in state.values() if torch.is_tensor(v))
+
+
+def parity(name):
+    """Sharded and unsharded wrappers over 20 steps: parameters equal, state held 1/N."""
+    plain_model, sharded_model = Net(), Net()
+    plain = DistributedOptimizer(OPTIMIZERS[name](param_groups(plain_model)), pack_threshold=256)
+    sharded = DistributedOptimizer(OPTIMIZERS[name](param_groups(sharded_model)), pack_threshold=256,
+                                   shard_state=True)
+    sched_a = torch.optim.lr_scheduler.StepLR(plain.optimizer, 5, 0.5)
+    sched_b = torch.optim.lr_scheduler.StepLR(sharded.optimizer, 5, 0.5)
+    train(plain_model, plain, STEPS, scheduler=sched_a)
+    train(sharded_model, sharded, STEPS, scheduler=sched_b)
+    diff = max((a - b).abs().max().item() for a, b in zip(plain_model.parameters(), sharded_model.parameters()))
+    mine = [p.detach().clone() for p in sharded_model.parameters()]
+    identical = all(all(torch.equal(a, b) for a, b in zip(mine, other)) for other in distopt.all_gather_object(mine))
+    full, held = state_bytes(plain.optimizer.state.values()), sharded.stats.optimizer_state_bytes
+    largest = max(state_bytes([plain.optimizer.state.get(p, {})]) for p in plain_model.parameters())
+    plain.close()
+    sharded.close()
+    return {"diff": diff, "identical": identical, "held": held, "full": full, "largest": largest}
+
+
+def tensors_of(state_dict):
+    return [(k, name, v) for k, st in sorted(state_dict["state"].items()) for name, v in sorted(st.items())
+            if torch.is_tensor(v)]
+
+
+def full_state_dict_and_features(path):
+    """Accumulation, no_sync, compression, bcast_period, GradScaler, add_param_group: sharded == unsharded,
+    and the gathered state dict equals the unsharded one."""
+    models = [Net(), Net()]
+    opts = [DistributedOptimizer(torch.optim.Adam(param_groups(m)[:1], lr=0.01), pack_threshold=256,
+                                 backward_passes_per_step=2, compression="bf16", bcast_period=3, shard_state=s)
+            for m, s in zip(models, (False, True))]
+    scalers = [torch.amp.GradScaler("cpu", init_scale=2.0**4) for _ in models]
+    for step in range(8):
+        if step == 4:  # the second group arrives mid-training, on every rank
+            for m, o in zip(models, opts):
+                o.add_param_group(param_groups(m)[1])
+        x, y = batch(step)
+        for m, o, scaler in zip(models, opts, scalers):
+            o.zero_grad()
+            with o.no_sync():
+                scaler.scale(nn.functional.mse_loss(m(x[:3]), y[:3])).backward()
+            scaler.scale(nn.functional.mse_loss(m(x[3:]), y[3:])).backward()
+            scaler.unscale_(o)
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            scaler.step(o)
+            scaler.update()
+    diff = max((a - b).abs().max().item() for a, b in zip(models[0].parameters(), models[1].parameters()))
+    plain_sd, sharded_sd = opts[0].state_dict(), opts[1].state_dict()
+    same_layout = ([(k, n) for k, n, _ in tensors_of(plain_sd)] == [(k, n) for k, n, _ in tensors_of(sharded_sd)]
+                   and plain_sd["param_groups"] == sharded_sd["param_groups"])
+    state_diff = max((a - b).abs().max().item() for (_, _, a), (_, _, b) in zip(tensors_of(plain_sd),
+                                                                               tensors_of(sharded_sd)))
+    merged = distopt.merge_state_dicts(distopt.all_gather_object(opts[1].sharded_state_dict()))
+    same_layout = same_layout and [(k, n) for k, n, _ in tensors_of(merged)] == \
+        [(k, n) for k, n, _ in tensors_of(sharded_sd)] and merged["param_groups"] == sharded_sd["param_groups"]
+    state_diff = max([state_diff] + [(a - b).abs().max().item() for (_, _, a), (_, _, b) in
+                                     zip(tensors_of(merged), tensors_of(sharded_sd))])
+    if dist.get_rank() == 0:
+        torch.save({"model": models[1].state_dict(), "optimizer": sharded_sd}, path)
+        torch.save({"model": models[0].state_dict(), "optimizer": plain_sd}, path.replace(".pt", "-plain.pt"))
+    dist.barrier()
+    for o in opts:
+        o.close()
+    return {"diff": diff, "same_layout": same_layout, "state_diff": state_diff}
+
+
+def resume(path, shard_state):
+    """Load the checkpoint into a wrapper (sharded or not, any world size) and train 5 more steps."""
+    checkpoint = torch.load(path)
+    model = Net()
+    model.load_state_dict(checkpoint["model"])
+    opt = DistributedOptimizer(torch.optim.Adam(param_groups(model), lr=0.01), pack_threshold=256,
+                               shard_state=shard_state)
+    opt.load_state_dict(checkpoint["optimizer"])
+    held = opt.stats.optimizer_state_bytes
+    train(model, opt, 5, start=100)
+    out = [p.detach().clone() for p in model.parameters()]
+    opt.close()
+    return out, held
+
+
+def resume_both_ways(path):
+    """:func:`resume` sharded, then unsharded, in one launch."""
+    return resume(path, True), resume(path, False)
+
+
+def state_dict_on_one_rank():
+    model = Net()
+    opt = DistributedOptimizer(torch.optim.Adam(param_groups(model), lr=0.01), shard_state=True, stall_warning=2.0)
+    train(model, opt, 2)
+    outcome = None
+    if dist.get_rank() == 0:
+        try:
+            opt.state_dict()
+        except RuntimeError as exc:
+            outcome = str(exc)
+    dist.barrier()  # rank 1 was elsewhere; now both gather, and it works
+    complete = len(opt.state_dict()["state"])
+    opt.close()
+    return outcome, complete
+
+
+def join_sharded(counts):
+    """Uneven batches inside join(), with a per-step LR scheduler: sharded equals unsharded, ranks identical."""
+    rank = dist.get_rank()
+    out = []
+    for shard in (False, True):
+        model = Net()
+        opt = DistributedOptimizer(torch.optim.Adam(param_groups(model), lr=0.01), pack_threshold=256,
+                                   shard_state=shard)
+        scheduler = torch.optim.lr_scheduler.StepLR(opt.optimizer, 2, 0.5)
+        with opt.join():
+            train(model, opt, counts[rank], scheduler=scheduler)
+        out.append([p.detach().clone() for p in model.parameters()])
+        opt.close()
+    diff = max((a - b).abs().max().item() for a, b in zip(*out))
+    identical = all(all(torch.equal(a, b) for a, b in zip(out[1], o)) for o in distopt.all_gather_object(out[1]))
+    return {"diff": diff, "identical": identical}
+
+
+def attempt(opt, state_dict):
+    """``opt.load_state_dict(state_dict)``: None, or the ValueError's message."""
+    try:
+        opt.load_state_dict(state_dict)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def shard_loads():
+    """Which shards load as they are: this rank's own, an older one of its own, and a world of one's (anywhere)."""
+    rank = dist.get_rank()
+    model = Net()
+    opt = DistributedOptimizer(torch.optim.Adam(param_groups(model), lr=0.01), shard_state=True)
+    train(model, opt, 3)
+    shards = distopt.all_gather_object(opt.sharded_state_dict())
+    own, other = shards[rank], shards[1 - rank]
+    held = opt.stats.optimizer_state_bytes
+    errors = {
+        "another rank's": attempt(opt, other),
+        "another world size's": attempt(opt, dict(own, shard=dict(own["shard"], world_size=3))),
+        "older, another rank's state": attempt(opt, dict(other, shard={"rank": rank, "world_size": 2})),
+    }
+    held_after_refusals = opt.stats.optimizer_state_bytes
+    errors["older, own"] = attempt(opt, dict(own, shard={"rank": rank, "world_size": 2}))
+    errors["own"] = attempt(opt, own)
+    errors["unsharded wrapper"] = attempt(DistributedOptimizer(torch.optim.Adam(param_groups(Net()), lr=0.01)), own)
+    # A group of this rank alone: shard_state=True in a world of one saves its one shard, the whole state.
+    solo_group = [dist.new_group([r]) for r in range(2)][rank]
+    solo_model = Net()
+    solo = DistributedOptimizer(torch.optim.Adam(param_groups(solo_model), lr=0.01), process_group=solo_group,
+                                shard_state=True)
+    train(solo_model, solo, 3)
+    one = distopt.all_gather_object(solo.sharded_state_dict())[0]  # rank 0's, loaded on every rank
+    merged_equal = [(k, n, v.tolist()) for k, n, v in tensors_of(distopt.merge_state_dicts([one]))] == \
+        [(k, n, v.tolist()) for k, n, v in tensors_of(distopt.all_gather_object(solo.state_dict())[0])] != []
+    finals = []
+    for shard in (True, False):
+        model = Net()
+        model.load_state_dict(distopt.all_gather_object(solo_model.state_dict())[0])
+        loader = DistributedOptimizer(torch.optim.Adam(param_groups(model), lr=0.01), shard_state=shard)
+        errors[f"world of one, into {'a sharded' if shard else 'an unsharded'} wrapper"] = attempt(loader,
+                                                                                              copy.deepcopy(one))
+        train(model, loader, 3, start=10)
+        finals.append([p.detach().clone() for p in model.parameters()])
+        loader.close()
+    solo.close()
+    opt.close()
+    return {"errors": errors, "held": held, "held_after_refusals": held_after_refusals, "meta": one["shard"],
+            "merged_equal": merged_equal, "diff": max((a - b).abs().max().item() for a, b in zip(*finals))}
+
+
+def own_shard_after_add_param_group():
+    """A shard saved after add_param_group, into a wrapper built with both groups (owned differently)."""
+    model = Net()
+    groups = param_groups(model)
+    opt = DistributedOptimizer(torch.optim.Adam(groups[:1], lr=0.01), named_parameters=model.named_parameters(),
+                               shard_state=True)
+    train(model, opt, 2)
+    opt.add_param_group(groups[1])
+    train(model, opt, 2, start=2)
+    shard, model_state = copy.deepcopy((opt.sharded_state_dict(), model.state_dict()))
+    merged = distopt.merge_state_dicts(distopt.all_gather_object(shard))
+    train(model, opt, 3, start=4)
+    straight = [p.detach().clone() for p in model.parameters()]
+    opt.close()
+    model = Net()
+    model.load_state_dict(model_state)
+    opt = DistributedOptimizer(torch.optim.Adam(param_groups(model), lr=0.01), named_parameters=model.named_parameters(),
+                               shard_state=True)
+    error = attempt(opt, shard)
+    held = opt.stats.optimizer_state_bytes
+    opt.load_state_dict(merged)
+    train(model, opt, 3, start=4)
+    diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), straight))
+    opt.close()
+    return {"error": error, "held_after_refusal": held, "diff": diff}
+
+
+def step_hooks():
+    """Step hooks (on the wrapper, and global ones) with and without shard_state: what they see, and a weight EMA."""
+    runs = []
+    for shard in (False, True):
+        model = Net()
+        params = list(model.parameters())
+        opt = DistributedOptimizer(torch.optim.Adam(param_groups(model), lr=0.01), pack_threshold=256,
+                                   shard_state=shard)
+        ema, log = [p.detach().clone() for p in params], []
+
+        def seen(where):
+            return lambda o, args, kwargs: log.append(
+                (where, o is opt.optimizer, sum(len(g["params"]) for g in o.param_groups),
+                 sum(p.detach().sum().item() for p in params)))
+
+        def update_ema(o, args, kwargs):
+            with torch.no_grad():
+                for e, p in zip(ema, params):
+                    e.mul_(0.9).add_(p, alpha=0.1)
+
+        handles = [opt.register_step_pre_hook(seen("pre")), opt.register_step_post_hook(seen("post")),
+                   opt.register_step_post_hook(update_ema),
+                   register_optimizer_step_pre_hook(seen("global pre")),
+                   register_optimizer_step_post_hook(seen("global post"))]
+        train(model, opt, 4)
+        for handle in handles:
+            handle.remove()
+        opt.close()
+        runs.append((log, ema))
+    (plain_log, plain_ema), (log, ema) = runs
+    identical = all(all(torch.equal(a, b) for a, b in zip(ema, o)) for o in distopt.all_gather_object(ema))
+    return {"plain_log": plain_log, "log": log, "identical": identical,
+            "ema_diff": max((a - b).abs().max().item() for a, b in zip(ema, plain_ema))}
+
+
+CASES = {}
+for group_and_size in (2, 3):
+    for _name in OPTIMIZERS:
+        CASES[f"{_name}, world {group_and_size}"] = (group_and_size, parity, (_name,))
+
+CASES["features"] = (2, full_state_dict_and_features, ("{tmp}/ckpt2.pt",))
+CASES["state_dict on one rank"] = (2, state_dict_on_one_rank, ())
+CASES["join"] = (3, join_sharded, ([5, 2, 4],))
+CASES["shard loads"] = (2, shard_loads, ())
+CASES["own shard after add_param_group"] = (2, own_shard_after_add_param_group, ())
+CASES["step hooks"] = (2, step_hooks, ())
+
+WORLDS = Worlds(CASES, timeout=240)
+_TMP = {}
+
+
+def results(case, tmp_path_factory):
+    world = CASES[case][0]
+    if world not in _TMP:
+        _TMP[world] = tmp_path_factory.mktemp("sharded")
+    return WORLDS.results(case, tmp=str(_TMP[world]))
+
+
+@pytest.mark.parametrize("case", [n for n, c in CASES.items() if c[1] is parity])
+def test_sharded_state_trains_exactly_like_the_unsharded_wrapper_and_holds_a_share(case, tmp_path_factory):
+    world = CASES[case][0]
+    for r in results(case, tmp_path_factory):
+        assert r["diff"] < TOL, r
+        assert r["identical"], r
+        assert r["held"] <= r["full"] / world + r["largest"], r
+        assert r["held"] < r["full"], r
+
+
+def test_accumulation_no_sync_compression_bcast_scaler_and_new_groups_keep_working(tmp_path_factory):
+    for r in results("features", tmp_path_factory):
+        assert r["diff"] < TOL and r["state_diff"] < TOL and r["same_layout"], r
+
+
+def test_the_gathered_checkpoint_loads_into_a_plain_optimizer_as_it_is(tmp_path_factory):
+    results("features", tmp_path_factory)
+    checkpoint = torch.load(_TMP[2] / "ckpt2.pt")
+    model = Net()
+    plain = torch.optim.Adam(param_groups(model), lr=0.01)
+    plain.load_state_dict(checkpoint["optimizer"])
+    assert [(k, n) for k, n, _ in tensors_of(plain.state_dict())] == \
+        [(k, n) for k, n, _ in tensors_of(checkpoint["optimizer"])]
+    assert len(plain.state) == sum(1 for p in model.parameters() if p.requires_grad) - 2  # `unused` has none
+
+
+@pytest.mark.parametrize("saved", ["sharded", "plain"])
+@pytest.mark.parametrize("world", [3, 2])
+def test_a_checkpoint_resumes_exactly_sharded_or_not_at_another_world_size(world, saved, tmp_path_factory):
+    results("features", tmp_path_factory)
+    path = _TMP[2] / ("ckpt2.pt" if saved == "sharded" else "ckpt2-plain.pt")
+    for (a, held_a), (b, held_b) in run_world(resume_both_ways, world, str(path), timeout=150):
+        assert max((x - y).abs().max().item() for x, y in zip(a, b)) < TOL
+        assert held_a < held_b  # the loaded state kept only this rank's shard
+
+
+def test_state_dict_on_one_rank_only_is_a_clear_error_not_a_hang(tmp_path_factory):
+    (error, complete_0), (none, complete_1) = results("state_dict on one rank", tmp_path_factory)
+    assert none is None
+    assert "ranks [1] did not call it within 2 s" in error and "call opt.state_dict() on every rank" in error, error
+    assert complete_0 == complete_1 > 0
+
+
+def test_join_with_uneven_batches_and_a_scheduler_trains_like_the_unsharded_wrapper(tmp_path_factory):
+    for r in results("join", tmp_path_factory):
+        assert r["diff"] < TOL and r["identical"], r
+
+
+def test_lbfgs_cannot_be_sharded_and_says_why():
+    model = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match="shard_state=True cannot shard LBFGS"):
+        DistributedOptimizer(torch.optim.LBFGS(model.parameters()), shard_state=True)
+    with pytest.raises(TypeError, match="shard_state must be True or False"):
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), shard_state="yes")
+
+
+def test_merging_shards_needs_one_of_each_rank():
+    with pytest.raises(ValueError, match=r"needs one shard of each rank 0\.\.1 .* got ranks \[0, 0\]"):
+        distopt.merge_state_dicts([{"shard": {"rank": 0, "world_size": 2}, "state": {}, "param_groups": []}] * 2)
+
+
+MERGE = r"merge every rank's shard of that save with distopt.merge_state_dicts\("
+
+
+def test_a_shard_loads_as_it_is_only_into_its_own_rank_and_world_size_and_otherwise_says_what_differs(
+        tmp_path_factory):
+    for rank, r in enumerate(results("shard loads", tmp_path_factory)):
+        errors = r["errors"]
+        assert re.search(rf"on rank {rank} got rank {1 - rank}'s shard \(of a save at world size 2\): each rank "
+                         rf"loads its own shard .*, or {MERGE}", errors["another rank's"])
+        assert re.search(rf"got rank {rank}'s shard of a save at world size 3, but this optimizer runs at world size 2"
+                         rf".*; {MERGE}", errors["another world size's"])
+        assert re.search(rf"the shard holds state of parameters that another rank owns here: param_groups\[.*"
+                         rf"\(rank {1 - rank} here\).*would drop their state; {MERGE}",
+                         errors["older, another rank's state"])
+        assert re.search(rf"it holds the optimizer state of that rank's parameters only, and this optimizer keeps "
+                         rf"all of it; {MERGE}", errors["unsharded wrapper"])
+        assert r["held_after_refusals"] == r["held"] > 0  # a refused load drops nothing
+        assert errors["older, own"] is errors["own"] is None
+        # a world of one saves one shard, the whole state: it merges, and loads sharded or not alike
+        assert r["meta"] == {"rank": 0, "world_size": 1, "owners": [0] * 10} and r["merged_equal"]
+        assert errors["world of one, into a sharded wrapper"] is errors["world of one, into an unsharded wrapper"] is None
+        assert r["diff"] < TOL
+
+
+def test_an_own_shard_whose_parameters_moved_owner_is_refused_naming_them_and_merged_shards_resume(tmp_path_factory):
+    for rank, r in enumerate(results("own shard after add_param_group", tmp_path_factory)):
+        assert re.search(rf"on rank {rank}: the parameters' owners differ from the save's: .*b\.weight \(rank 1 at "
+                         rf"the save, rank 0 here\).*add_param_group.*; {MERGE}", r["error"]), r["error"]
+        assert r["held_after_refusal"] == 0
+        assert r["diff"] < TOL
+
+
+def test_step_hooks_see_every_parameter_around_the_whole_sharded_step_as_unsharded(tmp_path_factory):
+    for r in results("step hooks", tmp_path_factory):
+        plain, sharded = r["plain_log"], r["log"]
+        assert [e[:3] for e in sharded] == [e[:3] for e in plain]
+        assert [e[0] for e in plain] == ["global pre", "pre", "post", "global post"] * 4
+        assert all(n == 10 and inner for _, inner, n, _ in sharded)
+        assert max(abs(a[3] - b[3]) for a, b in zip(sharded, plain)) < 1e-8  # parameters before and after the step
+        assert r["ema_diff"] < TOL and r["identical"], r
+
+
+def test_shard_state_without_a_process_group_saves_one_shard_that_merges_and_loads():
+    model = Net()
+    opt = DistributedOptimizer(torch.optim.Adam(param_groups(model), lr=0.01), shard_state=True)
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x, y = torch.randn(6, 4, generator=g, dtype=torch.float64), torch.randn(6, 2, generator=g, dtype=torch.float64)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+    shard = opt.sharded_state_dict()
+    assert shard["shard"] == {"rank": 0, "world_size": 1, "owners": [0] * 10}
+    merged = distopt.merge_state_dicts([shard])
+    assert merged["param_groups"] == opt.state_dict()["param_groups"]
+    again = DistributedOptimizer(torch.optim.Adam(param_groups(Net()), lr=0.01), shard_state=True)
+    again.load_state_dict(shard)
+    for sd in (merged, again.state_dict()):
+        assert [(k, n, v.tolist()) for k, n, v in tensors_of(sd)] == \
+            [(k, n, v.tolist()) for k, n, v in tensors_of(opt.state_dict())] != []
+    plain = DistributedOptimizer(torch.optim.Adam(param_groups(Net()), lr=0.01))
+    with pytest.raises(RuntimeError, match=r"sharded_state_dict\(\) needs shard_state=True; use state_dict\(\)"):
+        plain.sharded_state_dict()
