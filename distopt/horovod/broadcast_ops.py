@@ -10,11 +10,11 @@ from torch import Tensor
 from .. import collectives
 from .agreement import agree
 from .allreduce_ops import _on_wire, _Reduction, _start_allreduce
-from .basics import _check_root, rank
 from .compression import NoneCompressor
 from .background import Handle, Launched, current_name, named, start
 from .process_sets import global_process_set, lane_of
 from .reduce_op import Average
+from .session import check_root, rank
 
 __all__ = [
     "broadcast",
@@ -36,21 +36,21 @@ def _start_broadcast(tensor: Tensor, out: Tensor, root_rank: int, group: Optiona
                 out.copy_(wire)
         return out
 
-    def check_root() -> int:
-        root = _check_root(root_rank)
+    def root_in_set() -> int:
+        root = check_root(root_rank)
         if group is not None and root not in dist.get_process_group_ranks(group):
             raise ValueError(f"root_rank {root} is not in the process set (ranks "
                              f"{dist.get_process_group_ranks(group)}); pass one of its ranks")
         return root
 
     if not distributed:
-        check_root()
+        root_in_set()
         return start(lambda: ([], finish), background=False)
     name = current_name()
 
     def launch() -> Launched:
         agree("broadcast", tensor, group, root_rank, name=name)  # first, so that a root bad on one rank fails on all
-        return [dist.broadcast(wire, src=check_root(), group=group, async_op=True)], finish
+        return [dist.broadcast(wire, src=root_in_set(), group=group, async_op=True)], finish
 
     return start(launch, background=True)
 

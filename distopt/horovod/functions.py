@@ -16,9 +16,9 @@ from torch.optim import Optimizer
 
 from .. import collectives
 from ..collectives.objects import Dumps, _all_gather_serialized, _broadcast_serialized
-from .basics import _check_root, _world
 from .errors import _internal_errors
 from .process_sets import global_process_set, group_of
+from .session import check_root, world_group
 
 __all__ = [
     "broadcast_object",
@@ -57,7 +57,7 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
         HorovodInternalError: the broadcast failed.
     """
     group = group_of(process_set)
-    root = _check_root(root_rank)
+    root = check_root(root_rank)
     src = _in_group(root, group)
     if group is None or dist.get_world_size(group) == 1:
         return obj
@@ -130,8 +130,8 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
         HorovodInternalError: the broadcast failed.
     """
     tensors = _tensors_to_broadcast(params)
-    root = _check_root(root_rank)
-    group = _world()
+    root = check_root(root_rank)
+    group = world_group()
     with _internal_errors():
         collectives.broadcast_parameters(tensors, src=root, group=group)
 
@@ -175,7 +175,7 @@ def broadcast_optimizer_state(optimizer: Optimizer, root_rank: int, model: Optio
     """
     if not isinstance(optimizer, Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    root = _check_root(root_rank)
+    root = check_root(root_rank)
     sparse = _sparse_parameters(model)
     inner = getattr(optimizer, "optimizer", optimizer)
     if not inner.state:  # Horovod's users may read .grad right after; Horovod's zero-gradient step made one
@@ -187,6 +187,6 @@ def broadcast_optimizer_state(optimizer: Optimizer, root_rank: int, model: Optio
                         zero = torch.zeros_like(p)
                         # Sparse by rows, as an embedding's backward makes them, so the next one adds to it.
                         p.grad = zero.to_sparse(min(1, p.dim())) if all_sparse or id(p) in sparse else zero
-    group = _world()
+    group = world_group()
     with _internal_errors():
         collectives.broadcast_optimizer_state(optimizer, src=root, group=group)

@@ -15,11 +15,11 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ..optimizer import DistributedOptimizer as _CoreDistributedOptimizer
-from .basics import _require_init, _world
 from .errors import _internal_errors
 from .compression import BF16Compressor, Compression, FP16Compressor, NoneCompressor, _compressor_class, _CompressorLike
 from .reduce_op import Adasum, Average, ReduceOp, Sum
-from .process_sets import ProcessSet, _alone, global_process_set, group_of
+from .process_sets import ProcessSet, global_process_set, group_of, solo_group
+from .session import require_init, world_group
 from .unsupported import _ADASUM_ADVICE
 
 # Live optimizers, in creation order: hvd.join() joins them all.
@@ -180,10 +180,10 @@ class DistributedOptimizer(_CoreDistributedOptimizer):
         sparse_as_dense: bool = False,
         process_set: Any = global_process_set,
     ) -> None:
-        _require_init()
-        outside = isinstance(process_set, ProcessSet) and _world() is not None and not process_set.included()
+        require_init()
+        outside = isinstance(process_set, ProcessSet) and world_group() is not None and not process_set.included()
         # Horovod: a rank outside the set trains on its own; here over a group of itself alone.
-        group = _alone() if outside else group_of(process_set)
+        group = solo_group() if outside else group_of(process_set)
         reduce_op = _gradient_reduce_op(op, gradient_predivide_factor)
         wire = _wire_compression(compression)
         _check_groups(num_groups, groups)
