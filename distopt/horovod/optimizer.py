@@ -34,9 +34,12 @@ def _sparse_noter(dims: Dict[Tensor, int]) -> Callable[[Tensor], None]:
     return note
 
 
-def _live_optimizers() -> List["DistributedOptimizer"]:
+def live_optimizers() -> List["DistributedOptimizer"]:
+    """The optimizers not yet replaced or collected, in creation order (what :func:`~.sync.join` joins)."""
     return [opt for _, opt in sorted(_live.items()) if opt._retired_by is None]
 
+
+# Horovod's names only; live_optimizers serves .sync.
 __all__ = [
     "DistributedOptimizer",
 ]
