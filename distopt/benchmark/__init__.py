@@ -27,10 +27,11 @@ The package, a plain import DAG:
 
 * :mod:`.sizes`: ``parse_size`` / ``format_size``.
 * :mod:`.workloads`: the models, by name (:data:`WORKLOADS`).
+* :mod:`.mode_specs`: the modes, by name (``MODES``), and how each wraps a replica.
 * :mod:`.config`: :class:`BenchConfig`.
 * :mod:`.results`: :class:`ModeResult`, :class:`WorkloadResult`.
 * :mod:`.process`: per-process setup shared by modes, timing and memory probes.
-* :mod:`.modes`: the modes, by name, and how each is built.
+* :mod:`.modes`: which modes a run runs, and how each is built and stepped.
 * :mod:`.timing`: interleaved timing and all-reduce counts, per rank and merged.
 * :mod:`.memory`: the peak-memory probe.
 * :mod:`.runner`: :func:`run_benchmark`, every section.

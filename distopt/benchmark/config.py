@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Tuple
 
+from .mode_specs import optional_mode_names
 from .workloads import WORKLOADS
 
 __all__ = ["BenchConfig"]
@@ -56,9 +57,7 @@ class BenchConfig:
         if self.warmup < 1:
             # DDP rebuilds its buckets after the first step; that step must not be timed.
             raise ValueError(f"warmup={self.warmup!r} must be at least 1")
-        from .modes import MODES  # modes imports this module
-
-        optional = sorted(name for name, spec in MODES.items() if spec.optional)
+        optional = optional_mode_names()
         unknown = [m for m in self.extra_modes if m not in optional]
         if unknown:
             raise ValueError(f"extra modes {unknown!r} are unknown; choose from {optional}")

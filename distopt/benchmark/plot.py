@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Dict
 
-from .modes import split_mode_name
+from .mode_specs import split_mode_name
 from .sizes import format_size
 
 __all__ = ["write_sweep_plot"]

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-from .modes import display_name
+from .mode_specs import display_name
 from .results import WorkloadResult
 from .sizes import format_size
 

@@ -17,7 +17,8 @@ import torch
 import torch.distributed as dist
 
 from .config import BenchConfig
-from .modes import Mode, bare_allreduce_mode, build_mode, mode_names, train_step_fn, wrap_ddp
+from .mode_specs import wrap_ddp
+from .modes import Mode, bare_allreduce_mode, build_mode, mode_names, train_step_fn
 from .process import current_device, fresh_model, make_batch, worker_setup
 from .results import ModeResult, WorkloadResult
 from .workloads import WORKLOADS, Batch, Workload

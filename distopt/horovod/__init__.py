@@ -52,24 +52,17 @@ from .allreduce_ops import (
 )
 from .basics import (
     ccl_built,
-    cross_rank,
-    cross_size,
     cuda_built,
     ddl_built,
     gloo_built,
     gloo_enabled,
     init,
-    is_initialized,
-    local_rank,
-    local_size,
     mpi_built,
     mpi_enabled,
     mpi_threads_supported,
     nccl_built,
-    rank,
     rocm_built,
     shutdown,
-    size,
 )
 from .broadcast_ops import broadcast, broadcast_, broadcast_async, broadcast_async_
 from .compression import BF16Compressor, Compression, Compressor, FP16Compressor, NoneCompressor
@@ -88,7 +81,8 @@ from .scatter_ops import (
 from .background import Handle
 from .sync import barrier, join, poll, synchronize
 from .process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
-from .unsupported import _missing_attribute as __getattr__  # Horovod names distopt lacks: say what to use
+from .session import cross_rank, cross_size, is_initialized, local_rank, local_size, rank, size
+from .unsupported import missing_attribute as __getattr__  # Horovod names distopt lacks: say what to use
 
 __all__ = [
     "HorovodInternalError",

@@ -10,7 +10,7 @@ from torch import Tensor
 from .. import collectives
 from ..collectives.tensors import comm_dtype as _comm_dtype
 from .agreement import agree
-from .allreduce_ops import _Reduction, _start_allreduce, _wire_device
+from .allreduce_ops import ReductionSpec, start_allreduce, wire_device
 from .compression import NoneCompressor
 from .background import Handle, Launched, current_name, grouped, named, start
 from .process_sets import global_process_set, lane_of
@@ -25,7 +25,7 @@ __all__ = [
 ]
 
 
-def _start_allgather(tensor: Tensor, group: Optional[dist.ProcessGroup]) -> Tuple[Handle, List[int]]:
+def start_allgather(tensor: Tensor, group: Optional[dist.ProcessGroup]) -> Tuple[Handle, List[int]]:
     """Start gathering every rank's rows; also return a list that holds every rank's row count once started."""
     if group is None or collectives.get_world_size(group) == 1:
         if tensor.dim() == 0:
@@ -41,7 +41,7 @@ def _start_allgather(tensor: Tensor, group: Optional[dist.ProcessGroup]) -> Tupl
             raise ValueError("allgather needs a tensor with at least one dimension, got a scalar; use tensor.view(1)")
         # all_gather needs one shape: pad every rank's rows to the longest, cut after.
         padded = torch.zeros((max(dims),) + tuple(tensor.shape[1:]), dtype=_comm_dtype(group, tensor.dtype),
-                             device=_wire_device(group, tensor))
+                             device=wire_device(group, tensor))
         padded[: tensor.shape[0]] = tensor.detach()
         pieces = [torch.empty_like(padded) for _ in dims]
         work = dist.all_gather(pieces, padded, group=group, async_op=True)
@@ -59,7 +59,7 @@ def allgather_async(tensor: Tensor, name: Optional[str] = None, process_set: Any
         A handle for :func:`synchronize` and :func:`poll`.
     """
     lane = lane_of(process_set)
-    return named(name, lambda: _start_allgather(tensor, lane)[0])
+    return named(name, lambda: start_allgather(tensor, lane)[0])
 
 
 class _AllgatherFunction(torch.autograd.Function):
@@ -68,7 +68,7 @@ class _AllgatherFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, tensor: Tensor, group: Optional[dist.ProcessGroup]) -> Tensor:
-        handle, dims = _start_allgather(tensor, group)
+        handle, dims = start_allgather(tensor, group)
         gathered = handle.wait()  # dims is known once it started
         ctx.group = group
         ctx.offset = sum(dims[: dist.get_rank(group) if group is not None else 0])
@@ -77,8 +77,8 @@ class _AllgatherFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tuple[Tensor, None]:
-        how = _Reduction(Average, 1.0, 1.0, ctx.group)
-        averaged = _start_allreduce(grad, torch.empty_like(grad), how, NoneCompressor).wait()
+        how = ReductionSpec(Average, 1.0, 1.0, ctx.group)
+        averaged = start_allreduce(grad, torch.empty_like(grad), how, NoneCompressor).wait()
         return averaged.narrow(0, ctx.offset, ctx.rows), None
 
 
@@ -114,7 +114,7 @@ def grouped_allgather_async(tensors: Sequence[Tensor], name: Optional[str] = Non
         A handle for :func:`synchronize` and :func:`poll`.
     """
     lane = lane_of(process_set)
-    return named(name, lambda: grouped([_start_allgather(t, lane)[0] for t in tensors]))
+    return named(name, lambda: grouped([start_allgather(t, lane)[0] for t in tensors]))
 
 
 def grouped_allgather(tensors: Sequence[Tensor], name: Optional[str] = None,
@@ -158,8 +158,8 @@ def sparse_allreduce_async(tensor: Tensor, name: Optional[str] = None, op: Any =
         raise ValueError(f"sparse_allreduce_async supports op=hvd.Average or hvd.Sum, got {op!r}")
     group = lane_of(process_set)
     sparse = tensor.coalesce()
-    indices = _start_allgather(sparse.indices().t().contiguous(), group)[0]
-    values = _start_allgather(sparse.values(), group)[0]
+    indices = start_allgather(sparse.indices().t().contiguous(), group)[0]
+    values = start_allgather(sparse.values(), group)[0]
     size = collectives.get_world_size(group) if group is not None else 1
 
     def result() -> Tensor:

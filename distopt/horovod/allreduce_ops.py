@@ -15,8 +15,8 @@ from torch import Tensor
 from .. import collectives
 from ..collectives.tensors import comm_dtype as _comm_dtype
 from .agreement import agree
-from .compression import Compression, Compressor, NoneCompressor, _compressor_class, _CompressorLike
-from .reduce_op import Average, ReduceOp, Sum, _resolve_op, _TORCH_OPS
+from .compression import Compression, Compressor, NoneCompressor, compressor_class, CompressorLike
+from .reduce_op import Average, ReduceOp, Sum, resolve_op, TORCH_OPS
 from .background import Handle, Launched, current_name, grouped, named, start
 from .process_sets import global_process_set, lane_of
 
@@ -35,20 +35,20 @@ __all__ = [
 # ====================================================================== on the wire (allgather and broadcast too)
 
 
-def _wire_device(group: dist.ProcessGroup, tensor: Tensor) -> torch.device:
+def wire_device(group: dist.ProcessGroup, tensor: Tensor) -> torch.device:
     # Horovod reduces CPU tensors (metrics) even when it runs on NCCL; NCCL needs them on the GPU.
     if dist.get_backend(group) == "nccl" and tensor.device.type != "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return tensor.device
 
 
-def _on_wire(tensor: Tensor, group: Optional[dist.ProcessGroup], fresh: bool) -> Tensor:
+def on_wire(tensor: Tensor, group: Optional[dist.ProcessGroup], fresh: bool) -> Tensor:
     """A contiguous tensor the backend can send: ``tensor`` itself if possible (unless ``fresh``).
 
     Dtypes gloo has no kernels for (int16) travel as a wider one, exact for every value;
     copying the result back wraps around as the narrow type does.
     """
-    device = tensor.device if group is None else _wire_device(group, tensor)
+    device = tensor.device if group is None else wire_device(group, tensor)
     dtype = tensor.dtype if group is None else _comm_dtype(group, tensor.dtype)
     if tensor.device == device and tensor.dtype == dtype and tensor.is_contiguous() and not fresh:
         return tensor
@@ -59,7 +59,7 @@ def _on_wire(tensor: Tensor, group: Optional[dist.ProcessGroup], fresh: bool) ->
 
 
 @dataclass(frozen=True)
-class _Reduction:
+class ReductionSpec:
     op: ReduceOp
     prescale: float
     postscale: float
@@ -73,7 +73,7 @@ _REDUCIBLE = (torch.float16, torch.bfloat16, torch.float32, torch.float64,
 _COMPLEX = (torch.complex64, torch.complex128)
 
 
-def _unsupported(operation: str, dtype: torch.dtype, how: _Reduction) -> Optional[ValueError]:
+def _unsupported(operation: str, dtype: torch.dtype, how: ReductionSpec) -> Optional[ValueError]:
     """The error for a dtype ``how`` cannot reduce correctly (Horovod rejects them up front), or None."""
     op = f"op=hvd.{how.op.name.title()}"
     kind = str(dtype).replace("torch.", "")
@@ -106,7 +106,7 @@ def _unsupported(operation: str, dtype: torch.dtype, how: _Reduction) -> Optiona
     return None
 
 
-def _start_allreduce(tensor: Tensor, out: Tensor, how: _Reduction, compression: Type[Compressor],
+def start_allreduce(tensor: Tensor, out: Tensor, how: ReductionSpec, compression: Type[Compressor],
                      operation: str = "allreduce") -> Handle:
     """Reduce ``tensor`` into ``out`` (which may be ``tensor`` itself) asynchronously.
 
@@ -130,7 +130,7 @@ def _start_allreduce(tensor: Tensor, out: Tensor, how: _Reduction, compression: 
                 source = source * pre if floats else (source.double() * pre).to(source.dtype)
             compressed, ctx = compression.compress(source)
             # The reduction may write into the caller's tensor only when it asked for in place.
-            wire = _on_wire(compressed, group, fresh=compressed is source and out is not tensor)
+            wire = on_wire(compressed, group, fresh=compressed is source and out is not tensor)
 
     def finish() -> Tensor:
         with torch.no_grad():
@@ -159,30 +159,30 @@ def _start_allreduce(tensor: Tensor, out: Tensor, how: _Reduction, compression: 
     name = current_name()
 
     def launch() -> Launched:
-        summed = _TORCH_OPS[how.op] == dist.ReduceOp.SUM and problem is None
+        summed = TORCH_OPS[how.op] == dist.ReduceOp.SUM and problem is None
         agree(operation, tensor, group, summed=wire if summed else None, name=name,
               reduction=f"{how.op.name.title()} (prescale {how.prescale!r}, postscale {how.postscale!r})")
         if problem is not None:  # every rank has this dtype and op (they agreed): every rank raises
             raise problem
-        return [dist.all_reduce(wire, op=_TORCH_OPS[how.op], group=group, async_op=True)], finish
+        return [dist.all_reduce(wire, op=TORCH_OPS[how.op], group=group, async_op=True)], finish
 
     return start(launch, background=True)
 
 
-def _reduction(op: Optional[Any], average: Optional[bool], prescale_factor: float, postscale_factor: float,
-               process_set: Any) -> _Reduction:
+def reduction_spec(op: Optional[Any], average: Optional[bool], prescale_factor: float, postscale_factor: float,
+               process_set: Any) -> ReductionSpec:
     group = lane_of(process_set)
-    return _Reduction(_resolve_op(op, average), float(prescale_factor), float(postscale_factor), group)
+    return ReductionSpec(resolve_op(op, average), float(prescale_factor), float(postscale_factor), group)
 
 
 class _AllreduceFunction(torch.autograd.Function):
     """Differentiable allreduce: the gradient is the same reduction of the incoming gradients."""
 
     @staticmethod
-    def forward(ctx: Any, tensor: Tensor, how: _Reduction, compression: Type[Compressor]) -> Tensor:
+    def forward(ctx: Any, tensor: Tensor, how: ReductionSpec, compression: Type[Compressor]) -> Tensor:
         ctx.how = how
         ctx.compression = compression
-        return _start_allreduce(tensor, torch.empty_like(tensor), how, compression).wait()
+        return start_allreduce(tensor, torch.empty_like(tensor), how, compression).wait()
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tuple[Optional[Tensor], None, None]:
@@ -191,14 +191,14 @@ class _AllreduceFunction(torch.autograd.Function):
                 f"hvd.allreduce(op={ctx.how.op.name.title()}) has no gradient; use op=hvd.Average or op=hvd.Sum "
                 "for tensors that need one"
             )
-        return _start_allreduce(grad, torch.empty_like(grad), ctx.how, ctx.compression).wait(), None, None
+        return start_allreduce(grad, torch.empty_like(grad), ctx.how, ctx.compression).wait(), None, None
 
 
 def allreduce(
     tensor: Tensor,
     average: Optional[bool] = None,
     name: Optional[str] = None,
-    compression: _CompressorLike = Compression.none,
+    compression: CompressorLike = Compression.none,
     op: Optional[ReduceOp] = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
@@ -232,8 +232,8 @@ def allreduce(
         NotImplementedError: for ``hvd.Adasum``.
         HorovodInternalError: the collective failed, e.g. the ranks' shapes differ (on every rank).
     """
-    how = _reduction(op, average, prescale_factor, postscale_factor, process_set)
-    return named(name, lambda: _AllreduceFunction.apply(tensor, how, _compressor_class(compression)))
+    how = reduction_spec(op, average, prescale_factor, postscale_factor, process_set)
+    return named(name, lambda: _AllreduceFunction.apply(tensor, how, compressor_class(compression)))
 
 
 def allreduce_async(
@@ -252,8 +252,8 @@ def allreduce_async(
     Returns:
         A handle for :func:`synchronize` and :func:`poll`.
     """
-    how = _reduction(op, average, prescale_factor, postscale_factor, process_set)
-    return named(name, lambda: _start_allreduce(tensor, torch.empty_like(tensor), how, NoneCompressor))
+    how = reduction_spec(op, average, prescale_factor, postscale_factor, process_set)
+    return named(name, lambda: start_allreduce(tensor, torch.empty_like(tensor), how, NoneCompressor))
 
 
 def allreduce_async_(
@@ -272,8 +272,8 @@ def allreduce_async_(
     Returns:
         A handle for :func:`synchronize` and :func:`poll`.
     """
-    how = _reduction(op, average, prescale_factor, postscale_factor, process_set)
-    return named(name, lambda: _start_allreduce(tensor, tensor, how, NoneCompressor))
+    how = reduction_spec(op, average, prescale_factor, postscale_factor, process_set)
+    return named(name, lambda: start_allreduce(tensor, tensor, how, NoneCompressor))
 
 
 def allreduce_(
@@ -292,8 +292,8 @@ def allreduce_(
     Returns:
         ``tensor``, now holding the reduced value.
     """
-    how = _reduction(op, average, prescale_factor, postscale_factor, process_set)
-    return named(name, lambda: _start_allreduce(tensor, tensor, how, NoneCompressor)).wait()
+    how = reduction_spec(op, average, prescale_factor, postscale_factor, process_set)
+    return named(name, lambda: start_allreduce(tensor, tensor, how, NoneCompressor)).wait()
 
 
 def grouped_allreduce_async(
@@ -312,8 +312,8 @@ def grouped_allreduce_async(
     Returns:
         A handle for :func:`synchronize` and :func:`poll`.
     """
-    how = _reduction(op, average, prescale_factor, postscale_factor, process_set)
-    return named(name, lambda: grouped([_start_allreduce(t, torch.empty_like(t), how, NoneCompressor)
+    how = reduction_spec(op, average, prescale_factor, postscale_factor, process_set)
+    return named(name, lambda: grouped([start_allreduce(t, torch.empty_like(t), how, NoneCompressor)
                                         for t in tensors]))
 
 
@@ -333,15 +333,15 @@ def grouped_allreduce_async_(
     Returns:
         A handle for :func:`synchronize` and :func:`poll`.
     """
-    how = _reduction(op, average, prescale_factor, postscale_factor, process_set)
-    return named(name, lambda: grouped([_start_allreduce(t, t, how, NoneCompressor) for t in tensors]))
+    how = reduction_spec(op, average, prescale_factor, postscale_factor, process_set)
+    return named(name, lambda: grouped([start_allreduce(t, t, how, NoneCompressor) for t in tensors]))
 
 
 def grouped_allreduce(
     tensors: Sequence[Tensor],
     average: Optional[bool] = None,
     name: Optional[str] = None,
-    compression: _CompressorLike = Compression.none,
+    compression: CompressorLike = Compression.none,
     op: Optional[ReduceOp] = None,
     prescale_factor: float = 1.0,
     postscale_factor: float = 1.0,
@@ -354,8 +354,8 @@ def grouped_allreduce(
     Returns:
         New tensors with the reduced values.
     """
-    how = _reduction(op, average, prescale_factor, postscale_factor, process_set)
-    cls = _compressor_class(compression)
+    how = reduction_spec(op, average, prescale_factor, postscale_factor, process_set)
+    cls = compressor_class(compression)
     return named(name, lambda: [_AllreduceFunction.apply(t, how, cls) for t in tensors])
 
 
@@ -375,5 +375,5 @@ def grouped_allreduce_(
     Returns:
         ``tensors``, now holding the reduced values.
     """
-    how = _reduction(op, average, prescale_factor, postscale_factor, process_set)
-    return named(name, lambda: grouped([_start_allreduce(t, t, how, NoneCompressor) for t in tensors])).wait()
+    how = reduction_spec(op, average, prescale_factor, postscale_factor, process_set)
+    return named(name, lambda: grouped([start_allreduce(t, t, how, NoneCompressor) for t in tensors])).wait()

@@ -21,7 +21,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .errors import _internal_errors
+from .errors import internal_errors
 
 __all__ = ["Handle"]  # the rest is the machinery of the collectives here
 
@@ -90,7 +90,7 @@ class _Started(Handle):
 
     def wait(self) -> Any:
         if not self._finished:
-            with _internal_errors():  # a failed collective is Horovod's HorovodInternalError
+            with internal_errors():  # a failed collective is Horovod's HorovodInternalError
                 self._take()
                 for work in self._works:
                     work.wait()

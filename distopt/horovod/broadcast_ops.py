@@ -9,12 +9,12 @@ from torch import Tensor
 
 from .. import collectives
 from .agreement import agree
-from .allreduce_ops import _on_wire, _Reduction, _start_allreduce
-from .basics import _check_root, rank
+from .allreduce_ops import on_wire, ReductionSpec, start_allreduce
 from .compression import NoneCompressor
 from .background import Handle, Launched, current_name, named, start
 from .process_sets import global_process_set, lane_of
 from .reduce_op import Average
+from .session import check_root, rank
 
 __all__ = [
     "broadcast",
@@ -28,7 +28,7 @@ def _start_broadcast(tensor: Tensor, out: Tensor, root_rank: int, group: Optiona
     """Broadcast the root's ``tensor`` into ``out`` (which may be ``tensor`` itself) asynchronously."""
     distributed = group is not None and collectives.get_world_size(group) > 1
     with torch.no_grad():
-        wire = _on_wire(tensor.detach(), group, fresh=out is not tensor)
+        wire = on_wire(tensor.detach(), group, fresh=out is not tensor)
 
     def finish() -> Tensor:
         if wire.data_ptr() != out.data_ptr():
@@ -36,21 +36,21 @@ def _start_broadcast(tensor: Tensor, out: Tensor, root_rank: int, group: Optiona
                 out.copy_(wire)
         return out
 
-    def check_root() -> int:
-        root = _check_root(root_rank)
+    def root_in_set() -> int:
+        root = check_root(root_rank)
         if group is not None and root not in dist.get_process_group_ranks(group):
             raise ValueError(f"root_rank {root} is not in the process set (ranks "
                              f"{dist.get_process_group_ranks(group)}); pass one of its ranks")
         return root
 
     if not distributed:
-        check_root()
+        root_in_set()
         return start(lambda: ([], finish), background=False)
     name = current_name()
 
     def launch() -> Launched:
         agree("broadcast", tensor, group, root_rank, name=name)  # first, so that a root bad on one rank fails on all
-        return [dist.broadcast(wire, src=check_root(), group=group, async_op=True)], finish
+        return [dist.broadcast(wire, src=root_in_set(), group=group, async_op=True)], finish
 
     return start(launch, background=True)
 
@@ -92,8 +92,8 @@ class _BroadcastFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tuple[Tensor, None, None]:
-        how = _Reduction(Average, 1.0, 1.0, ctx.group)
-        averaged = _start_allreduce(grad, torch.empty_like(grad), how, NoneCompressor).wait()
+        how = ReductionSpec(Average, 1.0, 1.0, ctx.group)
+        averaged = start_allreduce(grad, torch.empty_like(grad), how, NoneCompressor).wait()
         if rank() != ctx.root_rank:
             averaged.zero_()
         return averaged, None, None

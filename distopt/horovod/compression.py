@@ -77,10 +77,10 @@ class Compression:
     bf16 = BF16Compressor
 
 
-_CompressorLike = Union[Type[Compressor], Compressor]
+CompressorLike = Union[Type[Compressor], Compressor]
 
 
-def _compressor_class(compression: Any) -> Type[Compressor]:
+def compressor_class(compression: Any) -> Type[Compressor]:
     cls = compression if isinstance(compression, type) else type(compression)
     if not issubclass(cls, Compressor):
         raise TypeError(

@@ -22,7 +22,7 @@ class HostsUpdatedInterrupt(RuntimeError):
 
 
 @contextlib.contextmanager
-def _internal_errors() -> Iterator[None]:
+def internal_errors() -> Iterator[None]:
     """Raise a ``RuntimeError`` from the block as :class:`HorovodInternalError`, as Horovod's
     ``synchronize()`` and enqueue functions do (``except RuntimeError: raise HorovodInternalError``)."""
     try:

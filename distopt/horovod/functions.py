@@ -15,12 +15,10 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from .. import collectives
-from ..collectives.objects import Dumps
-from ..collectives.objects import all_gather_serialized as _all_gather_serialized
-from ..collectives.objects import broadcast_serialized as _broadcast_serialized
-from .basics import _check_root, _world
-from .errors import _internal_errors
+from ..collectives.objects import Dumps, all_gather_serialized, broadcast_serialized
+from .errors import internal_errors
 from .process_sets import global_process_set, group_of
+from .session import check_root, world_group
 
 __all__ = [
     "broadcast_object",
@@ -59,13 +57,13 @@ def broadcast_object(obj: Any, root_rank: int = 0, name: Optional[str] = None,
         HorovodInternalError: the broadcast failed.
     """
     group = group_of(process_set)
-    root = _check_root(root_rank)
+    root = check_root(root_rank)
     src = _in_group(root, group)
     if group is None or dist.get_world_size(group) == 1:
         return obj
     dumps, hint = _serializer()
-    with _internal_errors():
-        return _broadcast_serialized([obj], src, group, dumps, "broadcast_object", hint, item="obj")[0]
+    with internal_errors():
+        return broadcast_serialized([obj], src, group, dumps, "broadcast_object", hint, item="obj")[0]
 
 
 def allgather_object(obj: Any, name: Optional[str] = None, process_set: Any = global_process_set) -> List[Any]:
@@ -87,8 +85,8 @@ def allgather_object(obj: Any, name: Optional[str] = None, process_set: Any = gl
     if group is None or dist.get_world_size(group) == 1:
         return [obj]
     dumps, hint = _serializer()
-    with _internal_errors():
-        return _all_gather_serialized(obj, group, dumps, "allgather_object", hint)
+    with internal_errors():
+        return all_gather_serialized(obj, group, dumps, "allgather_object", hint)
 
 
 def _in_group(root: int, group: Any) -> int:
@@ -132,9 +130,9 @@ def broadcast_parameters(params: Any, root_rank: int) -> None:
         HorovodInternalError: the broadcast failed.
     """
     tensors = _tensors_to_broadcast(params)
-    root = _check_root(root_rank)
-    group = _world()
-    with _internal_errors():
+    root = check_root(root_rank)
+    group = world_group()
+    with internal_errors():
         collectives.broadcast_parameters(tensors, src=root, group=group)
 
 
@@ -177,7 +175,7 @@ def broadcast_optimizer_state(optimizer: Optimizer, root_rank: int, model: Optio
     """
     if not isinstance(optimizer, Optimizer):
         raise TypeError(f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}")
-    root = _check_root(root_rank)
+    root = check_root(root_rank)
     sparse = _sparse_parameters(model)
     inner = getattr(optimizer, "optimizer", optimizer)
     if not inner.state:  # Horovod's users may read .grad right after; Horovod's zero-gradient step made one
@@ -189,6 +187,6 @@ def broadcast_optimizer_state(optimizer: Optimizer, root_rank: int, model: Optio
                         zero = torch.zeros_like(p)
                         # Sparse by rows, as an embedding's backward makes them, so the next one adds to it.
                         p.grad = zero.to_sparse(min(1, p.dim())) if all_sparse or id(p) in sparse else zero
-    group = _world()
-    with _internal_errors():
+    group = world_group()
+    with internal_errors():
         collectives.broadcast_optimizer_state(optimizer, src=root, group=group)

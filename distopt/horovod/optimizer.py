@@ -15,12 +15,12 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from ..wrapper.optimizer import DistributedOptimizer as _CoreDistributedOptimizer
-from .basics import _require_init, _world
-from .errors import _internal_errors
-from .compression import BF16Compressor, Compression, FP16Compressor, NoneCompressor, _compressor_class, _CompressorLike
+from .errors import internal_errors
+from .compression import BF16Compressor, Compression, FP16Compressor, NoneCompressor, compressor_class, CompressorLike
 from .reduce_op import Adasum, Average, ReduceOp, Sum
-from .process_sets import ProcessSet, _alone, global_process_set, group_of
-from .unsupported import _ADASUM_ADVICE
+from .process_sets import ProcessSet, global_process_set, group_of, solo_group
+from .session import require_init, world_group
+from .unsupported import ADASUM_ADVICE
 
 # Live optimizers, in creation order: hvd.join() joins them all.
 _live: "weakref.WeakValueDictionary[int, DistributedOptimizer]" = weakref.WeakValueDictionary()
@@ -34,9 +34,12 @@ def _sparse_noter(dims: Dict[Tensor, int]) -> Callable[[Tensor], None]:
     return note
 
 
-def _live_optimizers() -> List["DistributedOptimizer"]:
+def live_optimizers() -> List["DistributedOptimizer"]:
+    """The optimizers not yet replaced or collected, in creation order (what :func:`~.sync.join` joins)."""
     return [opt for _, opt in sorted(_live.items()) if opt._retired_by is None]
 
+
+# Horovod's names only; live_optimizers serves .sync.
 __all__ = [
     "DistributedOptimizer",
 ]
@@ -45,7 +48,7 @@ __all__ = [
 def _gradient_reduce_op(op: Any, gradient_predivide_factor: float) -> str:
     """The core's ``reduce_op`` for Horovod's ``op`` and ``gradient_predivide_factor``."""
     if op == Adasum:
-        raise NotImplementedError(_ADASUM_ADVICE)
+        raise NotImplementedError(ADASUM_ADVICE)
     if op not in (Average, Sum):
         raise ValueError(f"op must be hvd.Average or hvd.Sum to combine gradients, got {op!r}")
     if gradient_predivide_factor != 1.0:
@@ -61,7 +64,7 @@ def _gradient_reduce_op(op: Any, gradient_predivide_factor: float) -> str:
 def _wire_compression(compression: Any) -> Optional[str]:
     if compression is None:
         return None
-    cls = _compressor_class(compression)
+    cls = compressor_class(compression)
     if cls not in (NoneCompressor, FP16Compressor, BF16Compressor):
         raise TypeError(
             f"compression={cls.__name__} is not supported by hvd.DistributedOptimizer: distopt casts whole "
@@ -171,7 +174,7 @@ class DistributedOptimizer(_CoreDistributedOptimizer):
         self,
         optimizer: Optimizer,
         named_parameters: Optional[Iterable[Tuple[str, Tensor]]] = None,
-        compression: Optional[_CompressorLike] = Compression.none,
+        compression: Optional[CompressorLike] = Compression.none,
         backward_passes_per_step: int = 1,
         op: ReduceOp = Average,
         gradient_predivide_factor: float = 1.0,
@@ -180,10 +183,10 @@ class DistributedOptimizer(_CoreDistributedOptimizer):
         sparse_as_dense: bool = False,
         process_set: Any = global_process_set,
     ) -> None:
-        _require_init()
-        outside = isinstance(process_set, ProcessSet) and _world() is not None and not process_set.included()
+        require_init()
+        outside = isinstance(process_set, ProcessSet) and world_group() is not None and not process_set.included()
         # Horovod: a rank outside the set trains on its own; here over a group of itself alone.
-        group = _alone() if outside else group_of(process_set)
+        group = solo_group() if outside else group_of(process_set)
         reduce_op = _gradient_reduce_op(op, gradient_predivide_factor)
         wire = _wire_compression(compression)
         _check_groups(num_groups, groups)
@@ -239,14 +242,14 @@ class DistributedOptimizer(_CoreDistributedOptimizer):
         """
         if self._skipping_reduction:
             return
-        with _internal_errors():
+        with internal_errors():
             super().synchronize()
         self._restore_sparse()
         self._synchronized = True
 
     def _reduce_for_step(self) -> None:
         if not self._skipping_reduction:
-            with _internal_errors():  # step() waits for the reduction here: Horovod's synchronize
+            with internal_errors():  # step() waits for the reduction here: Horovod's synchronize
                 super()._reduce_for_step()
         self._restore_sparse()
 

@@ -13,8 +13,9 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch.distributed as dist
 
-from . import basics
+from . import session
 
+# Horovod's names only; group_of, lane_of, solo_group and forget_all serve the other modules here.
 __all__ = [
     "ProcessSet",
     "global_process_set",
@@ -55,12 +56,12 @@ class ProcessSet:
 
     def included(self) -> bool:
         """Whether this process is in the set."""
-        return basics.rank() in self.ranks
+        return session.rank() in self.ranks
 
     def rank(self) -> int:
         """This process's rank within the set, or -1 if it is not in it."""
         ranks = self.ranks
-        return ranks.index(basics.rank()) if basics.rank() in ranks else -1
+        return ranks.index(session.rank()) if session.rank() in ranks else -1
 
     def size(self) -> int:
         """How many ranks the set has."""
@@ -77,7 +78,7 @@ class _GlobalProcessSet(ProcessSet):
 
     @property
     def ranks(self) -> List[int]:
-        return list(range(basics.size()))
+        return list(range(session.size()))
 
     def __repr__(self) -> str:
         return "hvd.global_process_set"
@@ -104,7 +105,7 @@ def add_process_set(process_set: Any) -> ProcessSet:
             the same ranks exists.
     """
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
-    world = basics.size()
+    world = session.size()
     if not ps.ranks or any(not 0 <= r < world for r in ps.ranks):
         raise ValueError(f"a process set needs ranks in 0..{world - 1}, got {ps.ranks}")
     if ps.process_set_id is not None:
@@ -112,7 +113,7 @@ def add_process_set(process_set: Any) -> ProcessSet:
     for other in _added.values():
         if other.ranks == ps.ranks:
             raise ValueError(f"a process set with ranks {ps.ranks} exists already ({other!r}); use that one")
-    group = basics._world()
+    group = session.world_group()
     # new_group is collective over the whole job, as add_process_set is in Horovod; the second
     # group is the set's lane for tensor collectives (see .background).
     ps._group = dist.new_group(ranks=ps.ranks) if group is not None else None
@@ -144,16 +145,16 @@ def group_of(process_set: Any) -> Optional[dist.ProcessGroup]:
         TypeError: ``process_set`` is not a process set.
     """
     if process_set is None or process_set is global_process_set:
-        return basics._world()
+        return session.world_group()
     if not isinstance(process_set, ProcessSet):
         raise TypeError(f"process_set must be a ProcessSet (from hvd.add_process_set), got {process_set!r}")
     if process_set.process_set_id not in _added:
         raise ValueError(f"{process_set!r} was not added; call hvd.add_process_set on every rank first")
     if not process_set.included():
         raise ValueError(
-            f"rank {basics.rank()} is not in {process_set!r}; call collectives on a process set only on its ranks"
+            f"rank {session.rank()} is not in {process_set!r}; call collectives on a process set only on its ranks"
         )
-    return process_set._group if basics._world() is not None else None
+    return process_set._group if session.world_group() is not None else None
 
 
 def lane_of(process_set: Any) -> Optional[dist.ProcessGroup]:
@@ -166,14 +167,14 @@ def lane_of(process_set: Any) -> Optional[dist.ProcessGroup]:
     if group is None:
         return None
     if process_set is None or process_set is global_process_set:
-        return basics._lane()
+        return session.world_lane()
     return process_set._lane
 
 
 _solo: Dict[int, dist.ProcessGroup] = {}
 
 
-def _alone() -> dist.ProcessGroup:
+def solo_group() -> dist.ProcessGroup:
     """A group of this rank alone (created by it alone), for work that is local on this rank."""
     me = dist.get_rank()
     if me not in _solo:
@@ -181,7 +182,7 @@ def _alone() -> dist.ProcessGroup:
     return _solo[me]
 
 
-def _forget_all() -> None:
+def forget_all() -> None:
     """At shutdown: the groups go with the job's process group."""
     for ps in _added.values():
         ps._group = ps._lane = None

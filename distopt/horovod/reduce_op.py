@@ -7,7 +7,7 @@ from typing import Any, Optional
 
 import torch.distributed as dist
 
-from .unsupported import _ADASUM_ADVICE
+from .unsupported import ADASUM_ADVICE
 
 __all__ = [
     "ReduceOp",
@@ -38,7 +38,7 @@ Min = ReduceOp.MIN
 Max = ReduceOp.MAX
 Product = ReduceOp.PRODUCT
 
-_TORCH_OPS = {
+TORCH_OPS = {
     ReduceOp.AVERAGE: dist.ReduceOp.SUM,  # divided by size() around the sum
     ReduceOp.SUM: dist.ReduceOp.SUM,
     ReduceOp.MIN: dist.ReduceOp.MIN,
@@ -47,7 +47,7 @@ _TORCH_OPS = {
 }
 
 
-def _resolve_op(op: Optional[Any], average: Optional[bool]) -> ReduceOp:
+def resolve_op(op: Optional[Any], average: Optional[bool]) -> ReduceOp:
     """Horovod's rules: ``average`` is deprecated, ``op`` wins, Average is the default."""
     if average is not None:
         if op is not None:
@@ -55,7 +55,7 @@ def _resolve_op(op: Optional[Any], average: Optional[bool]) -> ReduceOp:
         warnings.warn(
             "Parameter `average` has been replaced with `op` and will be removed; use op=hvd.Average or op=hvd.Sum",
             DeprecationWarning,
-            stacklevel=4,  # the caller of the public function that called _reduction()
+            stacklevel=4,  # the caller of the public function that called reduction_spec()
         )
         return Average if average else Sum
     if op is None:
@@ -67,5 +67,5 @@ def _resolve_op(op: Optional[Any], average: Optional[bool]) -> ReduceOp:
             f"op must be one of hvd.Average, hvd.Sum, hvd.Min, hvd.Max, hvd.Product, got {op!r}"
         ) from None
     if resolved is Adasum:
-        raise NotImplementedError(_ADASUM_ADVICE)
+        raise NotImplementedError(ADASUM_ADVICE)
     return resolved

@@ -18,9 +18,9 @@ from torch import Tensor
 from .. import collectives
 from ..collectives.tensors import comm_dtype as _comm_dtype
 from .agreement import agree
-from .allgather_ops import _start_allgather
-from .allreduce_ops import _reduction, _start_allreduce, _wire_device
-from .compression import Compression, Compressor, NoneCompressor, _compressor_class, _CompressorLike
+from .allgather_ops import start_allgather
+from .allreduce_ops import reduction_spec, start_allreduce, wire_device
+from .compression import Compression, Compressor, NoneCompressor, compressor_class, CompressorLike
 from .process_sets import global_process_set, lane_of
 from .reduce_op import Average, ReduceOp, Sum
 from .background import Handle, Launched, current_name, grouped, named, start, then
@@ -51,7 +51,7 @@ def _start_reducescatter(tensor: Tensor, how: Any, compression: Type[Compressor]
     size = _size(group)
     me = dist.get_rank(group) if group is not None else 0
     first, rows = _rows(tensor.shape[0], size, me)
-    reduced = _start_allreduce(tensor, torch.empty_like(tensor), how, compression, operation="reducescatter")
+    reduced = start_allreduce(tensor, torch.empty_like(tensor), how, compression, operation="reducescatter")
     return then(reduced, lambda out: out.narrow(0, first, rows).clone())
 
 
@@ -70,7 +70,7 @@ class _ReducescatterFunction(torch.autograd.Function):
         scale = how.prescale * how.postscale
         if how.op is Sum:
             scale *= _size(how.group)
-        gathered, _ = _start_allgather(grad.contiguous() * scale if scale != 1.0 else grad.contiguous(), how.group)
+        gathered, _ = start_allgather(grad.contiguous() * scale if scale != 1.0 else grad.contiguous(), how.group)
         return gathered.wait(), None, None
 
 
@@ -90,11 +90,11 @@ def reducescatter_async(tensor: Tensor, name: Optional[str] = None, op: ReduceOp
     Returns:
         A handle for :func:`synchronize` and :func:`poll`.
     """
-    how = _reduction(op, None, prescale_factor, postscale_factor, process_set)
+    how = reduction_spec(op, None, prescale_factor, postscale_factor, process_set)
     return named(name, lambda: _start_reducescatter(tensor, how))
 
 
-def reducescatter(tensor: Tensor, name: Optional[str] = None, compression: _CompressorLike = Compression.none,
+def reducescatter(tensor: Tensor, name: Optional[str] = None, compression: CompressorLike = Compression.none,
                   op: ReduceOp = Average, process_set: Any = global_process_set, prescale_factor: float = 1.0,
                   postscale_factor: float = 1.0) -> Tensor:
     """Reduce ``tensor`` over the ranks and keep this rank's rows of the result.
@@ -120,8 +120,8 @@ def reducescatter(tensor: Tensor, name: Optional[str] = None, compression: _Comp
         ValueError: a scalar, or a dtype :func:`allreduce` cannot reduce with ``op``.
         HorovodInternalError: the ranks' shapes, dtypes or devices differ.
     """
-    how = _reduction(op, None, prescale_factor, postscale_factor, process_set)
-    cls = _compressor_class(compression)
+    how = reduction_spec(op, None, prescale_factor, postscale_factor, process_set)
+    cls = compressor_class(compression)
     return named(name, lambda: _reducescatter(tensor, how, cls))
 
 
@@ -129,12 +129,12 @@ def grouped_reducescatter_async(tensors: Sequence[Tensor], name: Optional[str] =
                                 op: ReduceOp = Average, process_set: Any = global_process_set,
                                 prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Handle:
     """Start :func:`reducescatter` of each tensor; :func:`synchronize` returns the list."""
-    how = _reduction(op, None, prescale_factor, postscale_factor, process_set)
+    how = reduction_spec(op, None, prescale_factor, postscale_factor, process_set)
     return named(name, lambda: grouped([_start_reducescatter(t, how) for t in tensors]))
 
 
 def grouped_reducescatter(tensors: Sequence[Tensor], name: Optional[str] = None,
-                          compression: _CompressorLike = Compression.none, op: ReduceOp = Average,
+                          compression: CompressorLike = Compression.none, op: ReduceOp = Average,
                           process_set: Any = global_process_set, prescale_factor: float = 1.0,
                           postscale_factor: float = 1.0) -> List[Tensor]:
     """:func:`reducescatter` of each tensor in ``tensors``, in one call (differentiable like it).
@@ -144,8 +144,8 @@ def grouped_reducescatter(tensors: Sequence[Tensor], name: Optional[str] = None,
     Returns:
         This rank's rows of each reduction, in order.
     """
-    how = _reduction(op, None, prescale_factor, postscale_factor, process_set)
-    cls = _compressor_class(compression)
+    how = reduction_spec(op, None, prescale_factor, postscale_factor, process_set)
+    cls = compressor_class(compression)
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         return named(name, lambda: [_reducescatter(t, how, cls) for t in tensors])
     return named(name, lambda: grouped([_start_reducescatter(t, how, cls) for t in tensors])).wait()
@@ -212,7 +212,7 @@ def _start_alltoall(tensor: Tensor, splits: Any, group: Optional[dist.ProcessGro
             send, problem = _split_sizes(tensor, splits, size), None
         except ValueError as exc:
             send, problem = [-1] * size, exc
-        device = _wire_device(group, tensor)
+        device = wire_device(group, tensor)
         sizes = torch.tensor(send, dtype=torch.int64, device=device)
         incoming = torch.empty_like(sizes)
         dist.all_to_all_single(incoming, sizes, group=group)  # every rank learns what it receives

@@ -12,7 +12,8 @@ from .. import collectives
 from ..wrapper.optimizer import join_and_wait
 from .agreement import serve_joined
 from .background import Handle, start
-from .errors import _internal_errors
+from .errors import internal_errors
+from .optimizer import live_optimizers
 from .process_sets import global_process_set, group_of, lane_of
 
 __all__ = [
@@ -95,20 +96,18 @@ def join(device: int = -1) -> int:
     Raises:
         HorovodInternalError: a collective failed meanwhile.
     """
-    with _internal_errors():
+    with internal_errors():
         return _join()
 
 
 def _join() -> int:
-    from .optimizer import _live_optimizers
-
     lane = lane_of(global_process_set)
     if lane is None or dist.get_world_size(lane) == 1:
         return 0
     # The background thread stands in for the others' hvd collectives, after this rank's own
     # submitted ones; this thread meanwhile takes part in their optimizers' rounds.
     served = start(lambda: ([], _constant(serve_joined(lane))), background=True)
-    optimizers = [opt for opt in _live_optimizers() if opt.world_size > 1]  # not one outside its set
+    optimizers = [opt for opt in live_optimizers() if opt.world_size > 1]  # not one outside its set
     last = join_and_wait(optimizers) if optimizers else None
     last_served = served.wait()
     return last_served if last is None else last
@@ -128,5 +127,5 @@ def barrier(process_set: Any = global_process_set) -> None:
         HorovodInternalError: the barrier failed (e.g. a rank left).
     """
     group = group_of(process_set)
-    with _internal_errors():
+    with internal_errors():
         collectives.barrier(group)

@@ -11,7 +11,7 @@ from typing import NoReturn
 
 __all__: list = []  # what it holds is raised, not exported
 
-_ADASUM_ADVICE = (
+ADASUM_ADVICE = (
     "Adasum is not supported by distopt.horovod; use op=hvd.Average (the default) and scale the "
     "learning rate by hvd.size() (or hvd.local_size() on GPUs) as the Horovod docs do for Average"
 )
@@ -28,7 +28,7 @@ _UNSUPPORTED = {
 }
 
 
-def _missing_attribute(name: str) -> NoReturn:
+def missing_attribute(name: str) -> NoReturn:
     """The package's ``__getattr__``: ``hvd.<name>`` is missing; say what to use if Horovod has ``name``."""
     if name in _UNSUPPORTED:
         raise AttributeError(f"distopt.horovod does not provide hvd.{name}: {_UNSUPPORTED[name]}")

@@ -46,7 +46,7 @@ FOREIGN_INTERNALS = {
 
 #: Reads of another distopt module's private names that remain, each with its reason.
 ALLOWED_PRIVATE_READS: Dict[Tuple[str, str], str] = {
-    ("benchmark/modes.py", "opt._engine"):
+    ("benchmark/mode_specs.py", "opt._engine"):
         "the benchmark's A/B variants switch one engine internal off (the join flag, the stall inspector, "
         "gathered small sums) to measure what it costs",
     ("horovod/optimizer.py", "opt._retired_by"):

@@ -1,0 +1,187 @@
+"""The modes the benchmark compares, by name: what each wraps, where it runs, how it is named.
+
+A training mode gets a fresh replica of the workload's model (same seed in every
+mode and rank) and ``SGD(momentum=0.9)`` over it; its :class:`ModeSpec` wraps the
+two into what the timed step calls. Adding a mode is one entry in :data:`MODES`.
+A spec with ``variants`` also runs as ``<name>@<bytes>``: ``--thresholds`` adds
+one ``distopt@<bytes>`` mode per distopt pack threshold.
+
+This module knows nothing of a run's configuration, so :mod:`.config` can check
+mode names against it; :mod:`.modes` picks and builds the modes of a run.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import nn
+
+from ..transport import stalls
+from ..wrapper.optimizer import DistributedOptimizer
+from .sizes import format_size
+
+__all__ = [
+    "Wrap",
+    "ModeSpec",
+    "MODES",
+    "optional_mode_names",
+    "split_mode_name",
+    "display_name",
+    "wrap_ddp",
+]
+
+#: ``(model, sgd, device, variant) -> (module the step calls, optimizer the step steps)``;
+#: ``variant`` is the ``<bytes>`` of a ``<name>@<bytes>`` mode, else None.
+Wrap = Callable[[nn.Module, torch.optim.Optimizer, torch.device, Optional[int]], Tuple[nn.Module, Any]]
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    """How one training mode is built, and where it runs.
+
+    Attributes:
+        wrap: turns the fresh replica and its SGD into what the timed step calls.
+        distributed_only: needs a process group, so the world-size-1 section leaves it out.
+        memory_probe: gets a peak-memory probe (one fresh launch per workload).
+        variants: also runs as ``<name>@<bytes>``.
+        optional: runs only when asked for (``--modes``), not by default.
+        count_steps: steps over which its all-reduce calls and bytes are averaged, for a
+            mode whose traffic varies from step to step (local SGD: its sync period).
+    """
+
+    wrap: Wrap
+    distributed_only: bool = False
+    memory_probe: bool = True
+    variants: bool = False
+    optional: bool = False
+    count_steps: int = 1
+
+
+def wrap_ddp(model: nn.Module, device: torch.device) -> nn.parallel.DistributedDataParallel:
+    """``model`` in ``DistributedDataParallel`` with its defaults, on ``device``.
+
+    Args:
+        model: the replica, already on ``device``.
+        device: a CUDA device becomes DDP's only ``device_ids`` entry.
+
+    Returns:
+        The wrapped model.
+    """
+    device_ids = [device.index] if device.type == "cuda" else None
+    return nn.parallel.DistributedDataParallel(model, device_ids=device_ids)
+
+
+def _local(model: nn.Module, sgd: torch.optim.Optimizer, device: torch.device,
+           variant: Optional[int]) -> Tuple[nn.Module, Any]:
+    return model, sgd
+
+
+def _ddp(model: nn.Module, sgd: torch.optim.Optimizer, device: torch.device,
+         variant: Optional[int]) -> Tuple[nn.Module, Any]:
+    return wrap_ddp(model, device), sgd
+
+
+def _distopt(model: nn.Module, sgd: torch.optim.Optimizer, device: torch.device,
+             variant: Optional[int]) -> Tuple[nn.Module, Any]:
+    kwargs = {} if variant is None else {"pack_threshold": variant}
+    return model, DistributedOptimizer(sgd, **kwargs)
+
+
+def _distopt_join(model: nn.Module, sgd: torch.optim.Optimizer, device: torch.device,
+                  variant: Optional[int]) -> Tuple[nn.Module, Any]:
+    opt = DistributedOptimizer(sgd)
+    # What `with opt.join():` sets for the steps inside it while no rank has joined; the block
+    # itself cannot stay open across the benchmark's interleaved modes.
+    opt._engine.in_join = True
+    return model, opt
+
+
+def _distopt_sharded(model: nn.Module, sgd: torch.optim.Optimizer, device: torch.device,
+                     variant: Optional[int]) -> Tuple[nn.Module, Any]:
+    return model, DistributedOptimizer(sgd, shard_state=True)
+
+
+def _distopt_uninspected(model: nn.Module, sgd: torch.optim.Optimizer, device: torch.device,
+                         variant: Optional[int]) -> Tuple[nn.Module, Any]:
+    # Without its position the wrapper waits plainly and records nothing per collective. The
+    # inspector's thread stays: it serves every wrapper of the process, so it costs all modes alike.
+    opt = DistributedOptimizer(sgd)
+    stalls.retire(opt._engine.progress)
+    opt._engine.progress = None
+    return model, opt
+
+
+def _distopt_allreduce(model: nn.Module, sgd: torch.optim.Optimizer, device: torch.device,
+                       variant: Optional[int]) -> Tuple[nn.Module, Any]:
+    opt = DistributedOptimizer(sgd)
+    opt._engine.gather_sum_limit = -1  # every sum an all-reduce, however small
+    return model, opt
+
+
+def _distopt_local4(model: nn.Module, sgd: torch.optim.Optimizer, device: torch.device,
+                    variant: Optional[int]) -> Tuple[nn.Module, Any]:
+    return model, DistributedOptimizer(sgd, sync_every=4)
+
+
+#: Training modes by name, in run order.
+MODES: Dict[str, ModeSpec] = {
+    # The bare inner optimizer, no communication. The floor.
+    "local": ModeSpec(_local),
+    # torch.nn.parallel.DistributedDataParallel with its defaults.
+    "ddp": ModeSpec(_ddp, distributed_only=True),
+    # distopt.DistributedOptimizer with its defaults; distopt@<bytes> sets pack_threshold.
+    "distopt": ModeSpec(_distopt, variants=True),
+    # distopt inside a join block (no rank has joined): the cost of join() while ranks are even.
+    "distopt+join": ModeSpec(_distopt_join, distributed_only=True, memory_probe=False, optional=True),
+    # distopt with shard_state=True: each rank keeps the momentum of the parameters it owns.
+    "distopt+shard": ModeSpec(_distopt_sharded, distributed_only=True, optional=True),
+    # distopt with the stall inspector off: what the inspector costs.
+    "distopt-noinspect": ModeSpec(_distopt_uninspected, distributed_only=True, memory_probe=False, optional=True),
+    # distopt with every sum an all-reduce: what gathering small sums saves.
+    "distopt-allreduce": ModeSpec(_distopt_allreduce, distributed_only=True, memory_probe=False, optional=True),
+    # local SGD: gradients stay local, parameters are averaged every 4th step (sync_every=4).
+    "distopt-local4": ModeSpec(_distopt_local4, distributed_only=True, memory_probe=False, optional=True,
+                               count_steps=4),
+}
+
+
+def optional_mode_names() -> List[str]:
+    """The modes that run only when asked for (:attr:`BenchConfig.extra_modes <.config.BenchConfig>`), sorted.
+
+    Returns:
+        Names from :data:`MODES` with ``optional`` set.
+    """
+    return sorted(name for name, spec in MODES.items() if spec.optional)
+
+
+def split_mode_name(name: str) -> Tuple[str, Optional[int]]:
+    """``"distopt@65536" -> ("distopt", 65536)``; ``"ddp" -> ("ddp", None)``.
+
+    Args:
+        name: a mode name.
+
+    Returns:
+        The base name and the variant's byte count (None without ``@``).
+
+    Raises:
+        ValueError: if the part after ``@`` is not an integer.
+    """
+    base, sep, variant = name.partition("@")
+    return base, int(variant) if sep else None
+
+
+def display_name(name: str) -> str:
+    """A mode's name for people: ``"distopt@65536" -> "distopt@64KiB"``; others unchanged.
+
+    Args:
+        name: a mode name.
+
+    Returns:
+        The name with a variant's byte count as :func:`format_size` writes it.
+    """
+    base, sep, variant = name.partition("@")
+    spec = MODES.get(base)
+    if sep and spec is not None and spec.variants:
+        return f"{base}@{format_size(int(variant))}"
+    return name
