@@ -173,3 +173,12 @@ def test_a_worker_killed_mid_training_restarts_and_resumes_to_the_same_result(tm
     assert "resumed from" in text and "after epoch 2" in text, text
     assert _final_line(text) == _final_line(plain.stdout), (text, plain.stdout)
     assert "bitwise identical" in text
+
+
+def test_the_ddp_migration_example_ends_with_ddps_parameters(tmp_path: Path) -> None:
+    proc = _run([sys.executable, str(ROOT / "examples" / "migrate_from_ddp.py")], tmp_path)
+    assert proc.returncode == 0, f"exit code {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    for shard_state in ("False", "True"):
+        assert re.search(rf"shard_state={shard_state} +world 2: parameters match DDP's \(max difference "
+                         r"\d\.\de[+-]\d+\); ranks bitwise identical: True", proc.stdout), proc.stdout
+    assert "the merged per-rank shards equal it: True" in proc.stdout
