@@ -1,9 +1,10 @@
-"""One spawned worker of :func:`~distopt.launching.launch`: from process start to its report.
+"""One worker of :func:`~distopt.launching.launch`: from process start to its report.
 
 :func:`worker_main` is the target of every worker process; it must stay at
-module level so that the ``spawn`` start method can find it by name. A worker
-ties its life to the launching process, gets torchrun's ``env://`` variables
-(the only environment variables it writes), joins the process group through the
+module level so that the start methods (the fork server's, or ``spawn``) can
+find it by name. A worker ties its life to the launching process, takes the
+launching process's environment and torchrun's ``env://`` variables (the only
+environment variables it writes), joins the process group through the
 parent's rendezvous store, runs the job and sends its result, or its traceback,
 back through a pipe. The job's format is defined here too, by
 :func:`pickle_job`, next to the code that reads it.
@@ -20,7 +21,7 @@ import traceback
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.connection import Connection
-from typing import Any, Callable, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -47,18 +48,27 @@ class WorkerSpec:
     parent_pid: int
     store_deadline: Optional[float]  # time.time() by which the store must answer
     collective_timeout: Optional[timedelta]
+    environ: Dict[str, str]  # the launching process's environment when it launched
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    """Make the kernel kill this worker if the launching process dies, so none is orphaned."""
+def _die_with_parent(launcher_pid: int) -> None:
+    """Make the kernel kill this worker if its parent dies, so none is orphaned.
+
+    The parent is the launching process, or the fork server it started, which ends
+    when the launching process does (so the worker goes then too).
+    """
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(None, use_errno=True)
             libc.prctl(1, int(signal.SIGKILL))  # 1 == PR_SET_PDEATHSIG
         except (OSError, AttributeError):
             pass
-    if os.getppid() != parent_pid:  # the parent died before prctl took effect
+    try:  # the launching process died before prctl took effect
+        os.kill(launcher_pid, 0)
+    except ProcessLookupError:
         os._exit(1)
+    except PermissionError:  # alive, under another user (cannot happen for our own parent, but harmless)
+        pass
 
 
 def pickle_job(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], *, unwrap: bool) -> bytes:
@@ -88,6 +98,10 @@ def pickle_job(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str,
 def worker_main(spec: WorkerSpec, job: bytes, conn: Connection) -> None:
     """Entry point of a spawned worker: set up the group, run the job, report back."""
     _die_with_parent(spec.parent_pid)
+    # A worker forked from the fork server has the server's environment, from when it started;
+    # take the launching process's, as a spawned worker would have.
+    os.environ.clear()
+    os.environ.update(spec.environ)
     _send(conn, ("started",))
     if hasattr(os, "setpgrp"):
         # Its own process group lets the parent stop the worker together with
