@@ -255,6 +255,32 @@ def test_bcast_period_realigns_drifted_ranks_after_every_nth_step():
     assert world_results(2, bcast_period_worker, 3) == [[False, False, True, True]] * 2
 
 
+def bcast_schedule_worker(period, passes):
+    """Rank 1 drifts before every step; whether the ranks agree after each of 9 steps (of ``passes``
+    backward passes each) says exactly after which steps the parameters were re-broadcast."""
+    rank, _ = rank_world()
+    model = make_model()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), bcast_period=period,
+                               backward_passes_per_step=passes)
+    agree = []
+    for x, y in batches(9):
+        opt.zero_grad()
+        if rank == 1:
+            with torch.no_grad():
+                model[0].weight.add_(0.5)
+        for part in range(passes):
+            nn.functional.mse_loss(model(shard(x))[part::passes], shard(y)[part::passes]).backward()
+        opt.step()
+        agree.append(same_on_all_ranks(model.parameters()))
+    return agree
+
+
+@pytest.mark.parametrize("period, passes", [(1, 1), (2, 1), (3, 1), (4, 1), (3, 2)])
+def test_bcast_period_rebroadcasts_after_exactly_every_nth_step_counting_steps_not_passes(period, passes):
+    expected = [step % period == 0 for step in range(1, 10)]
+    assert world_results(2, bcast_schedule_worker, period, passes) == [expected] * 2
+
+
 def test_bcast_period_minus_one_never_broadcasts():
     assert world_results(2, bcast_period_worker, -1) == [[False] * 4] * 2
 
@@ -490,6 +516,73 @@ def test_the_roots_observed_order_becomes_the_fixed_plan_and_packs_overlap_backw
     assert all(at_flush == 0 for _, at_flush in planned[1:])
 
 
+def overlap_worker():
+    """A model of several packs of several members: which packs launch, in which order, and how many had
+    launched when the first layer's weight gradient (one of the last of backward) was computed."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(16, 16) for _ in range(6)]).double()  # 2176 bytes a layer
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), pack_threshold=4000)
+    engine = opt._engine
+    launches, before_end = [], []
+    launch = engine._launch
+    engine._launch = lambda index: (launches.append(index), launch(index))
+    model[0].weight.register_hook(lambda grad: before_end.append(engine.launch_order.launched))
+    rounds = []
+    for x, _ in batches(3):
+        opt.zero_grad()
+        launches.clear()
+        before_end.clear()
+        model(shard(torch.randn(BATCH, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))))\
+            .sum().backward()
+        rounds.append((list(launches), list(before_end), opt.stats.packs, opt.stats.packs_at_flush))
+        opt.step()
+    return rounds, [list(pack.spec.members) for pack in engine.packs]
+
+
+def test_packs_of_several_members_launch_in_plan_order_while_backward_still_runs():
+    for rounds, plan in world_results(2, overlap_worker):
+        # 6 layers of 2048 + 128 bytes at a 4000-byte threshold: a pack closes every two layers.
+        assert [len(members) for members in plan] == [4, 4, 4], plan
+        for launches, before_end, packs_sent, at_flush in rounds[1:]:  # the plan is fixed after the first round
+            assert launches == list(range(len(plan)))  # every pack once, in plan order
+            assert packs_sent == len(plan) and at_flush <= 1
+            # When the first layer's weight gradient was computed, every pack without a member of the
+            # first layer had launched already: the sends overlap the rest of backward.
+            assert before_end == [len(plan) - 1], (before_end, plan)
+
+
+def dropped_wrapper_worker():
+    """What a dropped wrapper leaves behind at world 2, where it hooks every parameter and holds a group."""
+    import gc
+    import weakref
+
+    model = make_model()
+    hooks_before = [len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()]
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    hooked = [len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()]
+    x, y = batches(1)[0]
+    nn.functional.mse_loss(model(shard(x)), shard(y)).backward()
+    opt.step()
+    engine, dropped = weakref.ref(opt._engine), weakref.ref(opt)
+    was_enabled = gc.isenabled()
+    gc.disable()  # freed by reference counting alone: no cycle keeps it (or its hooks' engine) alive
+    try:
+        del opt
+        freed = dropped() is None and engine() is None
+    finally:
+        if was_enabled:
+            gc.enable()
+    hooks_after = [len(p._post_accumulate_grad_hooks or {}) for p in model.parameters()]
+    nn.functional.mse_loss(model(shard(x)), shard(y)).backward()  # nothing reduces it, nothing raises
+    return freed, hooks_before, hooked, hooks_after
+
+
+def test_a_dropped_wrapper_is_freed_at_once_and_removes_its_hooks():
+    for freed, before, hooked, after in world_results(2, dropped_wrapper_worker):
+        assert freed
+        assert hooked == [b + 1 for b in before] and after == before
+
+
 # ---------------------------------------------------------------------- activation checkpointing
 
 
@@ -531,6 +624,7 @@ CHECKS = [
     ((2, 3), unused_parameters_worker, ()),
     ((2,), bcast_period_worker, (3,)),
     ((2,), bcast_period_worker, (-1,)),
+    *[((2,), bcast_schedule_worker, (period, passes)) for period, passes in [(1, 1), (2, 1), (3, 1), (4, 1), (3, 2)]],
     ((2,), accumulation_worker, ("backward_passes_per_step",)),
     ((2,), accumulation_worker, ("no_sync",)),
     ((2,), scaler_worker, ()),
@@ -544,6 +638,8 @@ CHECKS = [
     ((2,), compression_worker, ("fp16",)),
     ((2,), compression_worker, ("bf16",)),
     ((2,), plan_worker, ()),
+    ((2,), overlap_worker, ()),
+    ((2,), dropped_wrapper_worker, ()),
     ((2,), checkpoint_worker, (False,)),
     ((2,), checkpoint_worker, (True,)),
 ]

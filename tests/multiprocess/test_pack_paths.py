@@ -24,7 +24,7 @@ from torch import nn
 
 from distopt import DistributedOptimizer
 from distopt.engine import packs, sparse_rows
-from distopt._testing import run_world
+from distopt._testing import assert_no_children, run_world
 
 WORLD_TIMEOUT = 150
 
@@ -163,7 +163,11 @@ def _every_way():
 
 @pytest.fixture(scope="module")
 def results():
-    return run_world(_every_way, 2, timeout=WORLD_TIMEOUT)
+    # Checked here: the tests' own no_leftover_processes fixture starts after this one, and would
+    # count a worker this launch left behind as already there.
+    launched = run_world(_every_way, 2, timeout=WORLD_TIMEOUT)
+    assert_no_children()
+    return launched
 
 
 @pytest.mark.timeout(WORLD_TIMEOUT + 30)
