@@ -66,13 +66,15 @@ from .packs import (Pack, adopt_current_grads, build_packs, gather, gather_early
 from .rounds import (GATHER_SUM_MAX_BYTES, Sent, broadcast_each, gather_buffer, gather_by_broadcasts, labelled,
                      plan_gathers, sum_copies, sums_by_gather)
 
-__all__ = ["GradientEngine", "RoundState", "Phase", "BACKWARD_PATIENCE"]
+__all__ = ["GradientEngine", "RoundState", "Phase", "BACKWARD_PATIENCE", "PATIENCE_GROWTH"]
 
 #: Seconds the end of backward waits at least for the other ranks' gradients before leaving the
-#: round pending (finished by synchronize(), step() or zero_grad()); it grows to 20 times the
-#: slowest wait seen, so that slow links do not leave rounds pending. Long enough for a rank that
+#: round pending (finished by synchronize(), step() or zero_grad()). Long enough for a rank that
 #: saves a checkpoint or evaluates while the others start the next step.
 BACKWARD_PATIENCE = 60.0
+#: The patience grows to this many times the slowest wait at the end of backward seen so far, so
+#: that slow links do not leave rounds pending.
+PATIENCE_GROWTH = 20.0
 
 
 class RoundState(enum.Enum):
@@ -142,6 +144,9 @@ class GradientEngine:
         self.stats = StepStats()
         self.steps = 0  # the owner's steps taken; its parity travels in the control flags
         self._slowest_wait = 0.0  # seconds, of the waits at the end of backward that finished
+        # The wait at the end of backward: max(backward_patience, patience_growth * slowest wait).
+        self.backward_patience = BACKWARD_PATIENCE
+        self.patience_growth = PATIENCE_GROWTH
         self.params: List[Tensor] = []
         self.names: List[str] = []
         # Parameters held but frozen when they were tracked; they join once trainable.
@@ -327,7 +332,11 @@ class GradientEngine:
                 self.flush()
                 # A rank whose backward reached no parameter sends its packs only in step(); waiting for
                 # them here without bound would deadlock with a collective it runs before step().
-                self.finish_round(patience=max(BACKWARD_PATIENCE, 20 * self._slowest_wait))
+                self.finish_round(patience=self.patience())
+
+    def patience(self) -> float:
+        """Seconds the end of backward waits for the other ranks before leaving the round pending."""
+        return max(self.backward_patience, self.patience_growth * self._slowest_wait)
 
     def _control_flags(self) -> Tensor:
         if self._control is None:
