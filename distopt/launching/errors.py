@@ -12,6 +12,11 @@ from typing import List, Optional, Sequence
 __all__ = ["LaunchError", "WorkerFailure", "WorkerFailedError", "LaunchTimeoutError"]
 
 
+#: What a worker's traceback says when a peer's death made it fail (gloo, NCCL, distopt's stall inspector).
+_PEER_LOST = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited",
+              "is gone: it")
+
+
 class LaunchError(RuntimeError):
     """Base class of the errors :func:`launch` raises when its workers do not all succeed."""
 
@@ -38,6 +43,12 @@ class WorkerFailure:
     traceback: Optional[str]
     when: float
     started: bool = True
+
+    @property
+    def caused_by_a_peer(self) -> bool:
+        """Whether its traceback says that it failed because a peer went away first (the transport's
+        lost connection, or distopt's stall inspector naming a rank that is gone)."""
+        return self.traceback is not None and any(mark in self.traceback for mark in _PEER_LOST)
 
     @property
     def signal_name(self) -> Optional[str]:

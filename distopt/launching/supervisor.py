@@ -79,6 +79,9 @@ def _start_context() -> Any:
 
 #: Seconds the supervisor blocks at most before looking at signals and the deadline again.
 _SLICE = 0.5
+#: Seconds the supervisor goes on listening after the first failure, so that the failure that caused
+#: it (a peer killed a moment earlier, whose death is reported later) can be named first.
+_CAUSE_GRACE = 1.0
 
 
 class _Supervisor:
@@ -118,6 +121,7 @@ class _Supervisor:
                     failures += self._exited(self.live.pop(ready), since)
             failures += [self._failure(i, None, since) for i in self.errors if i in self.live.values()]
         if failures:
+            failures += self._more_failures(failures)
             raise WorkerFailedError(self._settle(failures))
         silent = [self.first_rank + i for i, done in enumerate(self.returned) if not done]
         if silent:
@@ -127,6 +131,27 @@ class _Supervisor:
                 stacklevel=4,
             )
         return self.results
+
+    def _more_failures(self, known: List[WorkerFailure]) -> List[WorkerFailure]:
+        """Failures that arrive within a moment of the first ones (all workers' ends, when they come).
+
+        A peer that raised because another worker died may report before that death does:
+        with the fork server, a death reaches this process through the server.
+        """
+        more: List[WorkerFailure] = []
+        seen = {f.local_rank for f in known}
+        deadline = time.monotonic() + _CAUSE_GRACE
+        while self.live and time.monotonic() < deadline:
+            since = time.time()
+            for ready in connection.wait(list(self.open_readers) + list(self.live), deadline - time.monotonic()):
+                if ready in self.open_readers:
+                    self._receive(self.open_readers[ready])
+                else:
+                    more += [f for f in self._exited(self.live.pop(ready), since) if f.local_rank not in seen]
+            more += [self._failure(i, None, since) for i in self.errors
+                     if i in self.live.values() and i not in seen and all(f.local_rank != i for f in more)]
+            seen |= {f.local_rank for f in more}
+        return more
 
     def _receive(self, i: int) -> None:
         reader = self.readers[i]
@@ -175,7 +200,8 @@ class _Supervisor:
                 failure = replace(failure, exitcode=proc.exitcode)
             settled.append(failure)
         unique = {f.rank: f for f in sorted(settled, key=lambda f: f.when, reverse=True)}
-        return sorted(unique.values(), key=lambda f: f.when)
+        # A failure caused by a peer's death comes after the failures that could be that death.
+        return sorted(unique.values(), key=lambda f: (f.caused_by_a_peer, f.when))
 
 
 def _signal_worker(proc: BaseProcess, sig: int) -> None:

@@ -1,0 +1,118 @@
+"""Break each promise on purpose, one at a time, and show that the suite notices.
+
+Usage::
+
+    python tests/mutation.py            # every mutant, with its tests
+    python tests/mutation.py threshold  # one of them, by name
+
+Each mutant is one textual change to one file of a copy of the repository (the
+copied text must occur exactly once, so a mutant cannot silently stop applying).
+The copy runs the tests that guard the promise; the mutant is *killed* when at
+least one of them fails. The script ends with a table and exits 1 if any mutant
+survived. It is not a test module (pytest collects ``test_*.py`` only): it takes a
+few minutes and runs before a release or after a change to the suite.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import List, Sequence, Tuple
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str  # what is broken
+    path: str  # the file, relative to the repository
+    old: str  # text that occurs exactly once in it
+    new: str  # what replaces it
+    tests: Sequence[str]  # pytest arguments that select the guarding tests
+
+
+MUTANTS: List[Mutant] = [
+    Mutant("threshold", "distopt/planning/packing.py",
+           "if open_bytes[meta.key] >= threshold:", "if False:",
+           ["tests/unit/test_packing.py", "tests/multiprocess/test_optimizer_dist.py", "-k",
+            "several_members or pack"]),
+    Mutant("re-broadcast period", "distopt/wrapper/optimizer.py",
+           "engine.steps % self.bcast_period == 0", "engine.steps == self.bcast_period",
+           ["tests/multiprocess/test_optimizer_dist.py", "-k", "bcast"]),
+    Mutant("mean/sum", "distopt/wrapper/optimizer.py",
+           'world_size, mean = self.world_size, self.reduce_op == "mean"',
+           'world_size, mean = self.world_size, self.reduce_op != "mean"',
+           ["tests/multiprocess/test_optimizer_dist.py", "-k", "matches_single_process or ddp"]),
+    Mutant("dtype key", "distopt/engine/packs.py",
+           "return [ParamMeta((p.device, p.dtype), p.numel(), p.element_size()) for p in params]",
+           "return [ParamMeta((p.device,), p.numel(), p.element_size()) for p in params]",
+           ["tests/multiprocess/test_optimizer_dist.py", "-k", "random_parameter_sets or matches_single_process"]),
+    Mutant("flush before step", "distopt/modes/synchronous.py",
+           "            ctx.reduce_for_step()\n", "",
+           ["tests/multiprocess/test_agreement.py", "-k", "skipped_batch"]),
+    Mutant("skip of a frozen parameter", "distopt/engine/engine.py",
+           "trainable = [(p, n) for p, n in zip(params, names) if p.requires_grad]",
+           "trainable = [(p, n) for p, n in zip(params, names)]",
+           ["tests/multiprocess/test_agreement.py", "-k", "frozen"]),
+    Mutant("join's contributor count", "distopt/planning/control.py",
+           "return world_size / self.contributing", "return 1.0",
+           ["tests/multiprocess/test_join.py", "-k", "uneven_batches_train_like"]),
+    Mutant("sharded step's owner map", "distopt/modes/sharded.py",
+           "return self.owner_of.get(id(p), self.rank) == self.rank", "return True",
+           ["tests/multiprocess/test_sharded.py", "-k", "trains_exactly_like_the_unsharded"]),
+    Mutant("local SGD's anchor update", "distopt/modes/local_sgd.py",
+           "                anchor.sub_(pseudo)\n", "                anchor.sub_(pseudo * 0.5)\n",
+           ["tests/multiprocess/test_local_sgd.py", "-k", "matches_the_single_process_simulation"]),
+]
+
+
+def _copy(to: Path) -> None:
+    files = subprocess.run(["git", "ls-files", "-co", "--exclude-standard"], cwd=ROOT, check=True,
+                           capture_output=True, text=True).stdout.split()
+    for name in files:
+        source = ROOT / name
+        if source.is_file():
+            target = to / name
+            target.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(source, target)
+
+
+def run(mutant: Mutant) -> Tuple[bool, float, str]:
+    """Apply ``mutant`` to a fresh copy and run its tests: ``(killed, seconds, last line of pytest)``."""
+    with tempfile.TemporaryDirectory(prefix="distopt-mutant-") as tmp:
+        copy = Path(tmp)
+        _copy(copy)
+        target = copy / mutant.path
+        text = target.read_text()
+        if text.count(mutant.old) != 1:
+            raise SystemExit(f"mutant {mutant.name!r}: its text occurs {text.count(mutant.old)} times in "
+                             f"{mutant.path}, not once; update the mutant to the code")
+        target.write_text(text.replace(mutant.old, mutant.new))
+        start = time.perf_counter()
+        env = {**os.environ, "PYTHONPATH": str(copy)}  # the copy's distopt, not the installed checkout
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *mutant.tests],
+                              cwd=copy, env=env, capture_output=True, text=True, timeout=1200)
+        lines = [line for line in proc.stdout.splitlines() if line.strip()]
+        return proc.returncode != 0, time.perf_counter() - start, lines[-1] if lines else proc.stderr[-200:]
+
+
+def main(argv: Sequence[str]) -> int:
+    chosen = [m for m in MUTANTS if not argv or m.name in argv or m.name.split()[0] in argv]
+    rows = []
+    for mutant in chosen:
+        killed, seconds, last = run(mutant)
+        rows.append((mutant.name, "killed" if killed else "SURVIVED", f"{seconds:.0f} s", last))
+        print(f"{mutant.name:28} {rows[-1][1]:9} {rows[-1][2]:>6}  {last}", flush=True)
+    print("\n| mutant | result | time | tests |\n|---|---|---|---|")
+    for name, result, seconds, last in rows:
+        print(f"| {name} | {result} | {seconds} | {last} |")
+    return 0 if all(result == "killed" for _, result, _, _ in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
