@@ -102,14 +102,18 @@ def kill_tree(pid: int) -> None:
     psutil.wait_procs(descendants, timeout=5)
 
 
-def _is_resource_tracker(cmdline: List[str]) -> bool:
-    # multiprocessing starts one per spawning process and stops it at exit; it is not a worker.
-    return any("multiprocessing.resource_tracker" in part or "multiprocessing.forkserver" in part
-               for part in cmdline)
+def _is_multiprocessing_helper(child: Any) -> bool:
+    """multiprocessing's resource tracker or fork server: each starts once per launching process and
+    stops at its exit; neither is a worker. The fork server's own children, the workers, carry its
+    command line too, so only a direct child of this process counts as the server."""
+    cmdline = child.cmdline()
+    if any("multiprocessing.resource_tracker" in part for part in cmdline):
+        return True
+    return child.ppid() == os.getpid() and any("multiprocessing.forkserver" in part for part in cmdline)
 
 
 def live_children(ignore: Iterable[int] = ()) -> List[Any]:
-    """Child processes of this process still alive (zombies included), minus multiprocessing's helper.
+    """Child processes of this process still alive (zombies included), minus multiprocessing's helpers.
 
     Args:
         ignore: pids to leave out (children that existed before the code under test ran).
@@ -125,7 +129,7 @@ def live_children(ignore: Iterable[int] = ()) -> List[Any]:
         if child.pid in skip:
             continue
         try:
-            if not _is_resource_tracker(child.cmdline()):
+            if not _is_multiprocessing_helper(child):
                 found.append(child)
         except (psutil.NoSuchProcess, psutil.ZombieProcess):
             if child.is_running():  # a zombie: it exited but was never reaped
