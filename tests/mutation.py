@@ -97,8 +97,11 @@ def run(mutant: Mutant) -> Tuple[bool, float, str]:
         env = {**os.environ, "PYTHONPATH": str(copy)}  # the copy's distopt, not the installed checkout
         proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *mutant.tests],
                               cwd=copy, env=env, capture_output=True, text=True, timeout=1200)
+        failed = [line.split(" - ")[0][len("FAILED "):] for line in proc.stdout.splitlines()
+                  if line.startswith("FAILED ")]
         lines = [line for line in proc.stdout.splitlines() if line.strip()]
-        return proc.returncode != 0, time.perf_counter() - start, lines[-1] if lines else proc.stderr[-200:]
+        said = failed[0] if failed else (lines[-1] if lines else proc.stderr[-200:])
+        return proc.returncode != 0, time.perf_counter() - start, said
 
 
 def main(argv: Sequence[str]) -> int:
@@ -108,7 +111,7 @@ def main(argv: Sequence[str]) -> int:
         killed, seconds, last = run(mutant)
         rows.append((mutant.name, "killed" if killed else "SURVIVED", f"{seconds:.0f} s", last))
         print(f"{mutant.name:28} {rows[-1][1]:9} {rows[-1][2]:>6}  {last}", flush=True)
-    print("\n| mutant | result | time | tests |\n|---|---|---|---|")
+    print("\n| mutant | result | time | the test that failed |\n|---|---|---|---|")
     for name, result, seconds, last in rows:
         print(f"| {name} | {result} | {seconds} | {last} |")
     return 0 if all(result == "killed" for _, result, _, _ in rows) else 1
