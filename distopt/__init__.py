@@ -36,6 +36,7 @@ from .collectives import (
 )
 from .launching import LaunchError, LaunchTimeoutError, WorkerFailedError, init, launch, launcher, shutdown
 from .modes import merge_state_dicts
+from .planning.drift import DriftError, DriftReport, DriftWarning
 from .planning.stats import StepStats
 from .transport.stalls import StallError
 from .wrapper import DistributedOptimizer, join
@@ -44,6 +45,9 @@ __all__ = [
     "DistributedOptimizer",
     "StepStats",
     "StallError",
+    "DriftError",
+    "DriftWarning",
+    "DriftReport",
     "join",
     "merge_state_dicts",
     "optim",

@@ -42,7 +42,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--modes", default="", metavar="NAMES",
                    help="optional modes to add, comma-separated: distopt+join (the cost of join() while ranks are "
                         "even), distopt+shard (shard_state=True), distopt-noinspect (the stall inspector off), "
-                        "distopt-allreduce (small sums all-reduced, not gathered), distopt-local4 (local SGD, parameters averaged every 4th step)")
+                        "distopt-allreduce (small sums all-reduced, not gathered), distopt-local4 (local SGD, parameters averaged every 4th step), "
+                        "distopt-nodrift and distopt+drift1 (the drift check off, and at every step: together, what "
+                        "the default check every 100 steps costs)")
     p.add_argument("--profile", metavar="WORKLOAD", choices=list(WORKLOADS),
                    help="instead of timing: profile local, ddp and distopt on one workload with torch.profiler and "
                         "print the ms per step of each phase and the top operators (rank 0)")

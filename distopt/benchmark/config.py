@@ -23,7 +23,8 @@ class BenchConfig:
         rounds: interleaving rounds the timed steps are spread over.
         warmup: untimed steps per mode after it is built.
         thresholds: extra distopt pack thresholds in bytes, one mode each.
-        extra_modes: optional modes to run too (``distopt+join``, ``distopt-noinspect``, ``distopt-local4``).
+        extra_modes: optional modes to run too (``distopt+join``, ``distopt-noinspect``, ``distopt-local4``,
+            ``distopt-nodrift``, ``distopt+drift1``, ...).
         memory: whether to probe peak memory (one fresh launch per mode).
         world1: whether to run the world-size-1 section.
         seed: seeds model initialisation and data.

@@ -124,6 +124,16 @@ def _distopt_local4(model: nn.Module, sgd: torch.optim.Optimizer, device: torch.
     return model, DistributedOptimizer(sgd, sync_every=4)
 
 
+def _distopt_nodrift(model: nn.Module, sgd: torch.optim.Optimizer, device: torch.device,
+                     variant: Optional[int]) -> Tuple[nn.Module, Any]:
+    return model, DistributedOptimizer(sgd, check_every=0)
+
+
+def _distopt_drift1(model: nn.Module, sgd: torch.optim.Optimizer, device: torch.device,
+                    variant: Optional[int]) -> Tuple[nn.Module, Any]:
+    return model, DistributedOptimizer(sgd, check_every=1)
+
+
 #: Training modes by name, in run order.
 MODES: Dict[str, ModeSpec] = {
     # The bare inner optimizer, no communication. The floor.
@@ -143,6 +153,11 @@ MODES: Dict[str, ModeSpec] = {
     # local SGD: gradients stay local, parameters are averaged every 4th step (sync_every=4).
     "distopt-local4": ModeSpec(_distopt_local4, distributed_only=True, memory_probe=False, optional=True,
                                count_steps=4),
+    # The drift check: distopt checks every DEFAULT_CHECK_EVERY steps by default, which a median over a few
+    # dozen steps cannot see; these two time it off (check_every=0) and at every step (check_every=1), and
+    # the report divides their difference, the cost of one check, by the default period.
+    "distopt-nodrift": ModeSpec(_distopt_nodrift, distributed_only=True, memory_probe=False, optional=True),
+    "distopt+drift1": ModeSpec(_distopt_drift1, distributed_only=True, memory_probe=False, optional=True),
 }
 
 

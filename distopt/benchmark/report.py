@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
+from ..wrapper.drift import DEFAULT_CHECK_EVERY
 from .mode_specs import display_name
 from .results import WorkloadResult
 from .sizes import format_size
@@ -37,6 +38,18 @@ def _mode_table(result: WorkloadResult) -> List[str]:
     return lines
 
 
+def _drift_cost(result: WorkloadResult) -> List[str]:
+    """One check's cost (a check at every step against none), and that at the default period as a share
+    of a step: nothing unless both drift modes ran."""
+    every, never, step = (result.median(n) for n in ("distopt+drift1", "distopt-nodrift", "distopt"))
+    if every is None or never is None or not step:
+        return []
+    check = every - never
+    return [f"  drift check: {check:.2f} ms a check (distopt+drift1 - distopt-nodrift); every {DEFAULT_CHECK_EVERY} "
+            f"steps (the default) {check / DEFAULT_CHECK_EVERY:.3f} ms a step = "
+            f"{100 * check / DEFAULT_CHECK_EVERY / step:.2f}% of a distopt step"]
+
+
 def format_report(report: Dict[str, Any]) -> str:
     """The human-readable table of :func:`run_benchmark`'s figures.
 
@@ -65,6 +78,7 @@ def format_report(report: Dict[str, Any]) -> str:
             f"overhead (distopt-local)/(ddp-local) = {_fmt_overhead(result)}   "
             f"bare_allreduce floor = {_fmt(bare, '.2f')} ms",
         ]
+        lines += _drift_cost(result)
     if report["world1"]:
         lines += ["", "[world size 1] DistributedOptimizer without a process group vs the bare inner optimizer"]
         lines.append(f"  {'workload':<14}{'local ms':>11}{'distopt ms':>12}{'distopt/local':>15}")

@@ -32,8 +32,9 @@ and the parameters it was given (:meth:`Mode.on_track`), ``join()`` (the last
 round of a rank that leaves, :meth:`Mode.leaving`; what a rank that has joined does
 after each shadow round, :meth:`Mode.shadow_step`; the end of the block,
 :meth:`Mode.settle_after_join` and :meth:`Mode.broadcast_state`), checkpoints
-(:meth:`Mode.state_dict`, :meth:`Mode.load_state_dict`) and ``stats``
-(:meth:`Mode.extra_state_bytes`). The defaults do what synchronous training needs.
+(:meth:`Mode.state_dict`, :meth:`Mode.load_state_dict`), ``stats``
+(:meth:`Mode.extra_state_bytes`) and the drift check (:meth:`Mode.kept_identical`: what
+it keeps identical on every rank, and when). The defaults do what synchronous training needs.
 """
 from __future__ import annotations
 
@@ -47,6 +48,7 @@ from torch.optim import Optimizer
 
 from .. import collectives
 from ..engine import GradientEngine
+from ..planning import drift
 from ..transport import stalls
 from . import shards
 
@@ -258,3 +260,24 @@ class Mode:
     def extra_state_bytes(self, ctx: ModeContext) -> int:
         """Bytes the mode holds besides the model and the inner optimizer (for ``stats``)."""
         return 0
+
+    def kept_identical(self, ctx: ModeContext, scheduled: bool) -> Optional[drift.Kept]:
+        """What this mode keeps identical on every rank now, for the drift check to compare.
+
+        Synchronous training keeps everything identical after every step: the parameters,
+        the optimizer's state and its hyperparameters, and the step count.
+
+        Args:
+            ctx: the wrapper, as the mode sees it.
+            scheduled: a periodic check (``check_every``) rather than ``opt.check_drift()``;
+                a mode may put a periodic check off to a later step by returning None.
+
+        Returns:
+            What to compare, or None: nothing now (the wrapper tries again at the next step).
+        """
+        return drift.Kept(
+            per_param=[[(drift.PARAMETER, p)] + state
+                       for p, state in zip(ctx.params, drift.state_items(ctx.optimizer, ctx.params, "optimizer state"))],
+            shared=drift.hyperparameter_items(ctx.optimizer) + [("the step count", ctx.steps)],
+            what="the parameters, the optimizer state, its hyperparameters and the step count",
+        )

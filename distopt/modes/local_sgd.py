@@ -54,6 +54,7 @@ from torch.optim import Optimizer
 
 from .. import collectives
 from ..engine.packs import Pack
+from ..planning import drift
 from ..planning.stats import StepStats
 from ..transport import stalls
 from . import amp, shards
@@ -152,6 +153,36 @@ class LocalSGDMode(Mode):
 
     def extra_state_bytes(self, ctx: ModeContext) -> int:
         return self._extra_bytes
+
+    def kept_identical(self, ctx: ModeContext, scheduled: bool) -> Optional[drift.Kept]:
+        """Right after a sync: the parameters and the outer optimizer; between syncs, where each rank's
+        parameters differ on purpose, a periodic check waits for the next sync, and ``check_drift()``
+        compares the last-sync copies. The inner optimizer's state is each rank's own, never compared
+        (but during ``local_warmup``, which is synchronous training)."""
+        if not ctx.engine.local:
+            return super().kept_identical(ctx, scheduled)
+        if self.since_sync and scheduled:
+            return None
+        outer = self.outer
+        anchors = [self._anchors.get(id(p)) for p in ctx.params]
+        outer_state = (drift.state_items(outer, anchors, "outer optimizer state") if outer is not None
+                       else [[] for _ in ctx.params])
+        shared = [] if outer is None else drift.hyperparameter_items(outer, "outer optimizer param_groups")
+        shared += [("the step count", ctx.steps), ("the steps since the last sync", self.since_sync)]
+        outer_words = "" if outer is None else ", the outer optimizer's state and hyperparameters"
+        if not self.since_sync:
+            return drift.Kept(
+                per_param=[[(drift.PARAMETER, p)] + state for p, state in zip(ctx.params, outer_state)],
+                shared=shared,
+                what=f"the parameters right after a sync{outer_words} and the step count (not the inner "
+                     "optimizer's state: in local SGD each rank's is its own)",
+            )
+        return drift.Kept(
+            per_param=[([] if a is None else [("last-sync copy", a)]) + state for a, state in zip(anchors, outer_state)],
+            shared=shared,
+            what=f"the parameters' last-sync copies{outer_words} and the step count (between two syncs each "
+                 "rank's parameters differ on purpose)",
+        )
 
     # ------------------------------------------------------------------ the sync
 

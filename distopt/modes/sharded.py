@@ -33,6 +33,7 @@ from torch import Tensor
 
 from .. import collectives
 from ..collectives.optimizer_state import cpu_copy
+from ..planning import drift
 from ..planning.ownership import assign_owners
 from ..transport import stalls, waiting
 from . import shards
@@ -101,6 +102,16 @@ class ShardedMode(Mode):
         # run the user's gradient code, clipping included); it only takes part in the exchange.
         self._follow_joins(ctx)
         self._share_parameters(ctx)
+
+    def kept_identical(self, ctx: ModeContext, scheduled: bool) -> Optional[drift.Kept]:
+        # Every rank holds its own shard of the state; the parameters and the hyperparameters
+        # (every rank keeps every param group) are the same everywhere after each step.
+        return drift.Kept(
+            per_param=[[(drift.PARAMETER, p)] for p in ctx.params],
+            shared=drift.hyperparameter_items(ctx.optimizer) + [("the step count", ctx.steps)],
+            what="the parameters, the optimizer's hyperparameters and the step count (not the optimizer state: "
+                 "each rank holds its own shard of it)",
+        )
 
     def settle_after_join(self, ctx: ModeContext, last: int, identical: bool) -> None:
         # Parameters travelled every step and every shard was stepped by a rank still training;

@@ -4,7 +4,8 @@
 - :mod:`~distopt.planning.replanning`: the plan after the ranks observed an order or unfroze parameters;
 - :mod:`~distopt.planning.ownership`: which rank keeps which parameter's state (``shard_state``);
 - :mod:`~distopt.planning.control`: the control flags every pack carries, and what their sums mean;
-- :mod:`~distopt.planning.stats`: :class:`StepStats`, what a round did.
+- :mod:`~distopt.planning.stats`: :class:`StepStats`, what a round did;
+- :mod:`~distopt.planning.drift`: the drift check's exact fingerprints, and what a difference between ranks means.
 
 Everything here is tested without a process (``tests/unit``).
 """

@@ -1,7 +1,8 @@
-"""What a reduction round did: :class:`StepStats`, read as ``opt.stats``."""
+"""What a reduction round did, and what the last drift check found: :class:`StepStats`, read as ``opt.stats``."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 __all__ = ["StepStats"]
 
@@ -28,6 +29,19 @@ class StepStats:
         extra_state_bytes: memory the mode holds besides the model and the inner
             optimizer (local SGD: the parameters at the last sync, and the outer
             optimizer's state); 0 in synchronous training.
+        drift_checks: drift checks run so far (``check_every``, before ``bcast_period``
+            re-broadcasts, and ``check_drift()``); the fields below are the last one's
+            (filled in by the wrapper).
+        drift_step: the step count at the last drift check (0: none yet).
+        drifted: tensors and values that differed between ranks at the last drift check,
+            in any bit, within the tolerance or not; 0: the ranks agreed bit for bit.
+        drift: the largest drift the last check found: the larger spread over the ranks of
+            a tensor's mean and RMS, in its own units (``p.add_(1e-3)`` on one rank reads
+            1e-3), ``inf`` for a shape or an entry that differs; 0.0 when nothing differed.
+        drift_name: where that largest drift was (``"parameter '0.weight'"``); ``""`` if none.
+        drift_corrected: None, or, when the last check ran right before a ``bcast_period``
+            re-broadcast, the largest parameter drift that re-broadcast overwrote (0.0: the
+            ranks agreed already).
     """
 
     packs: int = 0
@@ -38,3 +52,9 @@ class StepStats:
     wait_seconds: float = 0.0
     optimizer_state_bytes: int = 0
     extra_state_bytes: int = 0
+    drift_checks: int = 0
+    drift_step: int = 0
+    drifted: int = 0
+    drift: float = 0.0
+    drift_name: str = ""
+    drift_corrected: Optional[float] = None

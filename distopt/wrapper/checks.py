@@ -19,12 +19,14 @@ from torch.optim import Optimizer
 
 from .. import collectives
 from ..collectives.tensors import same_everywhere
+from ..planning.drift import ON_DRIFT
 
 __all__ = [
     "COMPRESSIONS",
     "REDUCE_OPS",
     "check_arguments",
     "check_local_sgd",
+    "check_drift_arguments",
     "byte_count",
     "seconds",
     "shard_state",
@@ -124,6 +126,34 @@ def check_local_sgd(sync_every: Any, outer_optimizer: Any, local_warmup: Any, re
             "on every rank, so there is no state to shard; use one or the other"
         )
     return True
+
+
+def check_drift_arguments(check_every: Any, drift_atol: Any, drift_rtol: Any,
+                          on_drift: Any) -> Tuple[int, float, float, str]:
+    """The drift check's arguments, checked: ``(check_every, drift_atol, drift_rtol, on_drift)``.
+
+    Raises:
+        TypeError: ``check_every`` not an int, a tolerance not a number.
+        ValueError: a negative or NaN value, or an ``on_drift`` other than ``"raise"``/``"warn"``.
+    """
+    if isinstance(check_every, bool) or not isinstance(check_every, numbers.Integral):
+        raise TypeError(f"check_every must be an int (N > 0: compare the ranks every N steps, 0: never), "
+                        f"got {check_every!r}; pass e.g. check_every=100")
+    if check_every < 0:
+        raise ValueError(f"check_every must be an int >= 0 (N > 0: compare the ranks every N steps, 0: never), "
+                         f"got {check_every!r}")
+    tolerances = []
+    for name, value in (("drift_atol", drift_atol), ("drift_rtol", drift_rtol)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"{name} must be a number >= 0, got {value!r}; pass e.g. {name}=1e-6")
+        if not value >= 0:  # NaN too
+            raise ValueError(f"{name} must be a number >= 0 (0: any difference between the ranks counts), "
+                             f"got {value!r}")
+        tolerances.append(float(value))
+    if on_drift not in ON_DRIFT:
+        raise ValueError(f"on_drift must be 'raise' or 'warn', got {on_drift!r}; 'warn' warns and trains on "
+                         "(check_every=0 turns the periodic check off)")
+    return int(check_every), tolerances[0], tolerances[1], on_drift
 
 
 def byte_count(value: Any, name: str, hint: str) -> int:

@@ -44,10 +44,12 @@ from .. import collectives
 from ..collectives.groups import check_member
 from ..engine import GradientEngine, RoundState
 from ..modes import Mode, ModeArguments, ModeContext, OuterFactory, choose, shards
+from ..planning.drift import DriftReport
 from ..planning.stats import StepStats
 from ..transport import private_groups, stalls
 from ..transport.stalls import Progress
 from . import checks
+from .drift import DEFAULT_CHECK_EVERY, DriftCheck
 from .forwarding import InnerOptimizerSurface
 
 __all__ = ["DistributedOptimizer", "StepStats", "DEFAULT_PACK_THRESHOLD", "join", "join_and_wait"]
@@ -127,6 +129,18 @@ class DistributedOptimizer(InnerOptimizerSurface):
             nesterov=True)``; at each sync it steps on the mean pseudo-gradient
             (last-sync parameters minus local ones). None averages (default: None).
         local_warmup: synchronous steps before local SGD starts (default: 0).
+        check_every: the drift check: every ``check_every`` steps the ranks compare
+            exact fingerprints of what the mode keeps identical on every rank (the
+            parameters, and the optimizer state and hyperparameters where every rank
+            holds them alike; in local SGD at the first sync due); with ``bcast_period``
+            right before the first re-broadcast due, so that ``stats`` says what it
+            corrected; ``0`` never (``check_drift()`` still works) (default: 100).
+        drift_atol: a difference between the ranks up to ``drift_atol + drift_rtol x``
+            the tensor's RMS is floating-point noise: reported in ``stats``, not raised;
+            with both 0 any difference in the bits counts (default: 0.0).
+        drift_rtol: see ``drift_atol`` (default: 0.0).
+        on_drift: beyond the tolerance, ``"raise"`` :class:`distopt.DriftError` on every
+            rank, or ``"warn"`` with :class:`distopt.DriftWarning` and train on (default: ``"raise"``).
 
     Raises:
         TypeError: if ``optimizer`` is not a ``torch.optim.Optimizer``.
@@ -161,6 +175,10 @@ class DistributedOptimizer(InnerOptimizerSurface):
         sync_every: int = 1,
         outer_optimizer: Optional[OuterFactory] = None,
         local_warmup: int = 0,
+        check_every: int = DEFAULT_CHECK_EVERY,
+        drift_atol: float = 0.0,
+        drift_rtol: float = 0.0,
+        on_drift: str = "raise",
     ) -> None:
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("optimizer is already a DistributedOptimizer; wrap the plain torch.optim optimizer once")
@@ -175,6 +193,9 @@ class DistributedOptimizer(InnerOptimizerSurface):
         self.shard_state = checks.shard_state(shard_state, optimizer)
         local = checks.check_local_sgd(sync_every, outer_optimizer, local_warmup, reduce_op, bcast_period,
                                        self.shard_state)
+        self.check_every, self.drift_atol, self.drift_rtol, self.on_drift = checks.check_drift_arguments(
+            check_every, drift_atol, drift_rtol, on_drift)
+        self._drift = DriftCheck(self.check_every, self.drift_atol, self.drift_rtol, self.on_drift)
         self.stall_warning = checks.seconds(stall_warning, "stall_warning")
         self.stall_timeout = checks.seconds(stall_timeout, "stall_timeout")
         # None stays None (the default group, looked up per call): holding the default group would
@@ -219,11 +240,13 @@ class DistributedOptimizer(InnerOptimizerSurface):
     @property
     def stats(self) -> StepStats:
         """What the last reduction round (or step) did (packs, bytes on the wire, time waited), the
-        bytes of optimizer state this rank holds, and the extra memory the mode holds."""
+        bytes of optimizer state this rank holds, the extra memory the mode holds, and what the
+        last drift check found."""
         stats = self._engine.stats
         stats.optimizer_state_bytes = sum(v.numel() * v.element_size() for state in self.optimizer.state.values()
                                           for v in state.values() if isinstance(v, Tensor))
         stats.extra_state_bytes = self._mode.extra_state_bytes(self._context)
+        self._drift.fill(stats)
         return stats
 
     @property
@@ -288,11 +311,76 @@ class DistributedOptimizer(InnerOptimizerSurface):
             ctx.found_inf = ctx.grad_scale = None
         engine.after_step()
         ctx.set_steps(engine.steps + 1)
-        # While a rank has joined it cannot take part in a broadcast; the join block's end settles the state.
-        if (self.bcast_period > 0 and engine.steps % self.bcast_period == 0
-                and engine.contributors == self.world_size):
-            self.broadcast_parameters()
+        # While a rank has joined it cannot take part in a broadcast or a drift check; the join block's
+        # end settles the state.
+        if engine.contributors == self.world_size:
+            rebroadcast = self.bcast_period > 0 and engine.steps % self.bcast_period == 0
+            report = self._scheduled_drift_check(rebroadcast)
+            if rebroadcast:
+                self.broadcast_parameters()
+            if report is not None:  # after the re-broadcast, which leaves the ranks' parameters alike
+                when = (f"right before the re-broadcast after step {engine.steps}" if rebroadcast
+                        else f"after step {engine.steps} (check_every={self.check_every})")
+                self._drift.act(report, when=when, root=self.root_rank, bcast_period=self.bcast_period,
+                                stacklevel=2)
         return loss
+
+    def check_drift(self) -> DriftReport:
+        """Compare, now, every rank's copy of what the mode keeps identical on every rank.
+
+        What the scheduled check (``check_every``) compares: the parameters, and the
+        optimizer state and hyperparameters where the mode keeps them alike; in local SGD,
+        between two syncs, the parameters' last-sync copies instead of the parameters.
+        Every rank must call it at the same point. Beyond the tolerance it raises (or
+        warns, per ``on_drift``) on every rank alike; ``stats`` holds its figures.
+
+        Returns:
+            What differs between the ranks (nothing in a world of one).
+
+        Raises:
+            DriftError: a difference beyond ``drift_atol``/``drift_rtol``, with ``on_drift="raise"``.
+            RuntimeError: called while gradients are being averaged, or inside a join block
+                after a rank has joined.
+        """
+        self._check_not_retired("check_drift()")
+        engine, ctx = self._engine, self._context
+        if engine.state in (RoundState.IN_FLIGHT, RoundState.FLUSHED):
+            raise RuntimeError(
+                "check_drift() was called while the gradients of this step are still being averaged (another "
+                "rank lagged at the end of backward); call it before backward() or after step(), or call "
+                "opt.synchronize() first"
+            )
+        if engine.contributors != self.world_size:
+            raise RuntimeError(
+                "check_drift() was called inside a join block after a rank ran out of data: that rank cannot take "
+                "part; call it after the block, where every rank holds the same state again"
+            )
+        kept = None if self.world_size == 1 else self._mode.kept_identical(ctx, scheduled=False)
+        if kept is None:
+            return DriftReport(step=engine.steps)
+        report = self._drift.run(ctx, kept, self._param_names())
+        self._drift.act(report, when=f"called as opt.check_drift() after step {engine.steps}", root=self.root_rank,
+                        bcast_period=self.bcast_period, stacklevel=2)
+        return report
+
+    def _scheduled_drift_check(self, rebroadcast: bool) -> Optional[DriftReport]:
+        """Run the drift check if one is due at this step; with ``bcast_period``, only right before a
+        re-broadcast, when the drift since the last one is largest and the check can say what it corrects."""
+        if self.world_size == 1 or not self._drift.due(self._engine.steps) or (self.bcast_period > 0
+                                                                               and not rebroadcast):
+            return None
+        kept = self._mode.kept_identical(self._context, scheduled=True)
+        if kept is None:  # e.g. local SGD between two syncs: the next step tries again
+            return None
+        report = self._drift.run(self._context, kept, self._param_names())
+        if rebroadcast:
+            report.corrected = report.parameter_drift
+        return report
+
+    def _param_names(self) -> List[str]:
+        """Every tracked parameter's name (``named_parameters``, else its place in the param groups)."""
+        where = {id(p): (g, j) for g, j, p in checks.positions(self.optimizer, None)}
+        return [self._context.name_of(p, *where.get(id(p), (0, i))) for i, p in enumerate(self._params)]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients (see :meth:`torch.optim.Optimizer.zero_grad`) and start a new round.
@@ -512,6 +600,10 @@ class DistributedOptimizer(InnerOptimizerSurface):
             "sparse_as_dense": self.sparse_as_dense,
             "root_rank": self.root_rank,
             "shard_state": self.shard_state,
+            "check_every": self.check_every,
+            "drift_atol": self.drift_atol,
+            "drift_rtol": self.drift_rtol,
+            "on_drift": self.on_drift,
             **_NOT_LOCAL,
             **self._mode.settings(),
             "mode": type(self._mode).__name__,

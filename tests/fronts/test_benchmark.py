@@ -115,6 +115,20 @@ def test_ratio_and_overhead() -> None:
     }).count("ratio distopt/ddp = 0.750") == 1
 
 
+def test_the_drift_checks_cost_is_one_checks_time_over_the_default_period() -> None:
+    result = _result(local=10.0, ddp=20.0, distopt=15.0)
+    for name, ms in (("distopt-nodrift", 15.0), ("distopt+drift1", 18.0)):
+        result.modes[name] = ModeResult(name, ms, ms, ms)
+    text = benchmark.format_report({
+        "config": {"world": 2, "backend": "gloo", "iters": 1, "rounds": 1},
+        "environment": {"device": "cpu", "torch": "x", "cpu_cores": 2, "distopt_default_pack_threshold": 2**20},
+        "distributed": [result, _result(local=10.0, ddp=20.0, distopt=15.0)], "world1": [],
+    })
+    # 3 ms a check, every 100 steps: 0.03 ms of a 15 ms step; only where both modes ran.
+    assert text.count("drift check: 3.00 ms a check (distopt+drift1 - distopt-nodrift); every 100 steps "
+                      "(the default) 0.030 ms a step = 0.20% of a distopt step") == 1
+
+
 def test_profile_prints_each_modes_phases_and_top_operators(tmp_path: Path) -> None:
     proc = _run(["--profile", "mlp", "--iters", "4", "--rounds", "2", "--warmup", "1"], tmp_path)
     lines = proc.stdout.splitlines()

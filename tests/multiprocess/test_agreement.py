@@ -126,6 +126,10 @@ SETTINGS = {
     "backward_passes_per_step": (1, 2),
     "sparse_as_dense": (False, True),
     "root_rank": (0, 1),
+    "check_every": (100, 50),
+    "drift_atol": (0.0, 1e-06),
+    "drift_rtol": (0.0, 0.5),
+    "on_drift": ("raise", "warn"),
 }
 
 

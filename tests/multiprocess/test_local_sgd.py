@@ -428,6 +428,38 @@ def outer_optimizer_on_one_rank():
     return None
 
 
+def drift_at_syncs(steps, sync_every):
+    """DiLoCo under a drift check due at every step (check_every=1): it runs only right after the syncs;
+    rank 1 moves a parameter between two syncs (its own business: the next sync averages it in);
+    ``check_drift()`` between two syncs compares the last-sync copies, and a copy moved on one rank is drift."""
+    rank = dist.get_rank()
+    model = make_model()
+    opt = DistributedOptimizer(INNER["momentum"](model.parameters()), sync_every=sync_every,
+                               outer_optimizer=OUTER["nesterov"], check_every=1,
+                               named_parameters=model.named_parameters(), stall_timeout=30)
+    checked = []
+    for t in range(steps):
+        if t == 1 and rank == 1:
+            with torch.no_grad():
+                model[0].weight.add_(1e-3)
+        x, y = batch(rank, t)
+        opt.zero_grad()
+        loss_of(model, x, y).backward()
+        opt.step()
+        checked.append((opt.stats.drift_checks, opt.stats.drift_step, opt.stats.drifted))
+    between = opt.check_drift()
+    if rank == 1:
+        with torch.no_grad():
+            opt.state_dict()[STATE_KEY]["anchors"][0].add_(1e-3)  # the last-sync copy of 0.weight itself
+    try:
+        opt.check_drift()
+        error = None
+    except distopt.DriftError as exc:
+        error = str(exc)
+    opt.close()
+    return {"checked": checked, "between": (between.what, len(between.drifted)), "error": error}
+
+
 # (world, check, args, kwargs)
 CASES = {
     "plain H=4": (2, train_against_simulation, (12, 4), {"inner": "momentum"}),
@@ -449,6 +481,7 @@ CASES = {
     "root-only load at a sync": (2, root_only_resume, (6, False), {}),
     "root-only load mid-period, after add_param_group": (2, root_only_resume, (7, True), {}),
     "settings differ": (2, outer_optimizer_on_one_rank, (), {}),
+    "drift at syncs": (2, drift_at_syncs, (7, 3), {}),
     # last: before the fix, these ranks' syncs drift apart and leave the world out of step
     "scaler, inf on one rank": (2, scaled_training, (9, 3, {(1, 0), (1, 4)}), {}),
     "scaler after unscale_, warm-up": (2, scaled_training, (9, 2, {(1, 0), (0, 4)}), {"warmup": 2, "unscale": True}),
@@ -459,6 +492,16 @@ results = WORLDS.results
 
 
 # ---------------------------------------------------------------------- the tests
+
+
+def test_the_drift_check_compares_only_right_after_syncs_and_a_ranks_own_steps_are_not_drift(no_leftover_processes):
+    for r in results("drift at syncs"):
+        # Due at every step, run at the syncs (steps 3 and 6) alone; the move between syncs was averaged in.
+        assert r["checked"] == [(0, 0, 0), (0, 0, 0), (1, 3, 0), (1, 3, 0), (1, 3, 0), (2, 6, 0), (2, 6, 0)]
+        what, drifted = r["between"]
+        assert what.startswith("the parameters' last-sync copies, the outer optimizer's state") and drifted == 0
+        assert "last-sync copy of '0.weight' differs between ranks by 0.001" in r["error"]
+        assert "called as opt.check_drift() after step 7" in r["error"]
 
 
 @pytest.mark.timeout(300)

@@ -7,7 +7,10 @@ and torch._dynamo imports), so one world per world size runs every check once
 (``world`` fixture) and each test reads its check's results. A check that raises
 reports its traceback to its own test only.
 """
+import math
 import random
+import re
+import warnings
 
 import pytest
 import torch
@@ -283,6 +286,129 @@ def test_bcast_period_rebroadcasts_after_exactly_every_nth_step_counting_steps_n
 
 def test_bcast_period_minus_one_never_broadcasts():
     assert world_results(2, bcast_period_worker, -1) == [[False] * 4] * 2
+
+
+# ---------------------------------------------------------------------- the drift check
+
+#: Per case: the wrapper's drift settings, and what rank 1 alone changes before step 1's backward
+#: (``"param"``: ``4.bias += 1e-3``; ``"lr"``: its learning rate doubled; ``"state"``: Adam's ``exp_avg`` of
+#: ``4.bias`` += 1e-3 right after step 1, then ``check_drift()``; None: nothing).
+DRIFT_CASES = {
+    "identical": ({"check_every": 2}, None),
+    "param": ({"check_every": 2}, "param"),
+    "lr": ({"check_every": 2}, "lr"),
+    "state": ({"check_every": 2}, "state"),
+    "warn": ({"check_every": 2, "on_drift": "warn"}, "param"),
+    "tolerated": ({"check_every": 2, "drift_atol": 1e-2}, "param"),
+    "bcast": ({"check_every": 1, "bcast_period": 3, "on_drift": "warn"}, "param"),
+}
+
+
+def drift_worker(case):
+    """Six Adam steps under the drift check; returns the stats after each step, the warnings, and the
+    error (its text and report) if one was raised."""
+    rank, _ = rank_world()
+    settings, change = DRIFT_CASES[case]
+    model = make_model()
+    opt = DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01),
+                               named_parameters=model.named_parameters(), **settings)
+    out = {"stats": [], "error": None}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            for step, (x, y) in enumerate(batches(6)):
+                if step == 1 and rank == 1 and change in ("param", "lr"):
+                    with torch.no_grad():
+                        if change == "param":
+                            model[4].bias.add_(1e-3)
+                        else:
+                            opt.param_groups[0]["lr"] *= 2
+                opt.zero_grad()
+                nn.functional.mse_loss(model(shard(x)), shard(y)).backward()
+                opt.step()
+                s = opt.stats
+                out["stats"].append((s.drift_checks, s.drift_step, s.drifted, s.drift, s.drift_name, s.drift_corrected))
+                if step == 1 and change == "state":
+                    if rank == 1:
+                        opt.optimizer.state[model[4].bias]["exp_avg"].add_(1e-3)
+                    opt.check_drift()
+            report = opt.check_drift() if not caught else None
+            out["manual"] = None if report is None else (report.drifted, report.compared, opt.stats.drift_checks,
+                                                         len(opt.param_groups[0]) - 1)
+        except distopt.DriftError as e:
+            out["error"] = (str(e), e.report.drift, [d.name for d in e.report.beyond])
+            s = opt.stats
+            out["stats"].append((s.drift_checks, s.drift_step, s.drifted, s.drift, s.drift_name, s.drift_corrected))
+    out["warnings"] = [(w.category.__name__, str(w.message), w.filename) for w in caught]
+    out["same"] = same_on_all_ranks(model.parameters())
+    return out
+
+
+def test_identical_ranks_pass_every_drift_check_and_stats_say_zero_drift():
+    for r in world_results(2, drift_worker, "identical"):
+        assert r["error"] is None and r["warnings"] == []
+        assert [s[:5] for s in r["stats"]] == [(c, 2 * c, 0, 0.0, "") for c in (0, 1, 1, 2, 2, 3)]
+        drifted, compared, checks, hyperparameters = r["manual"]
+        # 6 parameters with Adam's exp_avg, exp_avg_sq and step each; the hyperparameters; the step count
+        assert drifted == [] and compared == 6 * 4 + hyperparameters + 1 and checks == 4
+
+
+def test_a_parameter_perturbed_on_one_rank_is_the_same_error_on_every_rank_naming_it_and_the_size():
+    results = world_results(2, drift_worker, "param")
+    assert results[0]["error"][0] == results[1]["error"][0]
+    for r in results:
+        text, drift, beyond = r["error"]
+        assert re.search(r"parameter '4.bias' differs between ranks by 0.001: it has mean .* on rank 0, .* on rank 1; "
+                         r"RMS .*beyond the tolerance drift_atol=0 \+ drift_rtol=0.*after step 2 \(check_every=2\)"
+                         r".*on_drift='warn'", text)
+        assert beyond == ["parameter '4.bias'"] and math.isclose(drift, 1e-3, rel_tol=1e-9)
+        # The check ran after step 2 (the step itself was taken), and stats hold what it found.
+        assert r["stats"][-1][:3] == (1, 2, 1) and r["stats"][-1][4] == "parameter '4.bias'"
+
+
+def test_a_learning_rate_changed_on_one_rank_is_named_as_the_likely_cause():
+    results = world_results(2, drift_worker, "lr")
+    assert results[0]["error"][0] == results[1]["error"][0]
+    text = results[0]["error"][0]
+    assert "parameter '0.weight' differs between ranks" in text
+    assert "Perhaps the cause: param_groups[0]['lr'] is 0.01 on rank 0, 0.02 on rank 1" in text
+
+
+def test_optimizer_state_perturbed_on_one_rank_is_named_by_check_drift():
+    results = world_results(2, drift_worker, "state")
+    assert results[0]["error"][0] == results[1]["error"][0]
+    text, drift, beyond = results[0]["error"]
+    assert beyond == ["optimizer state 'exp_avg' of '4.bias'"] and math.isclose(drift, 1e-3, rel_tol=1e-6)
+    assert "called as opt.check_drift() after step 2" in text
+
+
+def test_warn_mode_warns_at_every_check_and_training_goes_on():
+    for r in world_results(2, drift_worker, "warn"):
+        assert r["error"] is None and len(r["stats"]) == 6
+        assert [w[0] for w in r["warnings"]] == ["DriftWarning"] * 3  # steps 2, 4 and 6: the drift stays
+        assert "parameter '4.bias' differs between ranks by 0.001" in r["warnings"][0][1]
+        assert "on_drift='warn'" not in r["warnings"][0][1]
+        assert r["warnings"][0][2] == __file__  # points at the user's opt.step()
+
+
+def test_a_drift_within_the_tolerance_is_reported_in_stats_and_not_raised():
+    for r in world_results(2, drift_worker, "tolerated"):
+        assert r["error"] is None and r["warnings"] == []
+        checks, step, drifted, drift, name, _ = r["stats"][-1]
+        assert (checks, step, drifted, name) == (3, 6, 1, "parameter '4.bias'") and math.isclose(drift, 1e-3, rel_tol=1e-9)
+
+
+def test_with_bcast_period_the_check_runs_before_the_rebroadcast_and_says_what_it_corrected():
+    for r in world_results(2, drift_worker, "bcast"):
+        # check_every=1, but with bcast_period the checks run right before the re-broadcasts (steps 3 and 6).
+        assert [s[0] for s in r["stats"]] == [0, 0, 1, 1, 1, 2]
+        corrected = [s[5] for s in r["stats"]]
+        assert corrected[:2] == [None, None] and math.isclose(corrected[2], 1e-3, rel_tol=1e-9)
+        assert corrected[5] == 0.0  # the ranks agreed by step 6: nothing left to correct
+        (warning,) = r["warnings"]
+        assert ("right before the re-broadcast after step 3" in warning[1]
+                and "gave every rank rank 0's parameters: it corrected a parameter drift of 0.001" in warning[1])
+        assert r["same"]
 
 
 # ---------------------------------------------------------------------- accumulation and no_sync
@@ -642,5 +768,6 @@ CHECKS = [
     ((2,), dropped_wrapper_worker, ()),
     ((2,), checkpoint_worker, (False,)),
     ((2,), checkpoint_worker, (True,)),
+    *[((2,), drift_worker, (case,)) for case in DRIFT_CASES],
 ]
 WORLDS = Worlds({_check_name(w, fn, args): (w, fn, args) for worlds, fn, args in CHECKS for w in worlds})

@@ -380,6 +380,26 @@ def step_hooks():
             "ema_diff": max((a - b).abs().max().item() for a, b in zip(ema, plain_ema))}
 
 
+def drift_check():
+    """shard_state=True under a drift check at every step: each rank's own shard of the state is no drift; a
+    parameter moved on one rank is."""
+    model = Net()
+    opt = DistributedOptimizer(torch.optim.Adam(param_groups(model), lr=0.01), pack_threshold=256, shard_state=True,
+                               check_every=1, named_parameters=model.named_parameters())
+    train(model, opt, 3)
+    seen = (opt.stats.drift_checks, opt.stats.drifted)
+    if dist.get_rank() == 1:
+        with torch.no_grad():
+            model.c.weight.add_(1e-3)
+    try:
+        opt.check_drift()
+        error = None
+    except distopt.DriftError as exc:
+        error = str(exc)
+    opt.close()
+    return {"seen": seen, "error": error}
+
+
 CASES = {}
 for group_and_size in (2, 3):
     for _name in OPTIMIZERS:
@@ -391,6 +411,7 @@ CASES["join"] = (3, join_sharded, ([5, 2, 4],))
 CASES["shard loads"] = (2, shard_loads, ())
 CASES["own shard after add_param_group"] = (2, own_shard_after_add_param_group, ())
 CASES["step hooks"] = (2, step_hooks, ())
+CASES["drift"] = (2, drift_check, ())
 
 WORLDS = Worlds(CASES, timeout=240)
 _TMP = {}
@@ -411,6 +432,13 @@ def test_sharded_state_trains_exactly_like_the_unsharded_wrapper_and_holds_a_sha
         assert r["identical"], r
         assert r["held"] <= r["full"] / world + r["largest"], r
         assert r["held"] < r["full"], r
+
+
+def test_the_drift_check_ignores_each_ranks_own_shard_and_names_a_parameter_moved_on_one_rank(tmp_path_factory):
+    for r in results("drift", tmp_path_factory):
+        assert r["seen"] == (3, 0)
+        assert "parameter 'c.weight' differs between ranks by 0.001" in r["error"]
+        assert "not the optimizer state: each rank holds its own shard of it" in r["error"]
 
 
 def test_accumulation_no_sync_compression_bcast_scaler_and_new_groups_keep_working(tmp_path_factory):

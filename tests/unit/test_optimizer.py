@@ -166,6 +166,13 @@ def sgd(model=None):
         ({"backward_passes_per_step": 0}, ValueError, r"backward_passes_per_step must be an int >= 1.*got 0"),
         ({"compression": "int8"}, ValueError, r"compression must be None, 'fp16' or 'bf16', got 'int8'"),
         ({"root_rank": 1}, ValueError, r"root_rank must be a rank of the process group \(0..0\), got 1"),
+        ({"check_every": -1}, ValueError, r"check_every must be an int >= 0 \(N > 0: .* 0: never\), got -1"),
+        ({"check_every": 1.5}, TypeError, r"check_every must be an int .*got 1.5; pass e.g. check_every=100"),
+        ({"check_every": True}, TypeError, r"check_every must be an int .*got True"),
+        ({"drift_atol": -1e-3}, ValueError, r"drift_atol must be a number >= 0 \(0: any difference .*got -0.001"),
+        ({"drift_rtol": float("nan")}, ValueError, r"drift_rtol must be a number >= 0 .*got nan"),
+        ({"drift_atol": "1e-3"}, TypeError, r"drift_atol must be a number >= 0, got '1e-3'; pass e.g. drift_atol=1e-6"),
+        ({"on_drift": "ignore"}, ValueError, r"on_drift must be 'raise' or 'warn', got 'ignore'"),
     ],
 )
 def test_bad_arguments_raise_naming_the_argument_the_value_and_the_fix(kwargs, error, match):
