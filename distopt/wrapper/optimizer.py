@@ -620,14 +620,19 @@ class DistributedOptimizer(InnerOptimizerSurface):
         return False
 
     def _settle_join(self) -> int:
-        """Give every rank the state of one of the last ranks to contribute; return that rank."""
+        """Give every rank the state of a rank that ran the longest; return that rank.
+
+        It is, of the ranks that contributed to the last round with contributors, the one that
+        took the most steps (the highest of those): in local SGD the ranks' last local steps can
+        meet in one final exchange, and all of them then contributed to it, whatever their counts.
+        """
         engine, ctx = self._engine, self._context
         mine = torch.tensor([int(engine.contributed_last), engine.steps], dtype=torch.int64)
         with stalls.inspected(engine.progress, "the exchange at the end of the join block"):
             everyone: List[Tensor] = collectives.all_gather(mine, group=ctx.group)
         contributed = [r for r, t in enumerate(everyone) if t[0].item()]
         steps = [int(t[1].item()) for t in everyone]
-        last = max(contributed) if contributed else self.root_rank
+        last = max(contributed, key=lambda r: (steps[r], r)) if contributed else self.root_rank
         identical = len(contributed) == len(everyone) and len(set(steps)) == 1
         self._mode.settle_after_join(ctx, last, identical)
         ctx.set_steps(steps[last])
@@ -691,9 +696,9 @@ def join_and_wait(optimizers: Sequence[DistributedOptimizer]) -> int:
     """Take part in the other ranks' rounds with zeros until every rank has joined.
 
     Returns:
-        The rank (in the first wrapper's group) whose state every rank now has: the
-        highest of those that contributed to the last round with contributors, i.e.
-        the last to join.
+        The rank (in the first wrapper's group) whose state every rank now has: of those
+        that contributed to the last round with contributors (the last to join), the one
+        that took the most steps, the highest of those.
     """
     optimizers = [opt for opt in optimizers if opt.world_size > 1]
     if not optimizers:
