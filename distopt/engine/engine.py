@@ -129,6 +129,11 @@ class GradientEngine:
         self.joined = False
         self.contributors = world_size  # ranks that contributed to the last round
         self.contributed_last = True  # this rank contributed to the last round that had contributors
+        # A closure's round (set by the mode while step(closure) evaluates it): the reduction of the closure's
+        # loss follows it. closure_round: whether the last round back was one, on every rank alike, so that a
+        # rank that has joined takes part in that reduction too.
+        self.closure = False
+        self.closure_round = False
         self.scale = scale
         self.op = op
         self.rows_allowed = True  # large gradients of mostly zero rows may travel as rows
@@ -341,6 +346,7 @@ class GradientEngine:
                 # An exchange (local SGD) meets a rank leaving a join block at its own step count.
                 counts_steps=not self.joined and self._phase != Phase.EXCHANGE,
                 odd_steps=not self.joined and self._phase != Phase.EXCHANGE and self.steps % 2 == 1,
+                closure=not self.joined and self.closure,
             ).tensor()
         return self._control
 
@@ -542,6 +548,7 @@ class GradientEngine:
 
     def _totals(self, flags: List[float]) -> Totals:
         totals = Totals.read(flags, self.world_size, averaged=self.op == dist.ReduceOp.AVG)
+        self.closure_round = bool(totals.closure)
         if totals.contributing:
             self.contributors = totals.contributing
             self.contributed_last = not self.joined

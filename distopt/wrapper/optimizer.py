@@ -44,6 +44,7 @@ from .. import collectives
 from ..collectives.groups import check_member
 from ..engine import GradientEngine, RoundState
 from ..modes import Mode, ModeArguments, ModeContext, OuterFactory, choose, shards
+from ..modes.synchronous import shadow_closure_loss
 from ..planning.stats import StepStats
 from ..transport import private_groups, stalls
 from ..transport.stalls import Progress
@@ -599,7 +600,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
             if not engine.shadow_finish(final):
                 break
             final = None
-            self._mode.shadow_step(self._context)
+            self._follow_shadow_round()
 
     def _shadow_poll(self, final: Optional[Callable[[], None]]) -> Optional[bool]:
         """One look at this optimizer's shadow round among several: None while it is in flight,
@@ -614,10 +615,21 @@ class DistributedOptimizer(InnerOptimizerSurface):
         if final is None and not engine.poll():
             return None
         if engine.shadow_finish(final):
-            self._mode.shadow_step(self._context)
+            self._follow_shadow_round()
             engine.shadow_launch()
             return True
         return False
+
+    def _follow_shadow_round(self) -> None:
+        """After a shadow round that had contributors: what the ranks still training did after theirs.
+
+        Only what the round's control flags announce, which every rank read alike: a closure's
+        round is followed by the reduction of its loss. Then the mode's part (a rank that skipped
+        ``step()`` sends nothing the joined ranks would have to expect).
+        """
+        if self._engine.closure_round:
+            shadow_closure_loss(self._context)
+        self._mode.shadow_step(self._context)
 
     def _settle_join(self) -> int:
         """Give every rank the state of a rank that ran the longest; return that rank.
