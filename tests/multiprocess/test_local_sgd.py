@@ -340,7 +340,8 @@ def train_uneven(counts, sync_every, inner="sgd", outer=None, warmup=0, compress
     state = inner_state(opt.optimizer)
     result = {"identical": identical, "diff": max_diff(params_of(model), final), "steps": opt._engine.steps,
               "since_sync": mode.since_sync, "anchors_are_params": max_diff(anchors, params_of(model)),
-              "inner_identical": everyone_equal(state), "inner_steps": sorted({float(v) for v in state if v.dim() == 0}),
+              "inner_identical": everyone_equal(state),
+              "inner_steps": sorted({float(v) for v in state if v.dim() == 0}),
               "inner_diff": max_diff(state, final_state) if len(state) == len(final_state) else float("inf")}
     opt.close()
     return result
