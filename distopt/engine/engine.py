@@ -134,6 +134,9 @@ class GradientEngine:
         # rank that has joined takes part in that reduction too.
         self.closure = False
         self.closure_round = False
+        # Called on every rank once a round's control flags are read, at the same point of every rank's
+        # collectives (a joined rank's shadow round included): a mode may run collectives of its own there.
+        self.on_settled: Optional[Callable[[], None]] = None
         self.scale = scale
         self.op = op
         self.rows_allowed = True  # large gradients of mostly zero rows may travel as rows
@@ -509,6 +512,8 @@ class GradientEngine:
         if touched:
             raise RuntimeError(_TOUCHED_WHILE_PENDING.format(self._patience_used))
         self._settle(totals)
+        if self.on_settled is not None:
+            self.on_settled()
 
     def _arrive(self, patience: Optional[float]) -> bool:
         """Wait for everything in flight and complete it: add up the gathered copies of small
@@ -612,6 +617,8 @@ class GradientEngine:
         totals.check(self.world_size)
         if totals.unfrozen:
             self._adopt_unfrozen()
+        if self.on_settled is not None:
+            self.on_settled()
 
     # ------------------------------------------------------------------ replanning, on every rank together
 
