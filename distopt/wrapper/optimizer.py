@@ -17,9 +17,12 @@ training see from the summed flags how many ranks contributed, and average over
 those alone (or over the world, with ``divide_by_world=True``). Nothing else
 travels while no rank has joined. When a round comes back with no contributor,
 every rank has joined. If some ranks stopped earlier than others, their
-parameters and optimizer state are behind: one rank that took part in the last
-contributing round sends its own to everyone, so every rank leaves the block with
-the same state, bitwise. In local SGD a rank that joins with local steps not yet
+parameters and optimizer state are behind: of the ranks that took part in the
+last contributing round, the one with the most steps sends its own to everyone,
+so every rank leaves the block with the state of a rank that ran the longest,
+bitwise. A joined rank takes part in nothing but what the flags of the round it
+shadowed announce (a closure's round is followed by the reduction of its loss),
+so the ranks' collectives pair up whatever the others do between rounds. In local SGD a rank that joins with local steps not yet
 averaged first sends them, as a contributor, in one last exchange
 (:meth:`distopt.modes.Mode.leaving`); it then shadows the others' exchanges like
 their gradient rounds. Several optimizers trained in one loop (a GAN's two) join
