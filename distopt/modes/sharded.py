@@ -128,6 +128,12 @@ class ShardedMode(Mode):
             what = "the parameter broadcast at the end of the join block"
             with torch.no_grad(), stalls.inspected(ctx.progress, what):
                 collectives.broadcast_parameters(ctx.params, src=last, group=ctx.group)
+            # The hyperparameters too: a joined rank's LR scheduler was not advanced.
+            groups = [[{k: v for k, v in g.items() if k != "params"} for g in ctx.optimizer.param_groups]]
+            with stalls.inspected(ctx.progress, "the hyperparameter broadcast at the end of the join block"):
+                collectives.broadcast_object_list(groups, src=last, group=ctx.group)
+            for group, theirs in zip(ctx.optimizer.param_groups, groups[0]):
+                group.update(theirs)
         if self.owner_of != self.base_owner:
             self._move_state(ctx, dict(self.base_owner))
         self.contributors = self.world_size

@@ -268,7 +268,8 @@ def state_dict_on_one_rank():
 
 
 def join_sharded(counts):
-    """Uneven batches inside join(), with a per-step LR scheduler: sharded equals unsharded, ranks identical."""
+    """Uneven batches inside join(), with a per-step LR scheduler: sharded equals unsharded, ranks identical,
+    learning rates included."""
     rank = dist.get_rank()
     out = []
     for shard in (False, True):
@@ -279,10 +280,11 @@ def join_sharded(counts):
         with opt.join():
             train(model, opt, counts[rank], scheduler=scheduler)
         out.append([p.detach().clone() for p in model.parameters()])
+        lrs = [group["lr"] for group in opt.optimizer.param_groups]  # a joined rank's scheduler was not advanced
         opt.close()
     diff = max((a - b).abs().max().item() for a, b in zip(*out))
     identical = all(all(torch.equal(a, b) for a, b in zip(out[1], o)) for o in distopt.all_gather_object(out[1]))
-    return {"diff": diff, "identical": identical}
+    return {"diff": diff, "identical": identical and len({tuple(o) for o in distopt.all_gather_object(lrs)}) == 1}
 
 
 def join_sharded_closure(counts):
