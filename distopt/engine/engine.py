@@ -131,6 +131,14 @@ class GradientEngine:
         self.joined = False
         self.contributors = world_size  # ranks that contributed to the last round
         self.contributed_last = True  # this rank contributed to the last round that had contributors
+        # A closure's round (set by the mode while step(closure) evaluates it): the reduction of the closure's
+        # loss follows it. closure_round: whether the last round back was one, on every rank alike, so that a
+        # rank that has joined takes part in that reduction too.
+        self.closure = False
+        self.closure_round = False
+        # Called on every rank once a round's control flags are read, at the same point of every rank's
+        # collectives (a joined rank's shadow round included): a mode may run collectives of its own there.
+        self.on_settled: Optional[Callable[[], None]] = None
         self.scale = scale
         self.op = op
         self.rows_allowed = True  # large gradients of mostly zero rows may travel as rows
@@ -350,6 +358,7 @@ class GradientEngine:
                 # An exchange (local SGD) meets a rank leaving a join block at its own step count.
                 counts_steps=not self.joined and self._phase != Phase.EXCHANGE,
                 odd_steps=not self.joined and self._phase != Phase.EXCHANGE and self.steps % 2 == 1,
+                closure=not self.joined and self.closure,
             ).tensor()
         return self._control
 
@@ -512,6 +521,8 @@ class GradientEngine:
         if touched:
             raise RuntimeError(_TOUCHED_WHILE_PENDING.format(self._patience_used))
         self._settle(totals)
+        if self.on_settled is not None:
+            self.on_settled()
 
     def _arrive(self, patience: Optional[float]) -> bool:
         """Wait for everything in flight and complete it: add up the gathered copies of small
@@ -551,6 +562,7 @@ class GradientEngine:
 
     def _totals(self, flags: List[float]) -> Totals:
         totals = Totals.read(flags, self.world_size, averaged=self.op == dist.ReduceOp.AVG)
+        self.closure_round = bool(totals.closure)
         if totals.contributing:
             self.contributors = totals.contributing
             self.contributed_last = not self.joined
@@ -614,6 +626,8 @@ class GradientEngine:
         totals.check(self.world_size)
         if totals.unfrozen:
             self._adopt_unfrozen()
+        if self.on_settled is not None:
+            self.on_settled()
 
     # ------------------------------------------------------------------ replanning, on every rank together
 

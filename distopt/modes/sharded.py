@@ -14,6 +14,16 @@ is released (``None``) after the step, since the pack buffers now hold
 parameters. Step hooks run around all of it (:mod:`distopt.modes.step_hooks`),
 so they see every parameter, as around an unsharded step.
 
+Join: a rank that has joined owns nothing. In the round in which it joined, which
+every rank settles at the same point of its collectives, its shard is handed to
+the ranks still training (:attr:`distopt.engine.GradientEngine.on_settled`). From
+then on the ranks still training share their parameters between themselves,
+point to point, so a joined rank takes part in their gradient rounds only,
+whether or not they step after them (``GradScaler`` skips a step where it finds an
+inf; a closure may run several rounds per step). At the end of the block it takes
+the parameters of a rank that ran the longest, and the shards go back to their
+owners.
+
 ``state_dict()`` gathers every rank's shard into the full state dict an
 unsharded optimizer would have, which loads anywhere (a plain optimizer, an
 unsharded wrapper, a sharded one at another world size). Before gathering, the
@@ -24,6 +34,8 @@ this rank's shard alone; which shards load as they are is
 """
 from __future__ import annotations
 
+import contextlib
+import weakref
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional
 
@@ -66,6 +78,8 @@ class ShardedMode(Mode):
         self.owner_of: Dict[int, int] = {}  # the owners now: the base ones, but none that has joined
         self.loads = [0] * world_size
         self.contributors = world_size  # ranks still training when ownership was last settled
+        self.active = list(range(world_size))  # those ranks (the others have joined)
+        self._stepping: Optional[List[List[Tensor]]] = None  # each group's params while _step_mine narrows them
         self.gathers = 0  # completed state_dict() gathers, to name the next meeting in the store
         # Per pack, its members laid out by owner for the parameter exchange; rebuilt when owners
         # or packs change (a re-plan, a join).
@@ -81,12 +95,22 @@ class ShardedMode(Mode):
             self.base_owner[id(p)] = self.owner_of[id(p)] = rank
         self._drop_foreign_state(ctx)
 
+    def attach(self, ctx: ModeContext) -> None:
+        # Weakly: the engine must not keep the mode, nor the context, alive.
+        mode, context = weakref.ref(self), weakref.ref(ctx)
+
+        def follow_joins() -> None:
+            m, c = mode(), context()
+            if m is not None and c is not None:
+                m._follow_joins(c)
+
+        ctx.engine.on_settled = follow_joins
+
     def step(self, ctx: ModeContext, closure: Optional[Callable[[], Any]]) -> Any:
         if closure is None:
             ctx.reduce_for_step()
         else:
-            closure = synchronizing(ctx, closure)
-        self._follow_joins(ctx)
+            closure = self._whole_groups(ctx, synchronizing(ctx, closure))
 
         def body(step: Callable[..., Any], args: Any, kwargs: Any) -> Any:
             loss = self._step_mine(ctx, lambda: step(*args, **kwargs))
@@ -96,12 +120,6 @@ class ShardedMode(Mode):
         # The step hooks run around the whole step, as around an unsharded one: the pre-hooks and
         # post-hooks see every parameter, the post-hooks after every rank's have arrived.
         return step_with_hooks(ctx.optimizer, closure, body)
-
-    def shadow_step(self, ctx: ModeContext) -> None:
-        # A rank that has joined owns nothing (its shard went to the ranks still training, which
-        # run the user's gradient code, clipping included); it only takes part in the exchange.
-        self._follow_joins(ctx)
-        self._share_parameters(ctx)
 
     def kept_identical(self, ctx: ModeContext, scheduled: bool) -> Optional[drift.Kept]:
         # Every rank holds its own shard of the state; the parameters and the hyperparameters
@@ -114,16 +132,32 @@ class ShardedMode(Mode):
         )
 
     def settle_after_join(self, ctx: ModeContext, last: int, identical: bool) -> None:
-        # Parameters travelled every step and every shard was stepped by a rank still training;
-        # what remains is to give the shards back to their owners by the parameter list.
+        # Every shard was stepped by a rank still training, but the ranks that joined early took no
+        # part in the exchanges since: they take rank ``last``'s parameters. Then the shards go back
+        # to their owners by the parameter list.
+        if not identical:
+            what = "the parameter broadcast at the end of the join block"
+            with torch.no_grad(), stalls.inspected(ctx.progress, what):
+                collectives.broadcast_parameters(ctx.params, src=last, group=ctx.group)
+            # The hyperparameters too: a joined rank's LR scheduler was not advanced.
+            groups = [[{k: v for k, v in g.items() if k != "params"} for g in ctx.optimizer.param_groups]]
+            with stalls.inspected(ctx.progress, "the hyperparameter broadcast at the end of the join block"):
+                collectives.broadcast_object_list(groups, src=last, group=ctx.group)
+            for group, theirs in zip(ctx.optimizer.param_groups, groups[0]):
+                group.update(theirs)
         if self.owner_of != self.base_owner:
             self._move_state(ctx, dict(self.base_owner))
         self.contributors = self.world_size
+        self.active = list(range(self.world_size))
 
     # ------------------------------------------------------------------ ranks that join
 
     def _follow_joins(self, ctx: ModeContext) -> None:
-        """When the number of ranks still training changes, hand the shards of the joined ones over."""
+        """When the number of ranks still training changes, hand the shards of the joined ones over.
+
+        Called once every round's control flags are read, on every rank (a joined rank's shadow
+        round included), so the hand-over comes at the same point of every rank's collectives.
+        """
         contributors = ctx.engine.contributors
         if contributors == self.contributors or contributors == 0:
             return
@@ -131,7 +165,7 @@ class ShardedMode(Mode):
         flag = torch.tensor([int(not ctx.engine.joined)], dtype=torch.int64)
         with stalls.inspected(ctx.progress, "the exchange of which ranks have joined"):
             flags = collectives.all_gather(flag, group=ctx.group)
-        active = [r for r, f in enumerate(flags) if f.item()]
+        active = self.active = [r for r, f in enumerate(flags) if f.item()]
         params = ctx.params
         orphans = [p for p in params if self.base_owner[id(p)] not in active]
         new_owner = dict(self.base_owner)
@@ -163,41 +197,79 @@ class ShardedMode(Mode):
     def _step_mine(self, ctx: ModeContext, step: Callable[[], Any]) -> Any:
         """Call ``step`` (the inner optimizer's) with every param group narrowed to this rank's parameters."""
         groups = ctx.optimizer.param_groups
-        saved = [group["params"] for group in groups]
+        saved = self._stepping = [group["params"] for group in groups]
         try:
             for group in groups:
                 group["params"] = [p for p in group["params"] if self.mine(p)]
             return step()
         finally:
+            self._stepping = None
             for group, params in zip(groups, saved):
                 group["params"] = params
 
+    def _whole_groups(self, ctx: ModeContext, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """``closure`` run with the param groups whole, as it was written: its ``zero_grad()`` clears
+        every gradient, not this rank's shard's only (an optimizer that calls it twice would otherwise
+        add the first call's averaged gradients to the second's). The inner step then goes on with
+        this rank's shard as it is after the closure's round, in which a rank may have joined."""
+        def whole() -> Any:
+            saved = self._stepping
+            if saved is None:  # called outside the inner step
+                return closure()
+            groups = ctx.optimizer.param_groups
+            for group, params in zip(groups, saved):
+                group["params"] = params
+            try:
+                return closure()
+            finally:
+                for group, params in zip(groups, saved):
+                    group["params"] = [p for p in params if self.mine(p)]
+
+        return whole
+
     def _share_parameters(self, ctx: ModeContext) -> None:
-        """Every rank gets every updated parameter, through the gradient packs' buffers.
+        """Every rank still training gets every updated parameter, through the gradient packs' buffers.
 
         Within each pack the members are laid out by owner, and each owner broadcasts its
         segment: at most one collective per owner per pack, and each rank receives only
         what others updated. On gloo at world 2 this took half the time of an all-reduce
         of the zero-filled pack and a third of an all-gather (64 MiB: 22, 47 and 69 ms).
+        Once a rank has joined, each owner sends its segments to the other ranks still
+        training instead, point to point: the joined ranks take no part, so they need not
+        know whether the others stepped after a round.
         """
         engine = ctx.engine
         group = engine.channel.group
+        progress = engine.progress
         live = {id(pack) for pack in engine.packs}
         self._layouts = {k: v for k, v in self._layouts.items() if k in live}  # a re-plan replaced packs
-        inflight = []
-        with torch.no_grad():
+        everyone = len(self.active) == self.world_size
+        peers = [r for r in self.active if r != self.rank]
+        kind = "parameter exchange" if everyone else "parameter exchange between the ranks still training"
+        sent = []  # per segment: its transfers (work, number), its pack and members
+        # Point-to-point transfers are not counted as collectives of the group: the joined ranks issue none.
+        aside = contextlib.nullcontext() if everyone or progress is None else progress.aside()
+        with torch.no_grad(), aside:
             for pack in engine.packs:
                 for rank, members, segment in self._segments(pack):
                     if rank == self.rank and not pack.direct:
                         for p, piece in members:
                             piece.copy_(p.reshape(-1))
-                    work = dist.broadcast(segment, src=dist.get_global_rank(group, rank), group=group, async_op=True)
-                    seq = engine.progress.issue() if engine.progress is not None else 0
-                    inflight.append((work, pack, seq, members))
-            for k, (work, pack, seq, members) in enumerate(inflight):
-                waiting.wait_for(work, pack.buffer.is_cuda, engine.progress, seq,
-                                 f"segment {k + 1}/{len(inflight)} of the parameter exchange", None)
-                if not pack.direct:  # a direct pack's parameter was the broadcast's own tensor
+                    tag = len(sent)
+                    if everyone:
+                        works = [dist.broadcast(segment, src=dist.get_global_rank(group, rank), group=group,
+                                                async_op=True)]
+                    elif rank == self.rank:
+                        works = [group.send([segment], peer, tag) for peer in peers]
+                    else:
+                        works = [group.recv([segment], rank, tag)]
+                    sent.append(([(work, progress.issue() if progress is not None else 0) for work in works],
+                                 pack, members))
+            for k, (works, pack, members) in enumerate(sent):
+                for work, seq in works:
+                    waiting.wait_for(work, pack.buffer.is_cuda, progress, seq,
+                                     f"segment {k + 1}/{len(sent)} of the {kind}", None)
+                if not pack.direct:  # a direct pack's parameter was the transfer's own tensor
                     for p, piece in members:
                         p.copy_(piece.view_as(p))
             for pack in engine.packs:

@@ -1,7 +1,7 @@
 """Synchronous data parallelism: every step applies gradients averaged over all ranks."""
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -10,7 +10,7 @@ from .. import collectives
 from ..transport import stalls
 from .base import Mode, ModeArguments, ModeContext
 
-__all__ = ["SynchronousMode", "synchronizing"]
+__all__ = ["SynchronousMode", "synchronizing", "shadow_closure_loss"]
 
 
 class SynchronousMode(Mode):
@@ -37,32 +37,71 @@ class SynchronousMode(Mode):
 
 
 def synchronizing(ctx: ModeContext, closure: Callable[[], Any]) -> Callable[[], Any]:
-    """``closure`` followed by a reduction of the gradients it computed and of the loss it returned."""
+    """``closure`` followed by a reduction of the gradients it computed and of the loss it returned.
+
+    Its round carries the closure flag (:mod:`distopt.planning.control`), so that a rank
+    that has joined knows a reduction of the loss follows and takes part in it
+    (:func:`shadow_closure_loss`): every closure call is one gradient round and one
+    reduction of the loss, on every rank alike.
+    """
     def reduced_closure() -> Any:
-        ctx.engine.reset_round()  # each closure call is a fresh forward and backward
-        with torch.enable_grad():
-            loss = closure()
-        ctx.synchronize()  # at once, before the inner optimizer reads the gradients
+        engine = ctx.engine
+        engine.reset_round()  # each closure call is a fresh forward and backward
+        engine.closure = ctx.world_size > 1
+        try:
+            with torch.enable_grad():
+                loss = closure()
+            ctx.synchronize()  # at once, before the inner optimizer reads the gradients
+        finally:
+            engine.closure = False
         return _reduced_loss(ctx, loss)
 
     return reduced_closure
 
 
-def _reduced_loss(ctx: ModeContext, loss: Any) -> Any:
-    """The ranks' losses reduced like their gradients (the mean, or the sum), the same on every rank.
+def shadow_closure_loss(ctx: ModeContext) -> None:
+    """As a rank that has joined: take part, with nothing, in the reduction of a closure's loss that
+    follows the others' last round (its control flags said it was a closure's)."""
+    _sum_of_losses(ctx, None)
 
-    A loss of another type (None, a tuple) is returned as it is: every rank then
-    gets its own, as the inner optimizer would have.
+
+def _reduced_loss(ctx: ModeContext, loss: Any) -> Any:
+    """The losses of the ranks that contributed, reduced like their gradients, the same on every rank.
+
+    The mean over the contributing ranks (over the world with ``divide_by_world=True``, where the
+    joined ranks count as zeros), or the sum with ``reduce_op="sum"``. A loss of another type (None,
+    a tuple) is returned as it is: every rank then gets its own, as the inner optimizer would have.
     """
-    if ctx.world_size == 1 or isinstance(loss, bool) or not isinstance(loss, (Tensor, float, int)):
+    if ctx.world_size == 1:
         return loss
-    if ctx.engine.contributors != ctx.world_size:
-        return loss  # a rank that has joined takes part in gradient rounds only
-    if isinstance(loss, Tensor) and loss.numel() != 1:
+    total, count = _sum_of_losses(ctx, loss)
+    if not _is_scalar(loss) or count == 0:
         return loss
-    value = torch.tensor([float(loss)], dtype=torch.float64)
-    with stalls.inspected(ctx.progress, "the reduction of the closure's loss"):
-        collectives.all_reduce(value, op="mean" if ctx.reduce_op == "mean" else "sum", group=ctx.group)
+    engine = ctx.engine
+    value = total if ctx.reduce_op != "mean" else total / (ctx.world_size if engine.divide_by_world else count)
     if isinstance(loss, Tensor):
-        return value.to(dtype=loss.dtype, device=loss.device).reshape(loss.shape)
-    return value.item()
+        return torch.tensor(value, dtype=torch.float64).to(dtype=loss.dtype, device=loss.device).reshape(loss.shape)
+    return value
+
+
+def _sum_of_losses(ctx: ModeContext, loss: Any) -> Tuple[float, int]:
+    """The sum of the ranks' scalar losses and their number (a joined rank's ``None`` adds nothing).
+
+    Every rank takes part after every closure round, whatever its closure returned, so that the
+    collectives stay paired.
+    """
+    scalar = _is_scalar(loss)
+    mine = float(loss.detach() if isinstance(loss, Tensor) else loss) if scalar else 0.0
+    value = torch.tensor([mine, float(scalar)], dtype=torch.float64)
+    with stalls.inspected(ctx.progress, "the reduction of the closure's loss"):
+        collectives.all_reduce(value, op="sum", group=ctx.group)
+    total, count = value.tolist()
+    return total, int(round(count))
+
+
+def _is_scalar(loss: Any) -> bool:
+    if isinstance(loss, bool):
+        return False
+    if isinstance(loss, Tensor):
+        return loss.numel() == 1
+    return isinstance(loss, (float, int))

@@ -12,7 +12,9 @@ of their own:
   block, and whether they average over the contributors or the whole world;
 - whether the contributing ranks have taken the same number of steps, to one
   step's parity: a rank that calls ``step()`` once more than the others (and then
-  applies its gradients twice) is caught at the next round.
+  applies its gradients twice) is caught at the next round;
+- whether the round is a closure's (``step(closure)``, e.g. LBFGS): a reduction of
+  the closure's loss follows it, in which a rank that has joined takes part too.
 """
 from __future__ import annotations
 
@@ -25,7 +27,7 @@ from torch import Tensor
 __all__ = ["CONTROL_FLAGS", "Control", "Totals"]
 
 #: Flags after the presence flags of every pack.
-CONTROL_FLAGS = 8
+CONTROL_FLAGS = 9
 
 
 @dataclass(frozen=True)
@@ -40,11 +42,12 @@ class Control:
     divide_by_world: bool  # joined ranks count in the average (DDP's and Horovod's way)
     counts_steps: bool = False  # this rank's step count is comparable (a gradient round it contributes to)
     odd_steps: bool = False  # it has taken an odd number of steps
+    closure: bool = False  # a closure's round: the reduction of the closure's loss follows it
 
     def tensor(self, dtype: torch.dtype = torch.float32) -> Tensor:
         return torch.tensor([float(f) for f in (self.during_backward, self.inside_step, self.unfrozen,
                                                   self.contributing, self.in_join, self.divide_by_world,
-                                                  self.counts_steps, self.odd_steps)],
+                                                  self.counts_steps, self.odd_steps, self.closure)],
                             dtype=dtype)
 
 
@@ -60,6 +63,7 @@ class Totals:
     divide_by_world: int
     counts_steps: int
     odd_steps: int
+    closure: int
 
     @classmethod
     def read(cls, flags: List[Any], world_size: int, averaged: bool) -> "Totals":

@@ -97,6 +97,21 @@ class Progress:
         self.issued += 1
         return self.issued
 
+    @contextlib.contextmanager
+    def aside(self) -> Iterator[None]:
+        """Transfers between some members only (point-to-point), which the others do not count.
+
+        Inside, they are numbered on from the collectives issued so far, and watched like
+        them; afterwards the count is what it was, so that every member's count of the
+        group's collectives stays comparable with the others'.
+        """
+        issued = self.issued
+        try:
+            yield
+        finally:
+            self.issued = issued
+            self.last_wait = 0  # the numbers used inside come again: a wait for one starts afresh
+
     def begin(self, seq: int, what: str) -> None:
         """Start (or resume) waiting for collective ``seq``."""
         if seq != self.waiting:

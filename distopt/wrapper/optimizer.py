@@ -17,9 +17,12 @@ training see from the summed flags how many ranks contributed, and average over
 those alone (or over the world, with ``divide_by_world=True``). Nothing else
 travels while no rank has joined. When a round comes back with no contributor,
 every rank has joined. If some ranks stopped earlier than others, their
-parameters and optimizer state are behind: one rank that took part in the last
-contributing round sends its own to everyone, so every rank leaves the block with
-the same state, bitwise. In local SGD a rank that joins with local steps not yet
+parameters and optimizer state are behind: of the ranks that took part in the
+last contributing round, the one with the most steps sends its own to everyone,
+so every rank leaves the block with the state of a rank that ran the longest,
+bitwise. A joined rank takes part in nothing but what the flags of the round it
+shadowed announce (a closure's round is followed by the reduction of its loss),
+so the ranks' collectives pair up whatever the others do between rounds. In local SGD a rank that joins with local steps not yet
 averaged first sends them, as a contributor, in one last exchange
 (:meth:`distopt.modes.Mode.leaving`); it then shadows the others' exchanges like
 their gradient rounds. Several optimizers trained in one loop (a GAN's two) join
@@ -44,6 +47,7 @@ from .. import collectives
 from ..collectives.groups import check_member
 from ..engine import GradientEngine, RoundState
 from ..modes import Mode, ModeArguments, ModeContext, OuterFactory, choose, shards
+from ..modes.synchronous import shadow_closure_loss
 from ..planning.drift import DriftReport
 from ..planning.stats import StepStats
 from ..transport import private_groups, stalls
@@ -691,7 +695,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
             if not engine.shadow_finish(final):
                 break
             final = None
-            self._mode.shadow_step(self._context)
+            self._follow_shadow_round()
 
     def _shadow_poll(self, final: Optional[Callable[[], None]]) -> Optional[bool]:
         """One look at this optimizer's shadow round among several: None while it is in flight,
@@ -706,20 +710,36 @@ class DistributedOptimizer(InnerOptimizerSurface):
         if final is None and not engine.poll():
             return None
         if engine.shadow_finish(final):
-            self._mode.shadow_step(self._context)
+            self._follow_shadow_round()
             engine.shadow_launch()
             return True
         return False
 
+    def _follow_shadow_round(self) -> None:
+        """After a shadow round that had contributors: what the ranks still training did after theirs.
+
+        Only what the round's control flags announce, which every rank read alike: a closure's
+        round is followed by the reduction of its loss. Then the mode's part (a rank that skipped
+        ``step()`` sends nothing the joined ranks would have to expect).
+        """
+        if self._engine.closure_round:
+            shadow_closure_loss(self._context)
+        self._mode.shadow_step(self._context)
+
     def _settle_join(self) -> int:
-        """Give every rank the state of one of the last ranks to contribute; return that rank."""
+        """Give every rank the state of a rank that ran the longest; return that rank.
+
+        It is, of the ranks that contributed to the last round with contributors, the one that
+        took the most steps (the highest of those): in local SGD the ranks' last local steps can
+        meet in one final exchange, and all of them then contributed to it, whatever their counts.
+        """
         engine, ctx = self._engine, self._context
         mine = torch.tensor([int(engine.contributed_last), engine.steps], dtype=torch.int64)
         with stalls.inspected(engine.progress, "the exchange at the end of the join block"):
             everyone: List[Tensor] = collectives.all_gather(mine, group=ctx.group)
         contributed = [r for r, t in enumerate(everyone) if t[0].item()]
         steps = [int(t[1].item()) for t in everyone]
-        last = max(contributed) if contributed else self.root_rank
+        last = max(contributed, key=lambda r: (steps[r], r)) if contributed else self.root_rank
         identical = len(contributed) == len(everyone) and len(set(steps)) == 1
         self._mode.settle_after_join(ctx, last, identical)
         ctx.set_steps(steps[last])
@@ -783,9 +803,9 @@ def join_and_wait(optimizers: Sequence[DistributedOptimizer]) -> int:
     """Take part in the other ranks' rounds with zeros until every rank has joined.
 
     Returns:
-        The rank (in the first wrapper's group) whose state every rank now has: the
-        highest of those that contributed to the last round with contributors, i.e.
-        the last to join.
+        The rank (in the first wrapper's group) whose state every rank now has: of those
+        that contributed to the last round with contributors (the last to join), the one
+        that took the most steps, the highest of those.
     """
     optimizers = [opt for opt in optimizers if opt.world_size > 1]
     if not optimizers:

@@ -137,6 +137,51 @@ def train_lbfgs_uneven(counts):
     return all(all(torch.equal(a, b) for a, b in zip(mine, o)) for o in distopt.all_gather_object(mine))
 
 
+def lbfgs_reference(counts, line_search):
+    """One process: at step t, LBFGS's closure returns the mean loss of the ranks with more than t batches."""
+    model = make_model()
+    opt = torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4, line_search_fn=line_search)
+    losses = []
+    for step in range(max(counts)):
+        present = [r for r in range(len(counts)) if counts[r] > step]
+
+        def closure():
+            opt.zero_grad()
+            loss = sum(loss_of(model, *batch(r, step)) for r in present) / len(present)
+            loss.backward()
+            return loss
+
+        losses.append(opt.step(closure).item())
+    return list(model.parameters()), losses
+
+
+def lbfgs_against_a_single_process(counts, line_search=None):
+    """LBFGS inside join(): the closure's loss and gradients are the means over the ranks still training."""
+    rank = dist.get_rank()
+    model = make_model(seed=rank)
+    opt = DistributedOptimizer(torch.optim.LBFGS(model.parameters(), lr=0.5, max_iter=4, line_search_fn=line_search),
+                               pack_threshold=64, stall_timeout=30)  # ranks out of step fail in time
+    losses = []
+    with opt.join():
+        for step in range(counts[rank]):
+            x, y = batch(rank, step)
+
+            def closure():
+                opt.zero_grad()
+                loss = loss_of(model, x, y)
+                loss.backward()
+                return loss
+
+            losses.append(opt.step(closure).item())
+    mine = [p.detach().clone() for p in model.parameters()]
+    identical = all(all(torch.equal(a, b) for a, b in zip(mine, o)) for o in distopt.all_gather_object(mine))
+    ref_params, ref_losses = lbfgs_reference(counts, line_search)
+    opt.close()
+    return {"identical": identical, "diff": max((a - b).abs().max().item() for a, b in zip(mine, ref_params)),
+            "loss_diff": max(abs(a - b) for a, b in zip(losses, ref_losses)) if losses else 0.0,
+            "losses": len(losses)}
+
+
 def join_on_some_ranks_only():
     model = make_model()
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
@@ -337,6 +382,9 @@ CASES = {
                                                      {"unfreeze_at": 3, "divide_by_world": True}),
     "compression": (2, train_uneven, ([6, 9], "momentum"), {"compression": "bf16"}),
     "lbfgs": (2, train_lbfgs_uneven, ([3, 5],), {}),
+    # once a rank has joined, the closure's loss is the mean over the ranks still training
+    "lbfgs, world 3": (3, lbfgs_against_a_single_process, ([2, 5, 4],), {}),
+    "lbfgs strong wolfe, world 3": (3, lbfgs_against_a_single_process, ([4, 1, 5],), {"line_search": "strong_wolfe"}),
     "join on one rank only": (2, join_on_some_ranks_only, (), {}),
     "two optimizers": (3, two_optimizers_uneven, ([4, 6, 2],), {}),
     "nested blocks": (2, nested_blocks, (), {}),
@@ -367,6 +415,16 @@ def test_compressed_uneven_training_ends_identical_and_close_to_the_exact_averag
 
 def test_lbfgs_closures_with_uneven_batches_end_with_identical_parameters():
     assert all(results("lbfgs"))
+
+
+@pytest.mark.parametrize("name", ["lbfgs, world 3", "lbfgs strong wolfe, world 3"])
+def test_lbfgs_after_a_rank_joined_averages_the_closures_loss_over_the_ranks_training(name):
+    counts = CASES[name][2][0]
+    for rank, r in enumerate(results(name)):
+        assert r["identical"], r
+        assert r["diff"] < TOL, r
+        # step(closure) returns the loss of the ranks still training, the same on each of them
+        assert r["losses"] == counts[rank] and r["loss_diff"] < TOL, r
 
 
 def test_a_join_block_on_some_ranks_only_fails_on_every_rank_naming_the_fix():

@@ -56,7 +56,7 @@ def params_of(model):
 
 
 def max_diff(a, b):
-    return max((x - y).abs().max().item() for x, y in zip(a, b))
+    return max(((x - y).abs().max().item() for x, y in zip(a, b)), default=0.0)
 
 
 def simulate(counts, sync_every, inner="sgd", outer=None, warmup=0, skips=frozenset()):
@@ -71,9 +71,10 @@ def simulate(counts, sync_every, inner="sgd", outer=None, warmup=0, skips=frozen
     the anchors. Rank r's inner step t is skipped (but counted) where ``(r, t)`` is in ``skips``.
 
     Returns:
-        ``(trace, final)``: ``trace[r][t]`` is rank r's parameters after its step t;
-        ``final`` the parameters every rank ends a join block with (those of the
-        highest rank in the last round).
+        ``(trace, final, final_state)``: ``trace[r][t]`` is rank r's parameters after its
+        step t; ``final`` the parameters every rank ends a join block with (those of the
+        ranks in the last round, all alike), and ``final_state`` the inner optimizer state
+        it ends with: that of a rank that ran the longest (of those, the highest).
     """
     world = len(counts)
     models = [make_model() for _ in range(world)]
@@ -142,7 +143,14 @@ def simulate(counts, sync_every, inner="sgd", outer=None, warmup=0, skips=frozen
                 offers[r] = programs[r].send(reply)
             except StopIteration:
                 pass
-    return trace, params_of(models[last])
+    longest = max(range(world), key=lambda r: (counts[r], r))
+    return trace, params_of(models[last]), inner_state(opts[longest])
+
+
+def inner_state(optimizer):
+    """The inner optimizer's state, in parameter order: each tensor, and each number as a tensor."""
+    return [torch.as_tensor(state[key]).clone() for p in optimizer.param_groups[0]["params"]
+            for state in [optimizer.state.get(p, {})] for key in sorted(state)]
 
 
 # ---------------------------------------------------------------------- checks (run on every rank)
@@ -162,7 +170,7 @@ def train_against_simulation(steps, sync_every, inner="sgd", outer=None, warmup=
     opt = DistributedOptimizer(INNER[inner](model.parameters()), sync_every=sync_every,
                                outer_optimizer=OUTER[outer], local_warmup=warmup, compression=compression,
                                pack_threshold=threshold)
-    trace, _ = simulate([steps] * dist.get_world_size(), sync_every, inner, outer, warmup)
+    trace, _, _ = simulate([steps] * dist.get_world_size(), sync_every, inner, outer, warmup)
     diffs, identical, packs, local_grads_exact = [], [], [], True
     for t in range(steps):
         x, y = batch(rank, t)
@@ -328,9 +336,13 @@ def train_uneven(counts, sync_every, inner="sgd", outer=None, warmup=0, compress
     outer_state = [v for s in (mode.outer.state.values() if mode.outer else []) for v in s.values()
                    if torch.is_tensor(v)]
     identical = everyone_equal(list(model.parameters()) + anchors + outer_state)
-    _, final = simulate(counts, sync_every, inner, outer, warmup)
+    _, final, final_state = simulate(counts, sync_every, inner, outer, warmup)
+    state = inner_state(opt.optimizer)
     result = {"identical": identical, "diff": max_diff(params_of(model), final), "steps": opt._engine.steps,
-              "since_sync": mode.since_sync, "anchors_are_params": max_diff(anchors, params_of(model))}
+              "since_sync": mode.since_sync, "anchors_are_params": max_diff(anchors, params_of(model)),
+              "inner_identical": everyone_equal(state),
+              "inner_steps": sorted({float(v) for v in state if v.dim() == 0}),
+              "inner_diff": max_diff(state, final_state) if len(state) == len(final_state) else float("inf")}
     opt.close()
     return result
 
@@ -399,7 +411,7 @@ def scaled_training(steps, sync_every, infs, warmup=0, unscale=False):
                                stall_timeout=30)  # ranks whose syncs drift apart fail in time
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
     skips = {(r, t) for _, t in infs if t < warmup for r in range(world)} | {i for i in infs if i[1] >= warmup}
-    trace, _ = simulate([steps] * world, sync_every, "momentum", None, warmup, skips=skips)
+    trace, _, _ = simulate([steps] * world, sync_every, "momentum", None, warmup, skips=skips)
     counts, diffs, identical = [], [], []
     for t in range(steps):
         x, y = batch(rank, t)
@@ -478,6 +490,10 @@ CASES = {
     "join during warm-up": (2, train_uneven, ([2, 9], 3), {"outer": "nesterov", "warmup": 4}),
     "join, a rank without data": (3, train_uneven, ([5, 0, 9], 2), {"outer": "nesterov"}),
     "join compression": (2, train_uneven, ([7, 4], 3), {"compression": "bf16"}),
+    # the ranks' last local steps meet in one final exchange: the one that ran longest must win
+    "join adam, last exchanges meet, 6/5": (2, train_uneven, ([6, 5], 4), {"inner": "adam"}),
+    "join adam, last exchanges meet, 7/5": (2, train_uneven, ([7, 5], 4), {"inner": "adam"}),
+    "join adam, last exchanges meet, world 3": (3, train_uneven, ([5, 7, 6], 4), {"inner": "adam"}),
     "root-only load at a sync": (2, root_only_resume, (6, False), {}),
     "root-only load mid-period, after add_param_group": (2, root_only_resume, (7, True), {}),
     "settings differ": (2, outer_optimizer_on_one_rank, (), {}),
@@ -580,6 +596,21 @@ def test_join_with_uneven_batches_ends_identical_and_follows_the_protocol(name, 
         assert r["steps"] == max(counts)
         assert r["since_sync"] == 0
         assert r["anchors_are_params"] == 0.0
+        if len(set(counts)) > 1:  # the ranks stopped apart: the inner state of a rank that ran longest, everywhere
+            assert r["inner_identical"], r
+            assert r["inner_diff"] < TOL, r
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", [n for n in CASES if "last exchanges meet" in n])
+def test_join_whose_last_exchanges_meet_ends_with_the_longest_ranks_inner_state_and_step_count(
+        name, no_leftover_processes):
+    counts = CASES[name][2][0]
+    for r in results(name):
+        assert r["steps"] == max(counts), r
+        assert r["inner_steps"] == [max(counts)], r  # Adam's step, in the state of every parameter
+        assert r["inner_identical"] and r["identical"], r
+        assert r["inner_diff"] < TOL and r["diff"] < TOL, r
 
 
 @pytest.mark.timeout(300)
@@ -641,7 +672,7 @@ def test_plain_averaging_in_one_process_is_bitwise_the_inner_optimizer():
 def test_diloco_in_one_process_takes_outer_steps_like_the_simulation():
     model = make_model()
     opt = DistributedOptimizer(INNER["adam"](model.parameters()), sync_every=3, outer_optimizer=OUTER["nesterov"])
-    trace, _ = simulate([10], 3, "adam", "nesterov")
+    trace, _, _ = simulate([10], 3, "adam", "nesterov")
     for t in range(10):
         opt.zero_grad()
         loss_of(model, *batch(0, t)).backward()

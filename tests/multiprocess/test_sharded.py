@@ -91,6 +91,25 @@ class Lamb(torch.optim.Optimizer):
                 p.add_(update, alpha=-group["lr"] * float(trust))
 
 
+class TwiceEvaluated(torch.optim.Optimizer):
+    """SGD with momentum whose step evaluates the closure twice (as SAM does), then steps on the second gradients."""
+
+    def __init__(self, params, lr=0.05, momentum=0.9):
+        super().__init__(params, dict(lr=lr, momentum=momentum))
+
+    @torch.no_grad()
+    def step(self, closure):
+        with torch.enable_grad():
+            loss = closure()
+            closure()
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    buf = self.state[p].setdefault("momentum", torch.zeros_like(p))
+                    p.add_(buf.mul_(group["momentum"]).add_(p.grad), alpha=-group["lr"])
+        return loss
+
+
 OPTIMIZERS = {
     "momentum": lambda groups: torch.optim.SGD(groups, lr=0.05, momentum=0.9),
     "adam": lambda groups: torch.optim.Adam(groups, lr=0.01),
@@ -123,8 +142,8 @@ def param_groups(model):
     ]
 
 
-def batch(step):
-    rank = dist.get_rank()
+def batch(step, rank=None):
+    rank = dist.get_rank() if rank is None else rank
     g = torch.Generator().manual_seed(100 * step + rank)
     return torch.randn(6, 4, generator=g, dtype=torch.float64), torch.randn(6, 2, generator=g, dtype=torch.float64)
 
@@ -249,7 +268,8 @@ def state_dict_on_one_rank():
 
 
 def join_sharded(counts):
-    """Uneven batches inside join(), with a per-step LR scheduler: sharded equals unsharded, ranks identical."""
+    """Uneven batches inside join(), with a per-step LR scheduler: sharded equals unsharded, ranks identical,
+    learning rates included."""
     rank = dist.get_rank()
     out = []
     for shard in (False, True):
@@ -260,10 +280,81 @@ def join_sharded(counts):
         with opt.join():
             train(model, opt, counts[rank], scheduler=scheduler)
         out.append([p.detach().clone() for p in model.parameters()])
+        lrs = [group["lr"] for group in opt.optimizer.param_groups]  # a joined rank's scheduler was not advanced
         opt.close()
     diff = max((a - b).abs().max().item() for a, b in zip(*out))
     identical = all(all(torch.equal(a, b) for a, b in zip(out[1], o)) for o in distopt.all_gather_object(out[1]))
-    return {"diff": diff, "identical": identical}
+    return {"diff": diff, "identical": identical and len({tuple(o) for o in distopt.all_gather_object(lrs)}) == 1}
+
+
+def join_sharded_closure(counts):
+    """A closure evaluated twice per step inside join(): sharded equals unsharded, the returned losses too."""
+    rank = dist.get_rank()
+    out, losses = [], []
+    for shard in (False, True):
+        model = Net()
+        opt = DistributedOptimizer(TwiceEvaluated(param_groups(model)), pack_threshold=256, shard_state=shard,
+                                   stall_timeout=30)  # ranks out of step fail in time
+        losses.append([])
+        with opt.join():
+            for step in range(counts[rank]):
+                x, y = batch(step)
+
+                def closure():
+                    opt.zero_grad()
+                    loss = nn.functional.mse_loss(model(x), y)
+                    loss.backward()
+                    return loss
+
+                losses[-1].append(opt.step(closure).item())
+        out.append([p.detach().clone() for p in model.parameters()])
+        opt.close()
+    diff = max((a - b).abs().max().item() for a, b in zip(*out))
+    identical = all(all(torch.equal(a, b) for a, b in zip(out[1], o)) for o in distopt.all_gather_object(out[1]))
+    return {"diff": diff, "identical": identical, "loss_diff": max(abs(a - b) for a, b in zip(*losses))}
+
+
+def join_sharded_scaler(counts, infs):
+    """GradScaler inside join(): an inf in every training rank's loss at each step in ``infs`` (before and after
+    ranks joined) skips that step. Against one process that averages the ranks present and skips those steps."""
+    rank = dist.get_rank()
+    model = Net()
+    opt = DistributedOptimizer(torch.optim.Adam(param_groups(model), lr=0.01), pack_threshold=256, shard_state=True,
+                               stall_timeout=30)  # ranks out of step fail in time
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    stepped = []
+    with opt.join():
+        for step in range(counts[rank]):
+            x, y = batch(step)
+            opt.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            if step in infs:
+                loss = loss * float("inf")  # every rank still training: averaged gradients are inf everywhere
+            scaler.scale(loss).backward()
+            scale = scaler.get_scale()
+            scaler.step(opt)
+            scaler.update()
+            stepped.append(scaler.get_scale() == scale)
+    params = [p.detach().clone() for p in model.parameters()]
+    state = opt.state_dict()
+    identical = all(all(torch.equal(a, b) for a, b in zip(params, o)) for o in distopt.all_gather_object(params))
+    opt.close()
+    ref_model = Net()
+    ref = torch.optim.Adam(param_groups(ref_model), lr=0.01)
+    for step in range(max(counts)):
+        if step in infs:
+            continue
+        present = [r for r in range(len(counts)) if counts[r] > step]
+        ref.zero_grad()
+        (sum(nn.functional.mse_loss(ref_model(batch(step, r)[0]), batch(step, r)[1]) for r in present)
+         / len(present)).backward()
+        ref.step()
+    ref_state = ref.state_dict()
+    return {"identical": identical, "stepped": stepped,
+            "diff": max((a - b).abs().max().item() for a, b in zip(params, ref_model.parameters())),
+            "state_diff": max((a - b).abs().max().item() for (_, _, a), (_, _, b) in
+                              zip(tensors_of(state), tensors_of(ref_state))),
+            "same_layout": [(k, n) for k, n, _ in tensors_of(state)] == [(k, n) for k, n, _ in tensors_of(ref_state)]}
 
 
 def attempt(opt, state_dict):
@@ -408,6 +499,10 @@ for group_and_size in (2, 3):
 CASES["features"] = (2, full_state_dict_and_features, ("{tmp}/ckpt2.pt",))
 CASES["state_dict on one rank"] = (2, state_dict_on_one_rank, ())
 CASES["join"] = (3, join_sharded, ([5, 2, 4],))
+# GradScaler skips a step with every rank training (step 1), and after a rank joined
+CASES["join, closure twice per step"] = (3, join_sharded_closure, ([5, 2, 4],))
+CASES["join, scaler skips, world 2"] = (2, join_sharded_scaler, ([6, 3], {1, 4}))
+CASES["join, scaler skips, world 3"] = (3, join_sharded_scaler, ([6, 2, 4], {1, 3, 5}))
 CASES["shard loads"] = (2, shard_loads, ())
 CASES["own shard after add_param_group"] = (2, own_shard_after_add_param_group, ())
 CASES["step hooks"] = (2, step_hooks, ())
@@ -477,6 +572,21 @@ def test_state_dict_on_one_rank_only_is_a_clear_error_not_a_hang(tmp_path_factor
 def test_join_with_uneven_batches_and_a_scheduler_trains_like_the_unsharded_wrapper(tmp_path_factory):
     for r in results("join", tmp_path_factory):
         assert r["diff"] < TOL and r["identical"], r
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_step_gradscaler_skips_after_a_rank_joined_trains_like_one_process_skipping_it(world, tmp_path_factory):
+    counts, infs = CASES[f"join, scaler skips, world {world}"][2]
+    for rank, r in enumerate(results(f"join, scaler skips, world {world}", tmp_path_factory)):
+        assert r["stepped"] == [step not in infs for step in range(counts[rank])], r  # the scaler did skip them
+        assert r["identical"] and r["same_layout"], r
+        assert r["diff"] < TOL and r["state_diff"] < TOL, r
+
+
+def test_a_closure_evaluated_twice_per_step_after_a_rank_joined_trains_like_the_unsharded_wrapper(
+        tmp_path_factory):
+    for r in results("join, closure twice per step", tmp_path_factory):
+        assert r["diff"] < TOL and r["loss_diff"] < TOL and r["identical"], r
 
 
 def test_lbfgs_cannot_be_sharded_and_says_why():
