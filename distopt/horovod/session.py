@@ -19,8 +19,8 @@ from ..launching.process_group import under_torchrun
 from ..launching.process_group import init as _init_process_group
 from ..launching.process_group import shutdown as _destroy_process_group
 
-# Horovod's names only; open_session, close_session, require_init, world_group, world_lane and
-# check_root serve the other modules here and are nothing for Horovod users.
+# Horovod's names only; open_session, close_session, require_init, generation, world_group, world_lane
+# and check_root serve the other modules here and are nothing for Horovod users.
 __all__ = [
     "is_initialized",
     "size",
@@ -44,6 +44,8 @@ class _Session:
 
 
 _session = _Session()
+# How many sessions open_session() has opened: what was built in an earlier one belongs to a job left.
+_opened = 0
 
 _NOT_INITIALIZED = "Horovod has not been initialized; use hvd.init()."
 
@@ -56,6 +58,7 @@ def open_session() -> None:
 
     Collective: every rank exchanges its host name. Does nothing if the session is open.
     """
+    global _opened
     if _session.initialized:
         return
     if not collectives.is_distributed() and under_torchrun():
@@ -67,6 +70,7 @@ def open_session() -> None:
         # with what the calling thread runs meanwhile (barriers, object collectives, the user's own).
         _session.lane = private_groups.create(None)
     _session.initialized = True
+    _opened += 1
 
 
 def _learn_topology() -> None:
@@ -94,6 +98,14 @@ def close_session() -> None:
 def is_initialized() -> bool:
     """Whether :func:`~distopt.horovod.init` was called (and :func:`~distopt.horovod.shutdown` was not since)."""
     return _session.initialized
+
+
+def generation() -> int:
+    """Which session is open: it counts the calls of :func:`~distopt.horovod.init` that opened one.
+
+    The same on every rank, since every rank calls ``init()`` and ``shutdown()``.
+    """
+    return _opened
 
 
 def require_init() -> None:

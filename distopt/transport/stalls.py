@@ -40,7 +40,7 @@ from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
 import torch.distributed as dist
 
 __all__ = ["StallError", "Progress", "watch", "retire", "inspected", "translate", "stall_error", "mark_exit", "stop",
-           "main_store"]
+           "main_store", "closed_members"]
 
 logger = logging.getLogger("distopt")
 
@@ -82,6 +82,8 @@ class Progress:
         what: that collective, in words.
         since: when the wait for it started (``time.monotonic``).
         state: "running", or how the process ended ("finished", "crashed (...)").
+        closed: the wrapper was closed (``close()``, or garbage-collected); its position is no
+            longer published, so its age says nothing.
     """
 
     group: str
@@ -97,6 +99,7 @@ class Progress:
     what: str = ""
     since: float = 0.0
     state: str = "running"
+    closed: bool = False
     warned: int = 0
     last_wait: int = 0
     cuda_works: Deque[Tuple[int, str, float, Any]] = field(default_factory=lambda: deque(maxlen=64))
@@ -125,7 +128,8 @@ class Progress:
 
     def payload(self) -> str:
         return json.dumps({"step": self.step, "phase": self.phase, "issued": self.issued, "waiting": self.waiting,
-                           "what": self.what, "state": self.state, "t": time.time(), **_identity()})
+                           "what": self.what, "state": self.state, "closed": self.closed, "t": time.time(),
+                           **_identity()})
 
 
 @lru_cache(maxsize=None)
@@ -243,6 +247,7 @@ def retire(progress: Progress) -> None:
             return
         _inspector.progresses.discard(progress)
     progress.phase = f"{progress.phase}; its DistributedOptimizer was closed"
+    progress.closed = True
     progress.cuda_works.clear()
     _inspector.retired.append(progress)
     with contextlib.suppress(Exception):
@@ -369,6 +374,21 @@ def _ranks(ranks: List[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
+def closed_members(progress: Progress) -> List[int]:
+    """The members whose wrapper of this group was closed (``close()``, or garbage-collected), per the store.
+
+    Empty without a store to read, or when the store does not answer.
+    """
+    store = _store()
+    if store is None:
+        return []
+    try:
+        positions = _positions(progress, store, strict=True)
+    except Exception:
+        return []
+    return [r for r, p in sorted(positions.items()) if r != progress.rank and p is not None and p.get("closed")]
+
+
 def main_store() -> Any:
     """The main thread's connection to the store, or None without an inspector."""
     return None if _inspector is None else _inspector.store
@@ -399,8 +419,9 @@ def _gone(progress: Progress, store: Any, window: float) -> Tuple[List[Tuple[int
     """The members that finished, crashed, were killed or fell silent, and whether the store still answers.
 
     Each is returned with its last position (or, when the store is gone, what is known of it) and
-    ``"how"``: "published" (it said how it ended), "killed" (its pid is gone without a word), or
-    "silent" (no position for longer than the silence threshold). Retried for ``window`` seconds:
+    ``"how"``: "published" (it said how it ended), "killed" (its pid is gone without a word),
+    "closed" (its wrapper was closed while this one's was not), or "silent" (no position for
+    longer than the silence threshold). Retried for ``window`` seconds:
     a peer publishes as it leaves, and one killed on another host only falls silent after
     ``_SILENT_TICKS`` ticks.
     """
@@ -422,6 +443,8 @@ def _gone(progress: Progress, store: Any, window: float) -> Tuple[List[Tuple[int
                 gone.append((rank, dict(position, how="published")))
             elif _process_ended(position or progress.peers.get(rank)):
                 gone.append((rank, dict(position or progress.peers[rank], how="killed", known=position is not None)))
+            elif position is not None and position.get("closed"):
+                gone.append((rank, dict(position, how="closed")))
             elif position is not None and time.time() - position["t"] > _SILENT_TICKS * TICK:
                 gone.append((rank, dict(position, how="silent")))
         # Without the store, only a peer on this host can be found gone, and at once: waiting tells nothing.
@@ -442,6 +465,9 @@ def _gone_text(rank: int, position: Dict[str, Any]) -> str:
             return f"rank {rank} was killed{on}: {how}; what it was doing is unknown, since the rendezvous store " \
                    "does not answer either"
         return f"rank {rank} was killed{on}, last seen at step {position['step']}, {position['phase']}: {how}"
+    if position["how"] == "closed":
+        return (f"rank {rank} closed its DistributedOptimizer (close(), or it was garbage-collected there) at step "
+                f"{position['step']}{on}, and this rank's is still in use")
     if position["how"] == "silent":
         return (f"rank {rank} stopped answering{on}, last seen at step {position['step']}, {position['phase']}: "
                 "it was killed, froze or became unreachable")
@@ -504,11 +530,14 @@ def translate(progress: Progress, seq: int, what: str, exc: BaseException,
             f"{'its' if len(unchecked) == 1 else 'their'} log, and the kernel's log (dmesg) for the out-of-memory "
             "killer")
     # The rank that was killed or fell silent is the cause; ranks that then failed because of it follow.
-    gone.sort(key=lambda item: (item[1]["how"] == "published", item[0]))
+    gone.sort(key=lambda item: (item[1]["how"] not in ("killed", "silent"), item[0]))
     hint = ""
     if any(p["how"] in ("killed", "silent") for _, p in gone):
         hint = (". The other ranks cannot go on without it: look in the kernel's log (dmesg) for the out-of-memory "
                 "killer, and restart every rank from the last checkpoint (torchrun --max-restarts does)")
+    elif any(p["how"] == "closed" for _, p in gone):
+        hint = (". Keep the DistributedOptimizers you step alive on every rank, and close (or drop) them alike "
+                "on every rank")
     elif any(p["state"] == "finished" for _, p in gone):
         hint = (". A rank that finishes while others still train leaves them waiting: give every rank the same "
                 "number of batches (e.g. DistributedSampler(drop_last=True)), or wrap the loop in "
