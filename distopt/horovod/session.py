@@ -7,6 +7,7 @@ with :func:`open_session` and :func:`close_session`.
 """
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -57,6 +58,8 @@ def open_session() -> None:
     """Set up the process group (under ``torchrun``, if none exists), the topology and the lane.
 
     Collective: every rank exchanges its host name. Does nothing if the session is open.
+    Sets horovodrun's variables (``HOROVOD_RANK``, ...) in this process; :func:`close_session`
+    removes them.
     """
     global _opened
     if _session.initialized:
@@ -71,6 +74,22 @@ def open_session() -> None:
         _session.lane = private_groups.create(None)
     _session.initialized = True
     _opened += 1
+    _export()
+
+
+#: The variables horovodrun sets in each worker, which Horovod users' scripts read.
+_HOROVOD_VARIABLES = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
+                      "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE")
+
+
+def _export() -> None:
+    """Set horovodrun's variables in this process, from the session: torchrun does not set them.
+
+    Written, never read: the session's values come from the process group alone.
+    """
+    values = (collectives.get_rank(), collectives.get_world_size(), _session.local_rank, _session.local_size,
+              _session.cross_rank, _session.cross_size)
+    os.environ.update({name: str(value) for name, value in zip(_HOROVOD_VARIABLES, values)})
 
 
 def _learn_topology() -> None:
@@ -91,6 +110,9 @@ def close_session() -> None:
         _session.lane = None
     if _session.owns_group:
         _destroy_process_group()
+    if _session.initialized:  # the values describe a job this process has left
+        for name in _HOROVOD_VARIABLES:
+            os.environ.pop(name, None)
     _session.initialized = False
     _session.owns_group = False
 

@@ -12,6 +12,7 @@ import hashlib
 import importlib
 import inspect
 import math
+import os
 import pkgutil
 import re
 import warnings
@@ -1071,6 +1072,18 @@ def test_plain_python_runs_a_job_of_one(job_of_one):
     wrapped.close()
 
 
+def test_init_sets_horovodruns_variables_for_scripts_that_read_them_and_shutdown_removes_them(job_of_one):
+    names = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_RANK",
+             "HOROVOD_CROSS_SIZE")
+    # Horovod's test_horovod_rank and test_horovod_size, after hvd.init():
+    assert int(os.getenv("HOROVOD_RANK", -1)) == hvd.rank() and int(os.getenv("HOROVOD_SIZE", -1)) == hvd.size()
+    assert [os.environ[name] for name in names] == ["0", "1", "0", "1", "0", "1"]
+    hvd.shutdown()
+    assert [name for name in names if name in os.environ] == []
+    hvd.init()
+    assert os.environ["HOROVOD_RANK"] == "0"
+
+
 def test_named_parameters_errors_use_horovods_wording(job_of_one):
     model = _mlp()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -1277,9 +1290,14 @@ def test_synthetic_benchmark_prints_images_per_second(tmp_path, no_leftover_proc
 
 
 @pytest.mark.timeout(TORCHRUN_TIMEOUT + 30)
-def test_under_torchrun_join_skips_an_optimizer_of_an_earlier_session(tmp_path, no_leftover_processes):
+def test_under_torchrun_init_sets_horovodruns_variables_and_join_skips_an_earlier_sessions_optimizer(
+        tmp_path, no_leftover_processes):
     out = _torchrun(SCRIPTS / "hvd_init_again.py", [], tmp_path)
     for rank in (0, 1):
+        # What horovodrun sets: rank, size, local rank, local size, cross rank, cross size.
+        for session in (1, 2):
+            assert f"RANK {rank} SESSION {session} ENV {rank} 2 {rank} 2 0 1" in out, out
+        assert f"RANK {rank} SESSION closed ENV - - - - - -" in out, out
         # The optimizer built before hvd.shutdown() lost its group with the session; the join leaves it out.
         assert f"RANK {rank} JOINED last=1 identical=True" in out, out
 
