@@ -39,6 +39,8 @@ from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
 
 import torch.distributed as dist
 
+from ..planning.control import SAME_JOIN_BLOCK
+
 __all__ = ["StallError", "Progress", "watch", "retire", "inspected", "translate", "stall_error", "mark_exit", "stop",
            "main_store", "closed_members"]
 
@@ -84,6 +86,7 @@ class Progress:
         state: "running", or how the process ended ("finished", "crashed (...)").
         closed: the wrapper was closed (``close()``, or garbage-collected); its position is no
             longer published, so its age says nothing.
+        in_join: the wrapper is inside a join block (``with opt.join():``) on this rank.
     """
 
     group: str
@@ -100,6 +103,7 @@ class Progress:
     since: float = 0.0
     state: str = "running"
     closed: bool = False
+    in_join: bool = False
     warned: int = 0
     last_wait: int = 0
     cuda_works: Deque[Tuple[int, str, float, Any]] = field(default_factory=lambda: deque(maxlen=64))
@@ -128,7 +132,8 @@ class Progress:
 
     def payload(self) -> str:
         return json.dumps({"step": self.step, "phase": self.phase, "issued": self.issued, "waiting": self.waiting,
-                           "what": self.what, "state": self.state, "closed": self.closed, "t": time.time(),
+                           "what": self.what, "state": self.state, "closed": self.closed, "in_join": self.in_join,
+                           "t": time.time(),
                            **_identity()})
 
 
@@ -357,17 +362,33 @@ def _report(progress: Progress, seq: int, what: str, store: Any, waited: Optiona
     elsewhere = [r for r in missing if positions[r] is not None and not positions[r]["waiting"]
                  and positions[r]["state"] == "running" and time.time() - positions[r]["t"] <= _SILENT_TICKS * TICK
                  and positions[r]["phase"].startswith(("before backward", "after backward"))]
+    blocks = {r: bool(p.get("in_join")) for r, p in sorted(positions.items()) if p is not None}
+    inside = [r for r, in_block in blocks.items() if in_block]
     hint = ""
-    if elsewhere:
+    if inside and len(inside) < len(blocks):
+        outside = [r for r in blocks if r not in inside]
+        hint = (f". {_ranks(inside).capitalize()} {_are(inside)} inside a join block of this optimizer and "
+                f"{_ranks(outside)} {_are(outside)} not: {SAME_JOIN_BLOCK}")
+    elif elsewhere and inside:
+        hint = (". A rank between steps and not in a collective of this optimizer is busy elsewhere: evaluating, "
+                "saving a checkpoint, or in a collective of your own. Every rank is inside `with opt.join():`, "
+                "where a collective of your own (a metric's all-reduce, a barrier) cannot run once a rank has run "
+                "out of data: that rank waits in the join and cannot take part. Move it after the block")
+    elif elsewhere:
         hint = (". A rank between steps and not in a collective of this optimizer is busy elsewhere: "
                 "in a collective of your own (a metric's all-reduce after its data ran out: wrap the training "
                 "loop in `with opt.join():`), evaluating, or saving a checkpoint")
     return f"{head}; " + "; ".join(lines) + hint
 
 
+
 def _limit(progress: Progress) -> str:
     limit = progress.raise_after if progress.raise_after is not None else progress.timeout
     return "past the collective timeout" if limit is None else f"more than {limit:g} s"
+
+
+def _are(ranks: List[int]) -> str:
+    return "is" if len(ranks) == 1 else "are"
 
 
 def _ranks(ranks: List[int]) -> str:
@@ -397,9 +418,16 @@ def main_store() -> Any:
 _store = main_store
 
 
-def stall_error(progress: Progress, seq: int, what: str) -> StallError:
-    """The :class:`StallError` for collective ``seq``, with the same text on every waiting rank."""
-    store = _store()
+def stall_error(progress: Progress, seq: int, what: str, store: Any = None) -> StallError:
+    """The :class:`StallError` for collective ``seq``, with the same text on every waiting rank.
+
+    Args:
+        progress: this rank's position.
+        seq: the collective's number.
+        what: the collective, in words.
+        store: where the positions are read; the inspector's connection by default.
+    """
+    store = store if store is not None else _store()
     if store is None:
         return StallError(f"rank {progress.rank} waited {_limit(progress)} at step {progress.step} for {what}; "
                           "the other ranks' positions are unknown (no store)")
@@ -474,6 +502,11 @@ def _gone_text(rank: int, position: Dict[str, Any]) -> str:
     return f"rank {rank} is gone: it {position['state']} after step {position['step']} ({position['phase']}){on}"
 
 
+def _left(position: Dict[str, Any]) -> bool:
+    """A peer that left this optimizer's rounds of its own accord: it finished, or closed its wrapper."""
+    return position["how"] == "closed" or (position["how"] == "published" and position["state"] == "finished")
+
+
 def translate(progress: Progress, seq: int, what: str, exc: BaseException,
               store: Any = None) -> Optional[BaseException]:
     """The error to raise instead of the transport's ``exc`` in collective ``seq``, or None to keep it.
@@ -535,6 +568,10 @@ def translate(progress: Progress, seq: int, what: str, exc: BaseException,
     if any(p["how"] in ("killed", "silent") for _, p in gone):
         hint = (". The other ranks cannot go on without it: look in the kernel's log (dmesg) for the out-of-memory "
                 "killer, and restart every rank from the last checkpoint (torchrun --max-restarts does)")
+    elif progress.in_join and any(_left(p) and not p.get("in_join") for _, p in gone):
+        outside = [r for r, p in gone if _left(p) and not p.get("in_join")]
+        hint = (f". This rank is inside a join block of this optimizer and {_ranks(outside)} "
+                f"{'was' if len(outside) == 1 else 'were'} not when it left: {SAME_JOIN_BLOCK}")
     elif any(p["how"] == "closed" for _, p in gone):
         hint = (". Keep the DistributedOptimizers you step alive on every rank, and close (or drop) them alike "
                 "on every rank")

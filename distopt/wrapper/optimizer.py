@@ -573,10 +573,15 @@ class DistributedOptimizer(InnerOptimizerSurface):
         engine = self._engine
         previous = (engine.in_join, engine.divide_by_world)
         engine.in_join, engine.divide_by_world = True, bool(divide_by_world)
+        if engine.progress is not None:  # for the other ranks' errors: a hint that fits a block
+            engine.progress.in_join = True
         return previous
 
     def _leave_join(self, previous: Tuple[bool, bool]) -> None:
-        self._engine.in_join, self._engine.divide_by_world = previous
+        engine = self._engine
+        engine.in_join, engine.divide_by_world = previous
+        if engine.progress is not None:
+            engine.progress.in_join = False
 
     def _start_joined(self) -> Optional[Callable[[], None]]:
         """This rank ran out of data: settle what it left pending, and launch the mode's last round."""
