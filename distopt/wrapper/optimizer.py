@@ -47,7 +47,7 @@ from ..modes import Mode, ModeArguments, ModeContext, OuterFactory, choose, shar
 from ..planning.stats import StepStats
 from ..transport import private_groups, stalls
 from ..transport.stalls import Progress
-from . import checks
+from . import checks, ddp_guard
 from .forwarding import InnerOptimizerSurface
 
 __all__ = ["DistributedOptimizer", "StepStats", "DEFAULT_PACK_THRESHOLD", "join", "join_and_wait"]
@@ -206,6 +206,9 @@ class DistributedOptimizer(InnerOptimizerSurface):
         )
         self._track_new_params()
         self._mode.attach(self._context)
+        self._ddp_watched = self.world_size > 1  # a model left in DDP shows at its first forward
+        if self._ddp_watched:
+            ddp_guard.watch(self)
 
     @property
     def backward_passes_per_step(self) -> int:
@@ -277,6 +280,9 @@ class DistributedOptimizer(InnerOptimizerSurface):
             Whatever the inner optimizer's ``step`` returns.
         """
         self._check_not_retired("step()")
+        if self._ddp_watched:  # the first forward has run: no need to watch the others
+            self._ddp_watched = False
+            ddp_guard.unwatch(self)
         engine, ctx = self._engine, self._context
         if engine.progress is not None:
             engine.progress.phase = "inside step()"
@@ -379,6 +385,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
 
     def close(self) -> None:
         """Remove the gradient hooks, destroy the private group and release the parameters."""
+        ddp_guard.unwatch(self)
         self._engine.close()
         for p in self._params:
             checks.release(p, self)
