@@ -133,8 +133,7 @@ class Progress:
     def payload(self) -> str:
         return json.dumps({"step": self.step, "phase": self.phase, "issued": self.issued, "waiting": self.waiting,
                            "what": self.what, "state": self.state, "closed": self.closed, "in_join": self.in_join,
-                           "t": time.time(),
-                           **_identity()})
+                           "t": time.time(), **_identity()})
 
 
 @lru_cache(maxsize=None)
@@ -379,7 +378,6 @@ def _report(progress: Progress, seq: int, what: str, store: Any, waited: Optiona
                 "in a collective of your own (a metric's all-reduce after its data ran out: wrap the training "
                 "loop in `with opt.join():`), evaluating, or saving a checkpoint")
     return f"{head}; " + "; ".join(lines) + hint
-
 
 
 def _limit(progress: Progress) -> str:
