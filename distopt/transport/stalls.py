@@ -50,6 +50,8 @@ logger = logging.getLogger("distopt")
 TICK = 1.0
 # A rank whose position is older than this many ticks shows no sign of life.
 _SILENT_TICKS = 5
+# A peer's closed wrapper is reported once it has stayed closed this many ticks without the process ending.
+_CLOSED_GRACE_TICKS = 2
 _PREFIX = "distopt/progress"
 # gloo's and torch's wordings of a collective that ran out of time.
 _TIMEOUT_WORDS = ("timed out", "timeout")
@@ -454,13 +456,15 @@ def _gone(progress: Progress, store: Any, window: float) -> Tuple[List[Tuple[int
     deadline = time.monotonic() + window
     answers = store is not None
     positions: Dict[int, Optional[Dict[str, Any]]] = {}
+    closed_since: Dict[int, float] = {}
     while True:
         if answers:
             try:
                 positions = _positions(progress, store, strict=True)
             except Exception:  # its host is gone: asking again would only repeat torch's warnings
                 answers = False
-        gone = []
+        now = time.monotonic()
+        gone, closed = [], []
         for rank in progress.ranks:
             if rank == progress.rank:
                 continue
@@ -470,12 +474,14 @@ def _gone(progress: Progress, store: Any, window: float) -> Tuple[List[Tuple[int
             elif _process_ended(position or progress.peers.get(rank)):
                 gone.append((rank, dict(position or progress.peers[rank], how="killed", known=position is not None)))
             elif position is not None and position.get("closed"):
-                gone.append((rank, dict(position, how="closed")))
+                # A rank whose loop ended drops its wrapper just before it finishes: wait for its last word.
+                if now - closed_since.setdefault(rank, now) >= _CLOSED_GRACE_TICKS * TICK or now > deadline:
+                    closed.append((rank, dict(position, how="closed")))
             elif position is not None and time.time() - position["t"] > _SILENT_TICKS * TICK:
                 gone.append((rank, dict(position, how="silent")))
         # Without the store, only a peer on this host can be found gone, and at once: waiting tells nothing.
-        if gone or not answers or time.monotonic() > deadline:
-            return gone, answers
+        if gone or closed or not answers or now > deadline:
+            return sorted(gone + closed), answers
         time.sleep(0.1)
 
 
