@@ -8,12 +8,13 @@ construction until its first ``step()``, a reducing wrapper has one such hook wa
 forward passes; a DDP module whose parameters a wrapper reduces raises there.
 
 It is an error rather than a warning because the result is never right. The wrapper's
-hook runs first, scales each gradient by ``1/world`` in place and averages it; DDP then
-copies that scaled gradient into its bucket, averages it again and, at the end of
-backward, writes its result over the wrapper's: with DDP's defaults every gradient
-comes out divided by the world size once more (half the gradient on two ranks), and
-with ``gradient_as_bucket_view=True`` DDP fails with an error about its bucket views.
-Over different process groups DDP's result still overwrites the wrapper's.
+hook runs first: it moves each gradient into its pack, scaled by ``1/world``, and leaves
+``.grad`` a view of it; DDP then copies that scaled gradient into its bucket, averages
+it and, at the end of backward, writes its result over the wrapper's. With DDP's
+defaults every gradient comes out divided by the world size once more (half the
+gradient on two ranks, as measured), and with ``gradient_as_bucket_view=True`` DDP fails
+with an error about its bucket views. DDP writes last whatever its process group, so
+over another group the wrapper's average is lost too.
 """
 from __future__ import annotations
 
