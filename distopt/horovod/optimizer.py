@@ -57,8 +57,8 @@ def joining() -> Tuple[List["DistributedOptimizer"], List[Dict[str, Any]]]:
     An optimizer dropped but not yet collected (in a reference cycle) is collected first,
     since another rank may have collected its copy already. One whose copy another rank
     closed (or collected) is left out: its rounds can no longer pair. Each description
-    (``index`` in the session, ``ranks`` of its group, ``tensors``, ``elements``,
-    ``closed_on``) is for the check that every rank joined the same optimizers.
+    (``index`` in the session, ``ranks`` of its group, ``tensors``, ``elements``) is for
+    the check that every rank holds the same optimizers.
     """
     gc.collect()
     optimizers, described = [], []
@@ -68,7 +68,7 @@ def joining() -> Tuple[List["DistributedOptimizer"], List[Dict[str, Any]]]:
         closed_on = opt._closed_elsewhere()
         params = [p for group in opt.param_groups for p in group["params"]]
         described.append({"index": opt._index, "ranks": list(opt._ranks), "tensors": len(params),
-                          "elements": sum(p.numel() for p in params), "closed_on": closed_on})
+                          "elements": sum(p.numel() for p in params)})
         if not closed_on:
             optimizers.append(opt)
     return optimizers, described

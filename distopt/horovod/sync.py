@@ -144,7 +144,7 @@ def _check_same_optimizers(everyone: List[List[Dict[str, Any]]]) -> None:
     if problems:
         raise RuntimeError(
             "hvd.join() needs the same optimizers on every rank, and they differ: " + "; ".join(problems)
-            + ". hvd.join() left it out. Keep each hvd.DistributedOptimizer alive on every rank while any rank "
+            + f". hvd.join() left {'it' if len(problems) == 1 else 'them'} out. Keep each hvd.DistributedOptimizer alive on every rank while any rank "
             "steps it, and close() (or drop) it on every rank alike, before hvd.join()")
 
 
