@@ -46,6 +46,11 @@ def init(comm: Optional[Any] = None, process_sets: Optional[Any] = None) -> None
     :func:`~.session.cross_size`. Calling it again before :func:`shutdown` does
     nothing.
 
+    As horovodrun does for its workers, it sets ``HOROVOD_RANK``, ``HOROVOD_SIZE``,
+    ``HOROVOD_LOCAL_RANK``, ``HOROVOD_LOCAL_SIZE``, ``HOROVOD_CROSS_RANK`` and
+    ``HOROVOD_CROSS_SIZE`` in this process's environment, for scripts that read them;
+    :func:`shutdown` removes them. They are written, never read.
+
     Args:
         comm: an MPI communicator in Horovod; must be None.
         process_sets: process sets (or lists of ranks) to add right away, as
@@ -68,7 +73,8 @@ def init(comm: Optional[Any] = None, process_sets: Optional[Any] = None) -> None
 
 
 def shutdown() -> None:
-    """Leave the job; destroys the process group if :func:`init` created it. Idempotent."""
+    """Leave the job; destroys the process group if :func:`init` created it, and removes the
+    ``HOROVOD_*`` variables :func:`init` set. Idempotent."""
     background.stop()
     forget_all()
     close_session()

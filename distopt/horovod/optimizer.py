@@ -7,24 +7,30 @@ the core's (``op`` to ``reduce_op``, ``compression`` to the wire type);
 from __future__ import annotations
 
 import contextlib
+import gc
 import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
+import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 
+from ..transport import stalls
 from ..wrapper.optimizer import DistributedOptimizer as _CoreDistributedOptimizer
 from .errors import internal_errors
 from .compression import BF16Compressor, Compression, FP16Compressor, NoneCompressor, compressor_class, CompressorLike
 from .reduce_op import Adasum, Average, ReduceOp, Sum
 from .process_sets import ProcessSet, global_process_set, group_of, solo_group
-from .session import require_init, world_group
+from .session import generation, require_init, world_group
 from .unsupported import ADASUM_ADVICE
 
-# Live optimizers, in creation order: hvd.join() joins them all.
+# Live optimizers, in creation order: hvd.join() joins those of the open session.
 _live: "weakref.WeakValueDictionary[int, DistributedOptimizer]" = weakref.WeakValueDictionary()
 _created = iter(range(1 << 62))
+# Optimizers built in each session, by the ranks they average over: an optimizer's number among
+# those is the same on every rank of its group (ranks outside a process set may not build it).
+_built: Dict[Tuple[int, Tuple[int, ...]], int] = {}
 
 
 def _sparse_noter(dims: Dict[Tensor, int]) -> Callable[[Tensor], None]:
@@ -35,11 +41,40 @@ def _sparse_noter(dims: Dict[Tensor, int]) -> Callable[[Tensor], None]:
 
 
 def live_optimizers() -> List["DistributedOptimizer"]:
-    """The optimizers not yet replaced or collected, in creation order (what :func:`~.sync.join` joins)."""
-    return [opt for _, opt in sorted(_live.items()) if opt._retired_by is None]
+    """The optimizers of the open session that still reduce, in creation order.
+
+    Left out: those built before the last :func:`~distopt.horovod.init` (they belong to a
+    session that ended), closed ones, and those a newer optimizer over the same
+    parameters replaced.
+    """
+    return [opt for _, opt in sorted(_live.items())
+            if opt._session == generation() and not opt._closed and opt._retired_by is None]
 
 
-# Horovod's names only; live_optimizers serves .sync.
+def joining() -> Tuple[List["DistributedOptimizer"], List[Dict[str, Any]]]:
+    """What :func:`~.sync.join` joins on this rank: the optimizers to stand in for, and every one described.
+
+    An optimizer dropped but not yet collected (in a reference cycle) is collected first,
+    since another rank may have collected its copy already. One whose copy another rank
+    closed (or collected) is left out: its rounds can no longer pair. Each description
+    (``index`` in the session, ``ranks`` of its group, ``tensors``, ``elements``) is for
+    the check that every rank holds the same optimizers.
+    """
+    gc.collect()
+    optimizers, described = [], []
+    for opt in live_optimizers():
+        if opt.world_size == 1:  # a rank outside its process set trains alone
+            continue
+        closed_on = opt._closed_elsewhere()
+        params = [p for group in opt.param_groups for p in group["params"]]
+        described.append({"index": opt._index, "ranks": list(opt._ranks), "tensors": len(params),
+                          "elements": sum(p.numel() for p in params)})
+        if not closed_on:
+            optimizers.append(opt)
+    return optimizers, described
+
+
+# Horovod's names only; live_optimizers and joining serve .sync.
 __all__ = [
     "DistributedOptimizer",
 ]
@@ -229,6 +264,14 @@ class DistributedOptimizer(_CoreDistributedOptimizer):
         # Always ready for hvd.join(), with Horovod's meaning: joined ranks count as zeros in the average.
         self._engine.in_join = True
         self._engine.divide_by_world = True
+        self._session = generation()
+        self._ranks: Tuple[int, ...] = ()  # the global ranks it averages over; none when it trains alone
+        if self.world_size > 1:
+            self._ranks = tuple(dist.get_process_group_ranks(self.process_group or dist.group.WORLD))
+        key = (self._session, self._ranks)
+        self._index = _built.get(key, 0)
+        _built[key] = self._index + 1
+        self._closed = False
         _live[next(_created)] = self
 
     def synchronize(self) -> None:
@@ -267,8 +310,14 @@ class DistributedOptimizer(_CoreDistributedOptimizer):
 
     def close(self) -> None:
         """Remove the gradient hooks, destroy the private group and release the parameters."""
+        self._closed = True
         self._remove_sparse_hooks()
         super().close()
+
+    def _closed_elsewhere(self) -> List[int]:
+        """The ranks of this optimizer's group that closed their copy (close(), or garbage collection)."""
+        progress = self._engine.progress
+        return [] if progress is None else stalls.closed_members(progress)
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:

@@ -7,6 +7,7 @@ with :func:`open_session` and :func:`close_session`.
 """
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -19,8 +20,8 @@ from ..launching.process_group import under_torchrun
 from ..launching.process_group import init as _init_process_group
 from ..launching.process_group import shutdown as _destroy_process_group
 
-# Horovod's names only; open_session, close_session, require_init, world_group, world_lane and
-# check_root serve the other modules here and are nothing for Horovod users.
+# Horovod's names only; open_session, close_session, require_init, generation, world_group, world_lane
+# and check_root serve the other modules here and are nothing for Horovod users.
 __all__ = [
     "is_initialized",
     "size",
@@ -44,6 +45,8 @@ class _Session:
 
 
 _session = _Session()
+# How many sessions open_session() has opened: what was built in an earlier one belongs to a job left.
+_opened = 0
 
 _NOT_INITIALIZED = "Horovod has not been initialized; use hvd.init()."
 
@@ -55,7 +58,10 @@ def open_session() -> None:
     """Set up the process group (under ``torchrun``, if none exists), the topology and the lane.
 
     Collective: every rank exchanges its host name. Does nothing if the session is open.
+    Sets horovodrun's variables (``HOROVOD_RANK``, ...) in this process; :func:`close_session`
+    removes them.
     """
+    global _opened
     if _session.initialized:
         return
     if not collectives.is_distributed() and under_torchrun():
@@ -67,6 +73,23 @@ def open_session() -> None:
         # with what the calling thread runs meanwhile (barriers, object collectives, the user's own).
         _session.lane = private_groups.create(None)
     _session.initialized = True
+    _opened += 1
+    _export()
+
+
+#: The variables horovodrun sets in each worker, which Horovod users' scripts read.
+_HOROVOD_VARIABLES = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE",
+                      "HOROVOD_CROSS_RANK", "HOROVOD_CROSS_SIZE")
+
+
+def _export() -> None:
+    """Set horovodrun's variables in this process, from the session: torchrun does not set them.
+
+    Written, never read: the session's values come from the process group alone.
+    """
+    values = (collectives.get_rank(), collectives.get_world_size(), _session.local_rank, _session.local_size,
+              _session.cross_rank, _session.cross_size)
+    os.environ.update({name: str(value) for name, value in zip(_HOROVOD_VARIABLES, values)})
 
 
 def _learn_topology() -> None:
@@ -87,6 +110,9 @@ def close_session() -> None:
         _session.lane = None
     if _session.owns_group:
         _destroy_process_group()
+    if _session.initialized:  # the values describe a job this process has left
+        for name in _HOROVOD_VARIABLES:
+            os.environ.pop(name, None)
     _session.initialized = False
     _session.owns_group = False
 
@@ -94,6 +120,14 @@ def close_session() -> None:
 def is_initialized() -> bool:
     """Whether :func:`~distopt.horovod.init` was called (and :func:`~distopt.horovod.shutdown` was not since)."""
     return _session.initialized
+
+
+def generation() -> int:
+    """Which session is open: it counts the calls of :func:`~distopt.horovod.init` that opened one.
+
+    The same on every rank, since every rank calls ``init()`` and ``shutdown()``.
+    """
+    return _opened
 
 
 def require_init() -> None:

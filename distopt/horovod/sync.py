@@ -4,7 +4,7 @@ Also the job-wide waits, :func:`join` and :func:`barrier`.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Dict, List, Tuple
 
 import torch.distributed as dist
 
@@ -13,7 +13,7 @@ from ..wrapper.optimizer import join_and_wait
 from .agreement import serve_joined
 from .background import Handle, start
 from .errors import internal_errors
-from .optimizer import live_optimizers
+from .optimizer import joining
 from .process_sets import global_process_set, group_of, lane_of
 
 __all__ = [
@@ -87,6 +87,11 @@ def join(device: int = -1) -> int:
     Object collectives, collectives on other process sets and :func:`barrier`
     wait for the joined rank: call them after ``join()``.
 
+    The optimizers joined are those built since the last :func:`~distopt.horovod.init`
+    and neither closed nor replaced; every rank must hold the same ones. One that
+    some rank closed (or dropped) while another still holds it is left out, and once
+    every rank has joined, every rank raises the same error naming it.
+
     Args:
         device: ignored (Horovod's GPU for the join's zero tensors).
 
@@ -94,7 +99,8 @@ def join(device: int = -1) -> int:
         The last rank to join (the same on every rank).
 
     Raises:
-        HorovodInternalError: a collective failed meanwhile.
+        HorovodInternalError: a collective failed meanwhile, or the ranks hold different
+            optimizers (named by their number since ``init()`` and their parameters).
     """
     with internal_errors():
         return _join()
@@ -107,10 +113,50 @@ def _join() -> int:
     # The background thread stands in for the others' hvd collectives, after this rank's own
     # submitted ones; this thread meanwhile takes part in their optimizers' rounds.
     served = start(lambda: ([], _constant(serve_joined(lane))), background=True)
-    optimizers = [opt for opt in live_optimizers() if opt.world_size > 1]  # not one outside its set
+    optimizers, described = joining()
     last = join_and_wait(optimizers) if optimizers else None
     last_served = served.wait()
+    # Every rank has joined now, so a collective pairs: the same verdict on every rank.
+    _check_same_optimizers(collectives.all_gather_object(described, group=dist.group.WORLD))
     return last_served if last is None else last
+
+
+def _check_same_optimizers(everyone: List[List[Dict[str, Any]]]) -> None:
+    """Raise the same error on every rank unless each optimizer joined on every rank of its group."""
+    holders: Dict[Tuple[Tuple[int, ...], int], List[int]] = {}
+    entries: Dict[Tuple[Tuple[int, ...], int], Dict[str, Any]] = {}
+    for rank, described in enumerate(everyone):
+        for entry in described:
+            key = (tuple(entry["ranks"]), entry["index"])
+            entries.setdefault(key, entry)
+            holders.setdefault(key, []).append(rank)
+    problems = []
+    for key, entry in sorted(entries.items()):
+        ranks, index = key
+        lack = [r for r in ranks if r not in holders[key]]
+        if lack:
+            over = "" if len(ranks) == len(everyone) else f" over process set {list(ranks)}"
+            problems.append(
+                f"hvd.DistributedOptimizer #{index} (the {_ordinal(index)} built{over} since hvd.init(); "
+                f"{entry['tensors']} parameter tensor{'s' * (entry['tensors'] != 1)}, {entry['elements']} "
+                f"elements) is alive on {_ranks(holders[key])} but not on {_ranks(lack)}, where it was closed or "
+                "garbage-collected (or never built)")
+    if problems:
+        raise RuntimeError(
+            "hvd.join() needs the same optimizers on every rank, and they differ: " + "; ".join(problems)
+            + f". hvd.join() left {'it' if len(problems) == 1 else 'them'} out. Keep each hvd.DistributedOptimizer alive on every rank while any rank "
+            "steps it, and close() (or drop) it on every rank alike, before hvd.join()")
+
+
+def _ordinal(index: int) -> str:
+    n = index + 1
+    return f"{n}{'th' if 10 <= n % 100 <= 20 else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
+
+
+def _ranks(ranks: List[int]) -> str:
+    if not ranks:
+        return "no rank"
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
 
 
 def _constant(value: Any) -> Any:

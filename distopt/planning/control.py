@@ -24,10 +24,15 @@ from typing import Any, List
 import torch
 from torch import Tensor
 
-__all__ = ["CONTROL_FLAGS", "Control", "Totals"]
+__all__ = ["CONTROL_FLAGS", "Control", "Totals", "SAME_JOIN_BLOCK"]
 
 #: Flags after the presence flags of every pack.
 CONTROL_FLAGS = 9
+
+#: What to do when the ranks' join blocks differ: here, and in the stall inspector's errors.
+SAME_JOIN_BLOCK = ("every rank must enter the same join block, with the same optimizers (`with opt.join():`, or "
+                   "`with distopt.join(opt1, opt2):` for several), around the same training loop, a rank without "
+                   "data too")
 
 
 @dataclass(frozen=True)
@@ -84,9 +89,10 @@ class Totals:
         if self.during_backward and self.inside_step:
             raise RuntimeError(_MIXED_ROUND)
         if self.in_join not in (0, world_size):
+            # Said to ranks inside a block too, so it names what differs rather than asking for a block.
             raise RuntimeError(
-                f"{self.in_join} of {world_size} ranks are inside `with opt.join():` and the others are not; "
-                "enter the join block on every rank, around the same training loop"
+                f"{self.in_join} of {world_size} ranks are inside a join block of this optimizer and the others are "
+                f"not (they are outside any block, or in a block over other optimizers): {SAME_JOIN_BLOCK}"
             )
         if self.odd_steps not in (0, self.counts_steps):
             raise RuntimeError(

@@ -11,7 +11,11 @@ store and logs who has not arrived and where each was last seen.
 The waits themselves raise :class:`StallError` after ``raise_after`` seconds,
 with a text built from the store alone, so every waiting rank tells the same
 story. When a collective fails because a peer went away, :func:`translate`
-names the rank and says whether it finished, crashed or fell silent.
+names the rank and says whether it finished, crashed, was killed or fell silent.
+Each position also says which process published it (host and pid), and the
+inspector keeps the peers' identities once it has read them, so that a peer
+killed on this host is named even when the store went with it (a rank started
+by hand with env:// hosts the store on rank 0; torchrun's agent hosts it).
 
 Nothing here opens a listener: the store is torch's, reached through a clone of
 the default store's client (one connection per thread, as torch requires).
@@ -22,18 +26,23 @@ import atexit
 import contextlib
 import json
 import logging
+import os
+import socket
 import sys
 import threading
 import time
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Any, Deque, Dict, Iterator, List, Optional, Tuple
 
 import torch.distributed as dist
 
+from ..planning.control import SAME_JOIN_BLOCK
+
 __all__ = ["StallError", "Progress", "watch", "retire", "inspected", "translate", "stall_error", "mark_exit", "stop",
-           "main_store"]
+           "main_store", "closed_members"]
 
 logger = logging.getLogger("distopt")
 
@@ -41,9 +50,13 @@ logger = logging.getLogger("distopt")
 TICK = 1.0
 # A rank whose position is older than this many ticks shows no sign of life.
 _SILENT_TICKS = 5
+# A peer's closed wrapper is reported once it has stayed closed this many ticks without the process ending.
+_CLOSED_GRACE_TICKS = 2
 _PREFIX = "distopt/progress"
 # gloo's and torch's wordings of a collective that ran out of time.
 _TIMEOUT_WORDS = ("timed out", "timeout")
+# gloo's wordings of a link a peer closed ("Connection closed by peer", "Connection reset by peer").
+_LOST_WORDS = ("connection", "peer", "broken pipe", "socket")
 
 
 class StallError(RuntimeError):
@@ -73,6 +86,9 @@ class Progress:
         what: that collective, in words.
         since: when the wait for it started (``time.monotonic``).
         state: "running", or how the process ended ("finished", "crashed (...)").
+        closed: the wrapper was closed (``close()``, or garbage-collected); its position is no
+            longer published, so its age says nothing.
+        in_join: the wrapper is inside a join block (``with opt.join():``) on this rank.
     """
 
     group: str
@@ -88,9 +104,13 @@ class Progress:
     what: str = ""
     since: float = 0.0
     state: str = "running"
+    closed: bool = False
+    in_join: bool = False
     warned: int = 0
     last_wait: int = 0
     cuda_works: Deque[Tuple[int, str, float, Any]] = field(default_factory=lambda: deque(maxlen=64))
+    #: The other members' identities (host, pid), by rank, read from the store while it answers.
+    peers: Dict[int, Dict[str, Any]] = field(default_factory=dict)
 
     def issue(self) -> int:
         """Count one more collective; return its number."""
@@ -129,7 +149,44 @@ class Progress:
 
     def payload(self) -> str:
         return json.dumps({"step": self.step, "phase": self.phase, "issued": self.issued, "waiting": self.waiting,
-                           "what": self.what, "state": self.state, "t": time.time()})
+                           "what": self.what, "state": self.state, "closed": self.closed, "in_join": self.in_join,
+                           "t": time.time(), **_identity()})
+
+
+@lru_cache(maxsize=None)
+def _pid_space() -> str:
+    """Which pids this process can see: a peer's pid means something here only if its space is the same.
+
+    The host name alone is not enough: containers on one machine may share it but not their pids.
+    """
+    parts = [socket.gethostname()]
+    with contextlib.suppress(OSError):
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            parts.append(f.read().strip())
+        parts.append(str(os.stat("/proc/self/ns/pid").st_ino))
+    return "/".join(parts)
+
+
+def _identity() -> Dict[str, Any]:
+    # The pid is read each time: a forked child publishes its own.
+    return {"host": socket.gethostname(), "pid": os.getpid(), "space": _pid_space()}
+
+
+def _process_ended(identity: Optional[Dict[str, Any]]) -> bool:
+    """Whether the process ``identity`` names is known to have ended: it ran where this one can see its pid."""
+    if not identity or identity.get("space") != _pid_space() or not identity.get("pid"):
+        return False
+    try:
+        os.kill(identity["pid"], 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # another user's process: alive
+        return False
+    # A zombie still has its pid until its parent reaps it, but it has ended.
+    with contextlib.suppress(OSError, IndexError):
+        with open(f"/proc/{identity['pid']}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    return False
 
 
 # ---------------------------------------------------------------------- the inspector thread
@@ -162,6 +219,7 @@ class _Inspector:
                     self.stopping.set()
                     return
                 try:
+                    _learn_peers(progress, store)
                     self._check(progress, store)
                 except Exception as exc:  # a report that failed must not end the watch
                     logger.debug("distopt: stall check failed: %r", exc)
@@ -210,6 +268,7 @@ def retire(progress: Progress) -> None:
             return
         _inspector.progresses.discard(progress)
     progress.phase = f"{progress.phase}; its DistributedOptimizer was closed"
+    progress.closed = True
     progress.cuda_works.clear()
     _inspector.retired.append(progress)
     with contextlib.suppress(Exception):
@@ -218,7 +277,7 @@ def retire(progress: Progress) -> None:
 
 def mark_exit(state: str) -> None:
     """Publish how this process ends ("finished", "crashed (...)"), at once, for the peers' errors."""
-    if _inspector is None:
+    if _inspector is None or _inspector.stopping.is_set():  # stopped: the store is gone
         return
     for progress in _inspector.live() + list(_inspector.retired):
         if progress.state == "running":
@@ -248,15 +307,33 @@ def _key(group: str, rank: int) -> str:
     return f"{_PREFIX}/{group}/{rank}"
 
 
-def _positions(progress: Progress, store: Any) -> Dict[int, Optional[Dict[str, Any]]]:
+def _positions(progress: Progress, store: Any, strict: bool = False) -> Dict[int, Optional[Dict[str, Any]]]:
+    """Every member's last published position (None: never published).
+
+    Args:
+        strict: raise if the store does not answer, instead of reading that rank as never seen.
+    """
     positions: Dict[int, Optional[Dict[str, Any]]] = {}
     for rank in progress.ranks:
         key = _key(progress.group, rank)
         try:
             positions[rank] = json.loads(store.get(key)) if store.check([key]) else None
         except Exception:
+            if strict:
+                raise
             positions[rank] = None
     return positions
+
+
+def _learn_peers(progress: Progress, store: Any) -> None:
+    """Keep the identities of the peers that have published, for when the store is gone."""
+    for rank in progress.ranks:
+        if rank == progress.rank or rank in progress.peers:
+            continue
+        key = _key(progress.group, rank)
+        if store.check([key]):
+            position = json.loads(store.get(key))
+            progress.peers[rank] = {k: position.get(k) for k in ("host", "pid", "space")}
 
 
 def _seen(position: Optional[Dict[str, Any]], ages: bool) -> str:
@@ -301,8 +378,19 @@ def _report(progress: Progress, seq: int, what: str, store: Any, waited: Optiona
     elsewhere = [r for r in missing if positions[r] is not None and not positions[r]["waiting"]
                  and positions[r]["state"] == "running" and time.time() - positions[r]["t"] <= _SILENT_TICKS * TICK
                  and positions[r]["phase"].startswith(("before backward", "after backward"))]
+    blocks = {r: bool(p.get("in_join")) for r, p in sorted(positions.items()) if p is not None}
+    inside = [r for r, in_block in blocks.items() if in_block]
     hint = ""
-    if elsewhere:
+    if inside and len(inside) < len(blocks):
+        outside = [r for r in blocks if r not in inside]
+        hint = (f". {_ranks(inside).capitalize()} {_are(inside)} inside a join block of this optimizer and "
+                f"{_ranks(outside)} {_are(outside)} not: {SAME_JOIN_BLOCK}")
+    elif elsewhere and inside:
+        hint = (". A rank between steps and not in a collective of this optimizer is busy elsewhere: evaluating, "
+                "saving a checkpoint, or in a collective of your own. Every rank is inside `with opt.join():`, "
+                "where a collective of your own (a metric's all-reduce, a barrier) cannot run once a rank has run "
+                "out of data: that rank waits in the join and cannot take part. Move it after the block")
+    elif elsewhere:
         hint = (". A rank between steps and not in a collective of this optimizer is busy elsewhere: "
                 "in a collective of your own (a metric's all-reduce after its data ran out: wrap the training "
                 "loop in `with opt.join():`), evaluating, or saving a checkpoint")
@@ -314,8 +402,27 @@ def _limit(progress: Progress) -> str:
     return "past the collective timeout" if limit is None else f"more than {limit:g} s"
 
 
+def _are(ranks: List[int]) -> str:
+    return "is" if len(ranks) == 1 else "are"
+
+
 def _ranks(ranks: List[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def closed_members(progress: Progress) -> List[int]:
+    """The members whose wrapper of this group was closed (``close()``, or garbage-collected), per the store.
+
+    Empty without a store to read, or when the store does not answer.
+    """
+    store = _store()
+    if store is None:
+        return []
+    try:
+        positions = _positions(progress, store, strict=True)
+    except Exception:
+        return []
+    return [r for r, p in sorted(positions.items()) if r != progress.rank and p is not None and p.get("closed")]
 
 
 def main_store() -> Any:
@@ -326,9 +433,16 @@ def main_store() -> Any:
 _store = main_store
 
 
-def stall_error(progress: Progress, seq: int, what: str) -> StallError:
-    """The :class:`StallError` for collective ``seq``, with the same text on every waiting rank."""
-    store = _store()
+def stall_error(progress: Progress, seq: int, what: str, store: Any = None) -> StallError:
+    """The :class:`StallError` for collective ``seq``, with the same text on every waiting rank.
+
+    Args:
+        progress: this rank's position.
+        seq: the collective's number.
+        what: the collective, in words.
+        store: where the positions are read; the inspector's connection by default.
+    """
+    store = store if store is not None else _store()
     if store is None:
         return StallError(f"rank {progress.rank} waited {_limit(progress)} at step {progress.step} for {what}; "
                           "the other ranks' positions are unknown (no store)")
@@ -344,56 +458,149 @@ def stall_error(progress: Progress, seq: int, what: str) -> StallError:
     return StallError(text)
 
 
-def _gone(progress: Progress, store: Any) -> List[Tuple[int, Dict[str, Any]]]:
-    """The members that finished, crashed or fell silent, retried briefly: a peer publishes as it leaves."""
-    deadline = time.monotonic() + 2 * TICK
+def _gone(progress: Progress, store: Any, window: float) -> Tuple[List[Tuple[int, Dict[str, Any]]], bool]:
+    """The members that finished, crashed, were killed or fell silent, and whether the store still answers.
+
+    Each is returned with its last position (or, when the store is gone, what is known of it) and
+    ``"how"``: "published" (it said how it ended), "killed" (its pid is gone without a word),
+    "closed" (its wrapper was closed while this one's was not), or "silent" (no position for
+    longer than the silence threshold). Retried for ``window`` seconds:
+    a peer publishes as it leaves, and one killed on another host only falls silent after
+    ``_SILENT_TICKS`` ticks.
+    """
+    deadline = time.monotonic() + window
+    answers = store is not None
+    positions: Dict[int, Optional[Dict[str, Any]]] = {}
+    closed_since: Dict[int, float] = {}
     while True:
-        positions = _positions(progress, store)
-        gone = [(r, p) for r, p in positions.items() if r != progress.rank and p is not None
-                and (p["state"] != "running" or time.time() - p["t"] > _SILENT_TICKS * TICK)]
-        if gone or time.monotonic() > deadline:
-            return gone
+        if answers:
+            try:
+                positions = _positions(progress, store, strict=True)
+            except Exception:  # its host is gone: asking again would only repeat torch's warnings
+                answers = False
+        now = time.monotonic()
+        gone, closed = [], []
+        for rank in progress.ranks:
+            if rank == progress.rank:
+                continue
+            position = positions.get(rank)
+            if position is not None and position["state"] != "running":
+                gone.append((rank, dict(position, how="published")))
+            elif _process_ended(position or progress.peers.get(rank)):
+                gone.append((rank, dict(position or progress.peers[rank], how="killed", known=position is not None)))
+            elif position is not None and position.get("closed"):
+                # A rank whose loop ended drops its wrapper just before it finishes: wait for its last word.
+                if now - closed_since.setdefault(rank, now) >= _CLOSED_GRACE_TICKS * TICK or now > deadline:
+                    closed.append((rank, dict(position, how="closed")))
+            elif position is not None and time.time() - position["t"] > _SILENT_TICKS * TICK:
+                gone.append((rank, dict(position, how="silent")))
+        # Without the store, only a peer on this host can be found gone, and at once: waiting tells nothing.
+        if gone or closed or not answers or now > deadline:
+            return sorted(gone + closed), answers
         time.sleep(0.1)
 
 
-def translate(progress: Progress, seq: int, what: str, exc: BaseException) -> Optional[BaseException]:
+def _on(position: Dict[str, Any]) -> str:
+    return "" if position.get("pid") is None else f", on {position['host']} (pid {position['pid']})"
+
+
+def _gone_text(rank: int, position: Dict[str, Any]) -> str:
+    on = _on(position)
+    if position["how"] == "killed":
+        how = "its process ended without saying how (SIGKILL, the out-of-memory killer, os._exit)"
+        if not position.get("known", True):
+            return f"rank {rank} was killed{on}: {how}; what it was doing is unknown, since the rendezvous store " \
+                   "does not answer either"
+        return f"rank {rank} was killed{on}, last seen at step {position['step']}, {position['phase']}: {how}"
+    if position["how"] == "closed":
+        return (f"rank {rank} closed its DistributedOptimizer (close(), or it was garbage-collected there) at step "
+                f"{position['step']}{on}, and this rank's is still in use")
+    if position["how"] == "silent":
+        return (f"rank {rank} stopped answering{on}, last seen at step {position['step']}, {position['phase']}: "
+                "it was killed, froze or became unreachable")
+    return f"rank {rank} is gone: it {position['state']} after step {position['step']} ({position['phase']}){on}"
+
+
+def _left(position: Dict[str, Any]) -> bool:
+    """A peer that left this optimizer's rounds of its own accord: it finished, or closed its wrapper."""
+    return position["how"] == "closed" or (position["how"] == "published" and position["state"] == "finished")
+
+
+def translate(progress: Progress, seq: int, what: str, exc: BaseException,
+              store: Any = None) -> Optional[BaseException]:
     """The error to raise instead of the transport's ``exc`` in collective ``seq``, or None to keep it.
 
     A timeout becomes :class:`StallError`. A failure caused by a peer that went away
-    names that peer and how it ended; if the peer gave up with :class:`StallError`,
-    this rank raises the same.
+    names that peer (its host and pid, where known), how it ended and where it was; if
+    the peer gave up with :class:`StallError`, this rank raises the same. A peer killed
+    on this host is named at once, from its pid, even when the store is gone; one killed
+    elsewhere once its position is older than the silence threshold (``_SILENT_TICKS``
+    ticks), which this waits for when the link was closed under it.
+
+    Args:
+        progress: this rank's position.
+        seq: the collective's number.
+        what: the collective, in words.
+        exc: the transport's error.
+        store: where the positions are read; the inspector's connection by default.
     """
     message = str(exc).lower()
     if isinstance(exc, StallError):
         return None
     if any(word in message for word in _TIMEOUT_WORDS):
         return stall_error(progress, seq, what)
-    store = _store()
-    if store is None:
+    store = store if store is not None else _store()
+    if store is None:  # no inspector: nobody published anything to read
         return None
     stalled = f"{_PREFIX}/{progress.group}/stall/{seq}"
-    with contextlib.suppress(Exception):
+    try:
         if store.check([stalled]):
             return StallError(store.get(stalled).decode())
-    gone = _gone(progress, store)
+    except Exception:  # the store is gone too; every further call would log torch's warning again
+        store = None
+    # A link a peer closed may be a peer killed on another host, which shows only as a position that stops
+    # changing: wait past the silence threshold for it. Other failures: only for a peer's parting words.
+    lost = any(word in message for word in _LOST_WORDS)
+    gone, answers = _gone(progress, store, (_SILENT_TICKS + 2) * TICK if lost else 2 * TICK)
+    if not answers and _inspector is not None:
+        _inspector.stopping.set()  # nothing left to publish to, at exit either
+    head = f"rank {progress.rank} could not finish {what} at step {progress.step}: "
     if not gone:
-        return None
-    parts = []
-    for rank, position in gone:
-        where = f"after step {position['step']} ({position['phase']})"
-        if position["state"] == "running":
-            parts.append(f"rank {rank} stopped answering {where}: it was killed, froze or became unreachable")
-        else:
-            parts.append(f"rank {rank} is gone: it {position['state']} {where}")
+        if not lost or answers:
+            return None
+        # Peers on this host were checked above and live; the cause is among those that could not be checked.
+        unchecked = [r for r in progress.ranks if r != progress.rank
+                     and progress.peers.get(r, {}).get("space") != _pid_space()]
+        if not unchecked:
+            return None
+        hosts = sorted({str(progress.peers[r]["host"]) for r in unchecked if r in progress.peers})
+        return RuntimeError(
+            f"{head}a peer closed its connection, and the rendezvous store does not answer either, so the process "
+            "that hosted it (rank 0 when the ranks were started by hand with env://, or torchrun's agent) has "
+            f"ended, or the network failed. {_ranks(unchecked).capitalize()}"
+            f"{' (on ' + ', '.join(hosts) + ')' if hosts else ''} could not be checked from here: see "
+            f"{'its' if len(unchecked) == 1 else 'their'} log, and the kernel's log (dmesg) for the out-of-memory "
+            "killer")
+    # The rank that was killed or fell silent is the cause; ranks that then failed because of it follow.
+    gone.sort(key=lambda item: (item[1]["how"] not in ("killed", "silent"), item[0]))
     hint = ""
-    if any(p["state"] == "finished" for _, p in gone):
+    if any(p["how"] in ("killed", "silent") for _, p in gone):
+        hint = (". The other ranks cannot go on without it: look in the kernel's log (dmesg) for the out-of-memory "
+                "killer, and restart every rank from the last checkpoint (torchrun --max-restarts does)")
+    elif progress.in_join and any(_left(p) and not p.get("in_join") for _, p in gone):
+        outside = [r for r, p in gone if _left(p) and not p.get("in_join")]
+        hint = (f". This rank is inside a join block of this optimizer and {_ranks(outside)} "
+                f"{'was' if len(outside) == 1 else 'were'} not when it left: {SAME_JOIN_BLOCK}")
+    elif any(p["how"] == "closed" for _, p in gone):
+        hint = (". Keep the DistributedOptimizers you step alive on every rank, and close (or drop) them alike "
+                "on every rank")
+    elif any(p["state"] == "finished" for _, p in gone):
         hint = (". A rank that finishes while others still train leaves them waiting: give every rank the same "
                 "number of batches (e.g. DistributedSampler(drop_last=True)), or wrap the loop in "
                 "`with opt.join():`")
     elif any(p["state"].startswith("crashed") for _, p in gone):
         hint = ". See that rank's traceback for the cause"
-    text = (f"rank {progress.rank} could not finish {what} at step {progress.step}: " + "; ".join(parts) + hint)
-    return RuntimeError(text)
+    return RuntimeError(head + "; ".join(_gone_text(r, p) for r, p in gone) + hint)
 
 
 @contextlib.contextmanager

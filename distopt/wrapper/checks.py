@@ -34,6 +34,7 @@ __all__ = [
     "positions",
     "claim",
     "release",
+    "owner",
     "check_agreement",
 ]
 
@@ -259,6 +260,12 @@ def claim(param: Tensor, owner: Any) -> Optional[Any]:
     previous = current() if current is not None else None
     setattr(param, _OWNER_ATTR, weakref.ref(owner))
     return previous if previous is not owner else None
+
+
+def owner(param: Tensor) -> Optional[Any]:
+    """The live wrapper that reduces ``param``'s gradient, or None."""
+    current = getattr(param, _OWNER_ATTR, None)
+    return current() if current is not None else None
 
 
 def release(param: Tensor, owner: Any) -> None:

@@ -52,7 +52,7 @@ from ..planning.drift import DriftReport
 from ..planning.stats import StepStats
 from ..transport import private_groups, stalls
 from ..transport.stalls import Progress
-from . import checks
+from . import checks, ddp_guard
 from .drift import DEFAULT_CHECK_EVERY, DriftCheck
 from .forwarding import InnerOptimizerSurface
 
@@ -231,6 +231,9 @@ class DistributedOptimizer(InnerOptimizerSurface):
         )
         self._track_new_params()
         self._mode.attach(self._context)
+        self._ddp_watched = self.world_size > 1  # a model left in DDP shows at its first forward
+        if self._ddp_watched:
+            ddp_guard.watch(self)
 
     @property
     def backward_passes_per_step(self) -> int:
@@ -304,6 +307,9 @@ class DistributedOptimizer(InnerOptimizerSurface):
             Whatever the inner optimizer's ``step`` returns.
         """
         self._check_not_retired("step()")
+        if self._ddp_watched:  # the first forward has run: no need to watch the others
+            self._ddp_watched = False
+            ddp_guard.unwatch(self)
         engine, ctx = self._engine, self._context
         if engine.progress is not None:
             engine.progress.phase = "inside step()"
@@ -471,6 +477,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
 
     def close(self) -> None:
         """Remove the gradient hooks, destroy the private group and release the parameters."""
+        ddp_guard.unwatch(self)
         self._engine.close()
         for p in self._params:
             checks.release(p, self)
@@ -669,10 +676,15 @@ class DistributedOptimizer(InnerOptimizerSurface):
         engine = self._engine
         previous = (engine.in_join, engine.divide_by_world)
         engine.in_join, engine.divide_by_world = True, bool(divide_by_world)
+        if engine.progress is not None:  # for the other ranks' errors: a hint that fits a block
+            engine.progress.in_join = True
         return previous
 
     def _leave_join(self, previous: Tuple[bool, bool]) -> None:
-        self._engine.in_join, self._engine.divide_by_world = previous
+        engine = self._engine
+        engine.in_join, engine.divide_by_world = previous
+        if engine.progress is not None:
+            engine.progress.in_join = False
 
     def _start_joined(self) -> Optional[Callable[[], None]]:
         """This rank ran out of data: settle what it left pending, and launch the mode's last round."""

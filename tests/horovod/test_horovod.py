@@ -12,6 +12,7 @@ import hashlib
 import importlib
 import inspect
 import math
+import os
 import pkgutil
 import re
 import warnings
@@ -424,6 +425,37 @@ def _check_join_stands_in_for_sums_and_refuses_the_rest() -> None:
         assert torch.equal(gathered[0], gathered[1])
 
 
+
+def _uneven_steps(opt: Any, model: nn.Module, steps: int) -> None:
+    for step in range(steps):
+        opt.zero_grad()
+        model(torch.full((2, 3), float(step))).sum().backward()
+        opt.step()
+
+
+def _check_join_counts_only_the_optimizers_every_rank_holds() -> None:
+    r = hvd.rank()
+    torch.manual_seed(0)
+    dropped, kept = nn.Linear(3, 1), nn.Linear(3, 2)
+    dropped_opt = hvd.DistributedOptimizer(torch.optim.SGD(dropped.parameters(), lr=0.1))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(kept.parameters(), lr=0.1))
+    if r == 0:
+        dropped_opt.close()  # on one rank only: its rounds can no longer pair
+    _uneven_steps(opt, kept, 1 if r == 0 else 3)
+    with pytest.raises(hvd.HorovodInternalError, match=(  # the same error on every rank
+            r"hvd.join\(\) needs the same optimizers on every rank, and they differ: hvd.DistributedOptimizer "
+            r"#\d+ \(the \d+(st|nd|rd|th) built since hvd.init\(\); 2 parameter tensors, 4 elements\) is alive on "
+            r"rank 1 but not on rank 0, where it was closed or garbage-collected \(or never built\). hvd.join\(\) "
+            r"left it out. Keep each hvd.DistributedOptimizer alive on every rank while any rank steps it, and "
+            r"close\(\) \(or drop\) it on every rank alike, before hvd.join\(\)")):
+        hvd.join()
+    gathered = hvd.allgather(kept.weight.detach().reshape(1, -1))  # the optimizers held alike were joined
+    assert torch.equal(gathered[0], gathered[1])
+    dropped_opt.close()  # now closed on every rank, and still referenced: left out of the join
+    _uneven_steps(opt, kept, 2 if r == 0 else 1)
+    assert hvd.join() == 0
+    opt.close()
+
 @pytest.mark.timeout(WORLD_TIMEOUT + 30)
 def test_collectives_follow_horovod_semantics(no_leftover_processes):
     _in_world_of_two([
@@ -441,6 +473,7 @@ def test_collectives_follow_horovod_semantics(no_leftover_processes):
         _check_collective_gradients,
         _check_broadcast_parameters_forms,
         _check_join_stands_in_for_sums_and_refuses_the_rest,
+        _check_join_counts_only_the_optimizers_every_rank_holds,
     ])
 
 
@@ -1047,6 +1080,18 @@ def test_plain_python_runs_a_job_of_one(job_of_one):
     wrapped.close()
 
 
+def test_init_sets_horovodruns_variables_for_scripts_that_read_them_and_shutdown_removes_them(job_of_one):
+    names = ("HOROVOD_RANK", "HOROVOD_SIZE", "HOROVOD_LOCAL_RANK", "HOROVOD_LOCAL_SIZE", "HOROVOD_CROSS_RANK",
+             "HOROVOD_CROSS_SIZE")
+    # Horovod's test_horovod_rank and test_horovod_size, after hvd.init():
+    assert int(os.getenv("HOROVOD_RANK", -1)) == hvd.rank() and int(os.getenv("HOROVOD_SIZE", -1)) == hvd.size()
+    assert [os.environ[name] for name in names] == ["0", "1", "0", "1", "0", "1"]
+    hvd.shutdown()
+    assert [name for name in names if name in os.environ] == []
+    hvd.init()
+    assert os.environ["HOROVOD_RANK"] == "0"
+
+
 def test_named_parameters_errors_use_horovods_wording(job_of_one):
     model = _mlp()
     sgd = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -1250,6 +1295,19 @@ def test_synthetic_benchmark_prints_images_per_second(tmp_path, no_leftover_proc
     assert len(re.findall(rf"^Iter #\d: [\d.]+ img/sec per {device}$", out, re.MULTILINE)) == 3, out
     total = re.search(rf"^Total img/sec on 2 {device}\(s\): ([\d.]+) \+-[\d.]+$", out, re.MULTILINE)
     assert total is not None and float(total.group(1)) > 0, out
+
+
+@pytest.mark.timeout(TORCHRUN_TIMEOUT + 30)
+def test_under_torchrun_init_sets_horovodruns_variables_and_join_skips_an_earlier_sessions_optimizer(
+        tmp_path, no_leftover_processes):
+    out = _torchrun(SCRIPTS / "hvd_init_again.py", [], tmp_path)
+    for rank in (0, 1):
+        # What horovodrun sets: rank, size, local rank, local size, cross rank, cross size.
+        for session in (1, 2):
+            assert f"RANK {rank} SESSION {session} ENV {rank} 2 {rank} 2 0 1" in out, out
+        assert f"RANK {rank} SESSION closed ENV - - - - - -" in out, out
+        # The optimizer built before hvd.shutdown() lost its group with the session; the join leaves it out.
+        assert f"RANK {rank} JOINED last=1 identical=True" in out, out
 
 
 def _write_epoch_one_checkpoint(path: Path) -> Dict[str, Any]:

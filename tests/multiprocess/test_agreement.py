@@ -5,6 +5,7 @@ raises the same clear error on every rank within seconds. Never a hang, an
 abort, or ranks that drift apart. The checks of one world run in one launch.
 """
 import random
+import re
 import time
 import traceback
 
@@ -347,6 +348,42 @@ def create_graph_worker():
     return outcome(train)
 
 
+def ddp_worker():
+    """The likeliest slip in a move from DDP: the model is still wrapped in DistributedDataParallel."""
+    model = make_model()
+    ddp = nn.parallel.DistributedDataParallel(model)
+    opt = DistributedOptimizer(torch.optim.SGD(ddp.parameters(), lr=0.1))
+
+    def train():
+        loss_of(ddp, *[shard(t) for t in data(1)[0]]).backward()
+
+    try:
+        return outcome(train)
+    finally:
+        opt.close()
+
+
+def ddp_elsewhere_worker():
+    """DDP over another model is no concern; the wrapper's global forward hook is gone after its first step."""
+    hooks = torch.nn.modules.module._global_forward_pre_hooks
+    before = len(hooks)
+    model, critic = make_model(), make_model(seed=1)
+    critic_ddp = nn.parallel.DistributedDataParallel(critic)
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    watching = len(hooks) - before
+
+    def train():
+        x, y = [shard(t) for t in data(1)[0]]
+        (loss_of(model, x, y) + loss_of(critic_ddp, x, y)).backward()
+        opt.step()
+        return watching, len(hooks) - before
+
+    try:
+        return outcome(train)
+    finally:
+        opt.close()
+
+
 # ---------------------------------------------------------------------- 8: arguments and helpers
 
 
@@ -494,6 +531,8 @@ def world2_checks():
         "converted": converted_model_worker(),
         "second": second_wrapper_worker(),
         "create_graph": create_graph_worker(),
+        "ddp": ddp_worker(),
+        "ddp_elsewhere": ddp_elsewhere_worker(),
         "int16": int16_worker(),
         "threshold_types": threshold_types_worker(),
         "extra_step_all": extra_step_worker("all"),
@@ -613,6 +652,20 @@ def test_the_newest_wrapper_takes_over_and_each_gradient_is_reduced_once():
         assert diff < TOL, diff
         assert once
         assert stepping_old[0] == "error" and "no longer reduces" in stepping_old[2]
+
+
+def test_a_model_still_wrapped_in_ddp_is_refused_at_its_first_forward_on_every_rank_saying_what_to_remove():
+    same_error_everywhere([r["ddp"] for r in results(2)], "RuntimeError", re.escape(
+        "this model is wrapped in DistributedDataParallel, and a DistributedOptimizer averages the gradients of "
+        "the same parameters ('0.weight', '0.bias', '2.weight' and 3 more): each gradient would be averaged twice, "
+        "and DDP's result, written last, is divided by the world size once more (with gradient_as_bucket_view=True "
+        "DDP fails instead). Remove the DDP wrapper and call the model itself (e.g. `model = ddp_model.module`)"))
+
+
+def test_ddp_over_other_parameters_trains_and_the_forward_hook_goes_at_the_first_step():
+    for status, value in [r["ddp_elsewhere"][:2] for r in results(2)]:
+        assert status == "ok", value
+        assert value == (1, 0)  # watching until the first step, then nothing left on every module call
 
 
 def test_create_graph_is_refused_with_what_to_do_instead():

@@ -198,6 +198,26 @@ def join_on_some_ranks_only():
         opt.close()
 
 
+def leave_without_a_block_while_another_rank_joins():
+    """Rank 1 has no data and no join block: it closes its optimizer and leaves, while rank 0 trains inside one."""
+    model = make_model()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    if dist.get_rank() == 1:
+        opt.close()
+        return ("left",)
+    try:
+        with opt.join():
+            for step in range(2):
+                opt.zero_grad()
+                loss_of(model, *batch(0, step)).backward()
+                opt.step()
+        return ("ok",)
+    except RuntimeError as exc:
+        return ("error", str(exc))
+    finally:
+        opt.close()
+
+
 class _nothing:
     def __enter__(self):
         return self
@@ -386,6 +406,7 @@ CASES = {
     "lbfgs, world 3": (3, lbfgs_against_a_single_process, ([2, 5, 4],), {}),
     "lbfgs strong wolfe, world 3": (3, lbfgs_against_a_single_process, ([4, 1, 5],), {"line_search": "strong_wolfe"}),
     "join on one rank only": (2, join_on_some_ranks_only, (), {}),
+    "a rank leaves without a block": (2, leave_without_a_block_while_another_rank_joins, (), {}),
     "two optimizers": (3, two_optimizers_uneven, ([4, 6, 2],), {}),
     "nested blocks": (2, nested_blocks, (), {}),
     "two tables overflowing after a rank joined": (2, two_tables_overflowing_after_a_rank_joined, (), {}),
@@ -431,7 +452,19 @@ def test_a_join_block_on_some_ranks_only_fails_on_every_rank_naming_the_fix():
     outcomes = results("join on one rank only")
     assert all(o[0] == "error" for o in outcomes), outcomes
     assert len({o[1] for o in outcomes}) == 1
-    assert "1 of 2 ranks are inside `with opt.join():`" in outcomes[0][1]
+    assert "1 of 2 ranks are inside a join block of this optimizer and the others are not (they are outside any " \
+           "block, or in a block over other optimizers): every rank must enter the same join block" in outcomes[0][1]
+
+
+def test_a_rank_inside_a_block_is_told_that_the_rank_that_left_was_not_in_one_rather_than_to_enter_one():
+    inside, left = results("a rank leaves without a block")
+    assert left == ("left",)
+    assert inside[0] == "error", inside
+    assert "rank 1 closed its DistributedOptimizer" in inside[1], inside[1]
+    assert inside[1].endswith("This rank is inside a join block of this optimizer and rank 1 was not when it left: "
+                              "every rank must enter the same join block, with the same optimizers (`with "
+                              "opt.join():`, or `with distopt.join(opt1, opt2):` for several), around the same "
+                              "training loop, a rank without data too"), inside[1]
 
 
 def test_two_optimizers_of_one_loop_join_together_end_identical_and_train_like_one_process():

@@ -8,7 +8,12 @@ that names it and says that it finished, rather than gloo's "remote worker
 crashing".
 """
 import logging
+import os
 import re
+import signal
+import socket
+import subprocess
+import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -19,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from distopt import DistributedOptimizer, StallError
-from distopt._testing import run_torchrun, run_world
+from distopt._testing import kill_tree, run_torchrun, run_world
 from distopt.engine.rounds import Broadcasts
 from distopt.transport.stalls import Progress
 from distopt.transport.waiting import wait_for
@@ -209,3 +214,54 @@ def test_under_torchrun_the_survivor_is_told_whether_the_peer_finished_or_crashe
     seen = [line for line in out.splitlines() if "RANK0 SAW:" in line]
     assert seen, out
     assert told in seen[0], seen[0]
+
+
+KILLED = Path(__file__).resolve().parents[1] / "_scripts" / "killed_peer.py"
+
+
+def _start_by_hand(script, args, world, cwd):
+    """``world`` plain processes with env://, the way a job without a supervising launcher starts."""
+    root = Path(__file__).resolve().parents[2]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                   WORLD_SIZE=str(world), PYTHONPATH=os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])))
+        procs.append(subprocess.Popen([sys.executable, str(script), *args], cwd=cwd, env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True))
+    return procs
+
+
+@pytest.mark.parametrize("dead, world, store", [(1, 3, "answers"), (0, 2, "went with it")])
+def test_a_peer_killed_with_sigkill_and_no_supervisor_is_named_by_every_survivor_within_seconds(dead, world, store,
+                                                                                                 tmp_path):
+    procs = _start_by_hand(KILLED, [str(dead)], world, tmp_path)
+    outs = []
+    try:
+        for proc in procs:
+            outs.append(proc.communicate(timeout=90)[0])
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                kill_tree(proc.pid)
+                proc.communicate()
+    text = "\n".join(outs)
+    assert procs[dead].returncode == -signal.SIGKILL, text
+    killed_at = float(re.search(rf"RANK{dead} KILLED AT ([0-9.]+)", text).group(1))
+    host = socket.gethostname()
+    for rank in set(range(world)) - {dead}:
+        assert procs[rank].returncode == 3, text
+        seen = re.search(rf"RANK{rank} SAW AT ([0-9.]+): (.*)", text)
+        assert seen, text
+        when, message = float(seen.group(1)), seen.group(2)
+        assert when - killed_at < 10, message
+        assert f"RuntimeError: rank {rank} could not finish pack 1/1 of the gradient all-reduce at step 3: " \
+               f"rank {dead} was killed, on {host} (pid {procs[dead].pid})" in message, message
+        assert "its process ended without saying how (SIGKILL" in message, message
+        if store == "answers":  # where it was comes from the store
+            assert re.search(r"last seen at step [23], ", message), message
+        else:  # rank 0 hosted the store: its pid, known from the start, is gone
+            assert "what it was doing is unknown, since the rendezvous store does not answer either" in message, message
+        assert "Connection closed by peer" not in message

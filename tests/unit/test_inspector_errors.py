@@ -1,0 +1,156 @@
+"""What the stall inspector's errors say, from the positions in the store alone (no processes).
+
+A peer killed on another host shows only as a position that stops changing: the
+survivor must wait past the silence threshold before it gives up on naming it. A peer
+killed on this host is named at once, from its pid, even when the store went with it.
+Inside a join block, the hints say what fits a block, never to wrap the loop in one.
+"""
+import json
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+
+from distopt.planning.control import Totals
+from distopt.transport import stalls
+from distopt.transport.stalls import Progress
+
+LOST = RuntimeError("[pair.cc:553] Connection reset by peer [10.0.0.2]:4284")
+
+
+class Store:
+    """A store holding one published position per rank; ``gone=True``: its host died."""
+
+    def __init__(self, positions, gone=False):
+        self.positions = positions
+        self.gone = gone
+
+    def _rank(self, key):
+        tail = key.rsplit("/", 2)
+        return None if tail[-2] == "stall" else int(tail[-1])
+
+    def check(self, keys):
+        if self.gone:
+            raise RuntimeError("Broken pipe")
+        return all(self._rank(k) in self.positions for k in keys)
+
+    def get(self, key):
+        return self.positions[self._rank(key)]
+
+
+def _position(rank, step, phase, in_join=False, **identity):
+    progress = Progress(group="g", ranks=[0, 1], rank=rank, warn_after=None, raise_after=None, step=step, phase=phase,
+                        in_join=in_join)
+    return json.dumps(dict(json.loads(progress.payload()), **identity)).encode()
+
+
+def _survivor(in_join=False):
+    return Progress(group="g", ranks=[0, 1], rank=0, warn_after=None, raise_after=None, step=3, in_join=in_join)
+
+
+def _ended_pid():
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_a_peer_killed_on_another_host_is_named_once_its_position_is_older_than_the_silence_threshold(monkeypatch):
+    monkeypatch.setattr(stalls, "TICK", 0.05)  # silence threshold: 5 ticks, 0.25 s
+    store = Store({1: _position(1, 3, "backward", host="node7", pid=4242, space="node7/other")})
+    start = time.monotonic()
+    error = stalls.translate(_survivor(), 5, "pack 1/1 of the gradient all-reduce", LOST, store=store)
+    assert isinstance(error, RuntimeError) and not isinstance(error, stalls.StallError)
+    assert str(error).startswith(
+        "rank 0 could not finish pack 1/1 of the gradient all-reduce at step 3: rank 1 stopped answering, on node7 "
+        "(pid 4242), last seen at step 3, backward: it was killed, froze or became unreachable. "), str(error)
+    assert time.monotonic() - start < 8 * 0.05 + 0.5
+
+
+def test_a_failure_that_is_not_a_lost_link_is_kept_after_a_short_wait_for_parting_words(monkeypatch):
+    monkeypatch.setattr(stalls, "TICK", 0.05)
+    store = Store({1: _position(1, 3, "backward", host="node7", pid=4242, space="node7/other")})
+    assert stalls.translate(_survivor(), 5, "pack 1/1", RuntimeError("Gloo: invalid argument"), store=store) is None
+
+
+def test_a_peer_killed_on_this_host_is_named_at_once_from_its_pid():
+    store = Store({1: _position(1, 3, "before backward", pid=_ended_pid())})
+    start = time.monotonic()
+    error = stalls.translate(_survivor(), 5, "pack 1/1 of the gradient all-reduce", LOST, store=store)
+    assert time.monotonic() - start < 1.0  # not the silence threshold: the pid says it
+    assert "rank 1 was killed, on " in str(error) and ", last seen at step 3, before backward: its process ended " \
+           "without saying how (SIGKILL, the out-of-memory killer, os._exit). The other ranks cannot go on " \
+           "without it: look in the kernel's log (dmesg)" in str(error), str(error)
+
+
+def test_a_peer_killed_on_this_host_with_the_store_is_named_from_the_identity_learned_before():
+    pid = _ended_pid()
+    survivor = _survivor()
+    survivor.peers[1] = {k: v for k, v in json.loads(_position(1, 2, "backward", pid=pid)).items()
+                         if k in ("host", "pid", "space")}
+    error = stalls.translate(survivor, 5, "pack 1/1 of the gradient all-reduce", LOST, store=Store({}, gone=True))
+    assert f"(pid {pid}): its process ended without saying how (SIGKILL" in str(error), str(error)
+    assert "what it was doing is unknown, since the rendezvous store does not answer either" in str(error)
+
+
+def test_with_the_store_gone_and_peers_elsewhere_the_error_says_so_rather_than_gloos_words():
+    survivor = _survivor()
+    survivor.peers[1] = {"host": "node7", "pid": 4242, "space": "node7/other"}
+    error = stalls.translate(survivor, 5, "pack 1/1", LOST, store=Store({}, gone=True))
+    assert "the rendezvous store does not answer either" in str(error), str(error)
+    assert "Rank 1 (on node7) could not be checked from here: see its log" in str(error), str(error)
+
+
+# ---------------------------------------------------------------------- hints inside a join block
+
+def _waiting_for_rank_1(in_join, rank_1_in_join):
+    """Rank 0 waits for pack 1 of step 3; rank 1 is between steps, in none of this optimizer's collectives."""
+    waiting = _survivor(in_join)
+    waiting.issued = 5
+    waiting.begin(5, "pack 1/1 of the gradient all-reduce")
+    store = Store({1: _position(1, 3, "before backward", in_join=rank_1_in_join)})
+    return stalls.stall_error(waiting, 5, "pack 1/1 of the gradient all-reduce", store=store)
+
+
+def test_outside_a_join_block_a_rank_busy_elsewhere_is_told_to_wrap_the_loop_in_one():
+    assert "a metric's all-reduce after its data ran out: wrap the training loop in `with opt.join():`" in str(
+        _waiting_for_rank_1(False, False))
+
+
+def test_inside_a_join_block_a_rank_busy_elsewhere_is_told_to_move_its_collectives_after_the_block():
+    text = str(_waiting_for_rank_1(True, True))
+    assert "rank 1 has not arrived: last seen at step 3, before backward. A rank between steps and not in a " \
+           "collective of this optimizer is busy elsewhere: evaluating, saving a checkpoint, or in a collective of " \
+           "your own. Every rank is inside `with opt.join():`, where a collective of your own (a metric's " \
+           "all-reduce, a barrier) cannot run once a rank has run out of data: that rank waits in the join and " \
+           "cannot take part. Move it after the block" in text, text
+    assert "wrap" not in text
+
+
+def test_when_only_some_ranks_are_inside_a_join_block_the_stall_names_them():
+    text = str(_waiting_for_rank_1(True, False))
+    assert "Rank 0 is inside a join block of this optimizer and rank 1 is not: every rank must enter the same join " \
+           "block, with the same optimizers (`with opt.join():`, or `with distopt.join(opt1, opt2):` for " \
+           "several), around the same training loop, a rank without data too" in text, text
+    assert "wrap" not in text
+
+
+def test_inside_a_join_block_a_peer_that_finished_outside_one_is_named_as_not_in_the_block():
+    store = Store({1: json.dumps(dict(json.loads(_position(1, 0, "construction")), state="finished")).encode()})
+    text = str(stalls.translate(_survivor(in_join=True), 5, "pack 1/1", LOST, store=store))
+    assert "rank 1 is gone: it finished after step 0 (construction)" in text, text
+    assert text.endswith(". This rank is inside a join block of this optimizer and rank 1 was not when it left: "
+                         "every rank must enter the same join block, with the same optimizers (`with opt.join():`, "
+                         "or `with distopt.join(opt1, opt2):` for several), around the same training loop, a rank "
+                         "without data too"), text
+
+
+def test_ranks_whose_join_blocks_differ_are_told_what_differs_not_to_enter_a_block():
+    totals = Totals(during_backward=2, inside_step=0, unfrozen=0, contributing=2, in_join=1, divide_by_world=0,
+                    counts_steps=0, odd_steps=0, closure=0)
+    with pytest.raises(RuntimeError, match=re.escape(
+            "1 of 2 ranks are inside a join block of this optimizer and the others are not (they are outside any "
+            "block, or in a block over other optimizers): every rank must enter the same join block, with the same "
+            "optimizers")):
+        totals.check(2)
