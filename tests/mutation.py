@@ -95,7 +95,7 @@ def run(mutant: Mutant) -> Tuple[bool, float, str]:
         target.write_text(text.replace(mutant.old, mutant.new))
         start = time.perf_counter()
         env = {**os.environ, "PYTHONPATH": str(copy)}  # the copy's distopt, not the installed checkout
-        proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *mutant.tests],
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-n", "0", "-x", "-q", "-p", "no:cacheprovider", *mutant.tests],
                               cwd=copy, env=env, capture_output=True, text=True, timeout=1200)
         failed = [line.split(" - ")[0][len("FAILED "):] for line in proc.stdout.splitlines()
                   if line.startswith("FAILED ")]

@@ -61,7 +61,7 @@ if __name__ == "__main__":
     if sys.argv[4:5] == ["link"]:
         try:
             results = distopt.launch(train_until_it_breaks, 1, args=(sys.argv[5],), nnodes=2, node_rank=node_rank,
-                                     master_addr=master_addr, master_port=port, timeout=90, collective_timeout=10)
+                                     master_addr=master_addr, master_port=port, timeout=90, collective_timeout=5)
         except distopt.LaunchError as exc:
             results = [{"error": f"launch: {str(exc)[:300]}"}]
         print("RESULT " + json.dumps(results), flush=True)
