@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import platform
 from dataclasses import asdict, replace
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -28,8 +28,9 @@ from .workloads import WORKLOADS
 __all__ = ["run_benchmark"]
 
 
-def _launch(fn: Callable[..., Any], cfg: BenchConfig, args: Tuple[Any, ...]) -> List[Any]:
-    return launch(fn, nprocs=cfg.world, args=args, backend=cfg.backend)
+def _launch(fn: Callable[..., Any], cfg: BenchConfig, args: Tuple[Any, ...], start_method: Optional[str] = None
+            ) -> List[Any]:
+    return launch(fn, nprocs=cfg.world, args=args, backend=cfg.backend, start_method=start_method)
 
 
 def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None) -> Dict[str, Any]:
@@ -55,7 +56,9 @@ def run_benchmark(cfg: BenchConfig, log: Callable[[str], None] = lambda s: None)
                 for mode in memory_mode_names(cfg):
                     if mode in result.modes:
                         log(f"memory probe: {result.name}/{mode} in a fresh launch")
-                        peaks = _launch(memory_worker, cfg, (cfg, result.name, mode))
+                        # Spawned: a worker forked from the fork server counts the server's pages it
+                        # writes to (copy on write) as its own, which would inflate every probe.
+                        peaks = _launch(memory_worker, cfg, (cfg, result.name, mode), start_method="spawn")
                         known = [p for p in peaks if p is not None]
                         result.modes[mode].peak_mem_bytes = max(known) if known else None
     world1: List[WorkloadResult] = []

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from .process_group import as_timedelta, check_backend, default_backend, TimeoutLike, under_torchrun, init
-from .supervisor import run_workers
+from .supervisor import check_start_method, run_workers
 from .worker import STORE_TIMEOUT, pickle_job
 
 __all__ = ["DEFAULT_TIMEOUT", "launch", "launcher"]
@@ -124,6 +124,7 @@ def launch(
     node_rank: int = 0,
     timeout: Optional[float] = DEFAULT_TIMEOUT,
     collective_timeout: TimeoutLike = None,
+    start_method: Optional[str] = None,
 ) -> List[Any]:
     """Run ``fn(*args, **kwargs)`` in ``nprocs`` worker processes with a process group.
 
@@ -162,6 +163,11 @@ def launch(
         collective_timeout: the process group's collective timeout (torch's ``timeout=``),
             in seconds or as a ``timedelta``: a collective that waits longer fails
             (default: torch's, 30 minutes for gloo).
+        start_method: how workers start: ``"forkserver"``, forked from a server that
+            imported torch once (milliseconds a launch), or ``"spawn"``, a fresh
+            interpreter each (a second or two to import torch, and no memory shared with
+            the server, which a memory measurement may want) (default: ``"forkserver"``
+            where the platform has it, else ``"spawn"``).
 
     Returns:
         The return values of this node's workers, in rank order.
@@ -178,6 +184,7 @@ def launch(
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {fn!r}")
     kwargs = {} if kwargs is None else kwargs
+    check_start_method(start_method)
     collective_wait = as_timedelta(collective_timeout, "collective_timeout")
     if under_torchrun() or (dist.is_available() and dist.is_initialized()):
         return _run_in_place(fn, args, kwargs, nprocs, backend, collective_wait)
@@ -217,6 +224,7 @@ def launch(
         return run_workers(
             job, nprocs, nnodes * nprocs, node_rank * nprocs, backend, master_addr, port,
             None if wait is None else left(), collective_wait, None if wait is None else wait.total_seconds(),
+            start_method,
         )
     finally:
         del store
@@ -249,6 +257,7 @@ def launcher(
     node_rank: int = 0,
     timeout: Optional[float] = DEFAULT_TIMEOUT,
     collective_timeout: TimeoutLike = None,
+    start_method: Optional[str] = None,
 ) -> Any:
     """Decorator form of :func:`launch`: calling the function runs it in every worker.
 
@@ -268,12 +277,14 @@ def launcher(
         node_rank: see :func:`launch`.
         timeout: see :func:`launch`.
         collective_timeout: see :func:`launch`.
+        start_method: see :func:`launch`.
 
     Returns:
         The wrapped function, or a decorator when ``fn`` is not given.
     """
     options = dict(nprocs=nprocs, backend=backend, master_addr=master_addr, master_port=master_port,
-                   nnodes=nnodes, node_rank=node_rank, timeout=timeout, collective_timeout=collective_timeout)
+                   nnodes=nnodes, node_rank=node_rank, timeout=timeout, collective_timeout=collective_timeout,
+                   start_method=start_method)
     if fn is None:
         return lambda inner: _LaunchedFunction(inner, options)
     if not callable(fn):

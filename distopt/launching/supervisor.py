@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from .errors import LaunchTimeoutError, WorkerFailedError, WorkerFailure
 from .worker import worker_main, WorkerSpec
 
-__all__: List[str] = ["run_workers"]
+__all__: List[str] = ["run_workers", "check_start_method"]
 
 # Seconds a worker gets between SIGTERM and SIGKILL.
 _TERMINATE_GRACE = 3.0
@@ -32,10 +32,11 @@ _TERMINATE_GRACE = 3.0
 
 def run_workers(job: bytes, nprocs: int, world_size: int, first_rank: int, backend: str,
                  master_addr: str, master_port: int, timeout: Optional[float],
-                 collective_timeout: Optional[timedelta] = None, reported_timeout: Optional[float] = None) -> List[Any]:
+                 collective_timeout: Optional[timedelta] = None, reported_timeout: Optional[float] = None,
+                 start_method: Optional[str] = None) -> List[Any]:
     """Start the workers and supervise them for ``timeout`` seconds (the launch's ``reported_timeout``
     less what starting the store took)."""
-    ctx = _start_context()
+    ctx = _start_context(start_method)
     # Workers give up on the store a little before the launch does, so their error names the store.
     store_deadline = None if timeout is None else time.time() + timeout - min(5.0, 0.2 * timeout)
     procs: List[BaseProcess] = []
@@ -60,8 +61,18 @@ def run_workers(job: bytes, nprocs: int, world_size: int, first_rank: int, backe
             reader.close()
 
 
-def _start_context() -> Any:
-    """How workers start: from a fork server that imported torch once, where the platform has one.
+def check_start_method(start_method: Optional[str]) -> None:
+    """Raise ``ValueError`` unless ``start_method`` is None or a start method this platform has."""
+    if start_method is None:
+        return
+    known = [m for m in ("forkserver", "spawn") if m in mp.get_all_start_methods()]
+    if start_method not in known:
+        raise ValueError(f"start_method must be one of {known} on this platform, or None for the default, "
+                         f"got {start_method!r}")
+
+
+def _start_context(start_method: Optional[str] = None) -> Any:
+    """How workers start: by default from a fork server that imported torch once, where the platform has one.
 
     A spawned worker imports torch anew (1.5 s of CPU on the development machines, per
     worker and launch); one forked from the server starts in milliseconds, and is as
@@ -70,7 +81,7 @@ def _start_context() -> Any:
     process group. The server outlives a launch and ends with this process. Where
     there is no fork server (Windows), workers are spawned.
     """
-    if "forkserver" not in mp.get_all_start_methods():
+    if start_method == "spawn" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload([worker_main.__module__])  # torch, torch.distributed and the worker

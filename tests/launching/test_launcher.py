@@ -219,11 +219,27 @@ def test_multi_node_ranks_are_node_major():
         (lambda: launch(_explicit_none, 1, args=(threading.Lock(),)), TypeError, "picklable arguments"),
         (lambda: launch(3, 1), TypeError, "fn must be callable"),
         (lambda: launch(_explicit_none, 1, backend=""), TypeError, "backend must be a string"),
+        (lambda: launch(_explicit_none, 1, start_method="fork"), ValueError,
+         r"start_method must be one of \['forkserver', 'spawn'\] on this platform.*got 'fork'"),
     ],
 )
 def test_bad_arguments_fail_before_spawning(call, error, match):
     with pytest.raises(error, match=match):
         call()
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_workers_started_either_way_see_the_launching_processs_environment_at_the_launch(start_method, monkeypatch):
+    launch(_rank_and_world, 2, start_method=start_method)  # a fork server, if any, starts with today's environment
+    monkeypatch.setenv("DISTOPT_TEST_SET_AFTER_THE_SERVER", start_method)
+    assert launch(_environment_variable, 2, args=("DISTOPT_TEST_SET_AFTER_THE_SERVER",),
+                  start_method=start_method) == [start_method] * 2
+
+
+def _environment_variable(name):
+    import os
+
+    return os.environ.get(name)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
