@@ -45,7 +45,7 @@ import enum
 import threading
 import time
 import weakref
-from typing import Any, Callable, List, Optional, Sequence
+from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -53,6 +53,7 @@ from torch import Tensor
 from torch.autograd import Variable
 
 from .. import collectives
+from ..compression.protocol import AllGather, AllReduce, AllToAll, Collective, Compressor, Round
 from ..planning import replanning
 from ..planning.control import CONTROL_FLAGS, Control, Totals
 from ..planning.packing import LaunchOrder
@@ -107,7 +108,7 @@ class GradientEngine:
         scale: factor applied while copying into a pack (the mean's 1/world), or None.
         op: the all-reduce op (``SUM``, or ``AVG`` where the backend averages natively).
         pack_threshold: bytes at which a pack closes.
-        wire_dtype: 16-bit dtype float packs travel as, or None.
+        compressor: how float packs travel (:mod:`distopt.compression`), or None: as they are.
         sparse_as_dense: densify sparse gradients instead of raising.
         backward_passes_per_step: passes accumulated before the reducing one.
         root_rank: the rank whose observed gradient order becomes the plan.
@@ -117,7 +118,7 @@ class GradientEngine:
     """
 
     def __init__(self, *, channel: Optional[PrivateGroup], scale: Optional[float], op: Any,
-                 pack_threshold: int, wire_dtype: Optional[torch.dtype], sparse_as_dense: bool,
+                 pack_threshold: int, compressor: Optional[Compressor], sparse_as_dense: bool,
                  backward_passes_per_step: int, root_rank: int, world_size: int = 1, mean: bool = True,
                  progress: Optional[Progress] = None) -> None:
         self.channel = channel
@@ -145,7 +146,7 @@ class GradientEngine:
         # Bytes a rank may receive for a small sum to travel as a gather (rounds.sums_by_gather).
         self.gather_sum_limit = GATHER_SUM_MAX_BYTES
         self.pack_threshold = pack_threshold
-        self.wire_dtype = wire_dtype
+        self.compressor = compressor
         self.sparse_as_dense = sparse_as_dense
         self.backward_passes_per_step = backward_passes_per_step
         self.root_rank = root_rank
@@ -207,7 +208,7 @@ class GradientEngine:
             self.channel.destroy()
 
     def build_packs(self, order: Sequence[int]) -> None:
-        packs = build_packs(self.params, self.names, order, self.pack_threshold, self.wire_dtype)
+        packs = build_packs(self.params, self.names, order, self.pack_threshold, self.compressor)
         for pack in packs:
             if pack.direct and self.rows_allowed and self.channel is not None:
                 pack.rows = sparse_rows.plan_rows(pack.params[0], self.world_size, self.channel.group.rank())
@@ -389,6 +390,12 @@ class GradientEngine:
             elif pack.direct:
                 self._send(pack.data, pack, index, carries_flags=False)
                 self._send(pack.flags, pack, index, carries_flags=True)
+            elif pack.codec is not None:  # the flags exactly, the values as the codec sends them
+                self._send(pack.flags, pack, index, carries_flags=True)
+                codec = pack.codec.reduce(pack.data, Round(
+                    rank=self.channel.group.rank(), world_size=self.world_size, step=self.steps,
+                    contributing=not self.joined, exchange=self.exchange_fill is not None))
+                self._resume_codec(codec, pack, index)
             else:
                 self._send(pack.buffer if pack.wire is None else pack.wire, pack, index, carries_flags=True)
         self.stats.packs += 1
@@ -413,6 +420,32 @@ class GradientEngine:
                                   into=None if copies is None else flat))
         self.stats.all_reduces += 1
         self.stats.bytes += tensor.numel() * tensor.element_size()
+
+    def _resume_codec(self, codec: Iterator[Collective], pack: Pack, index: int) -> bool:
+        """Run a compressed pack's codec up to its next collective and issue that; False once it is done."""
+        collective = next(codec, None)
+        if collective is None:
+            return False
+        group = self.channel.group
+        if isinstance(collective, AllReduce):
+            options = dist.AllreduceOptions()
+            options.reduceOp = dist.ReduceOp.SUM
+            sent = collective.tensor
+            work = group.allreduce([sent], options)
+        elif isinstance(collective, AllGather):
+            sent = collective.tensor
+            work = group.allgather([list(collective.out.view(self.world_size, -1))], [sent])
+        elif isinstance(collective, AllToAll):
+            sent = collective.tensor
+            work = group.alltoall_base(collective.out, sent, [], [], dist.AllToAllOptions())
+        else:
+            raise TypeError(f"a codec of {type(self.compressor).__name__} yielded {collective!r}; a codec yields "
+                            "distopt.compression.AllReduce, AllGather or AllToAll")
+        seq = self.progress.issue() if self.progress is not None else 0
+        self.inflight.append(Sent(work, pack, index, seq, carries_flags=False, codec=codec))
+        self.stats.all_reduces += 1
+        self.stats.bytes += sent.numel() * sent.element_size()
+        return True
 
     def _gather_rows(self, rows: sparse_rows.RowSparse, pack: Pack, index: int) -> None:
         send = sparse_rows.fill(rows, pack.data, self.row_scale)
@@ -544,6 +577,7 @@ class GradientEngine:
                 self._touched |= any(p.grad is not grad for p, grad in zip(self.params, self._pending_grads))
                 self._pending_versions = self._pending_grads = None
             overflowed = False
+            resumed = self._resume_codecs()
             for k, sent in list(enumerate(self.inflight)):
                 if sent.copies is not None:
                     sum_copies(sent.copies, sent.into, self.channel.group.rank(), self.world_size)
@@ -557,8 +591,19 @@ class GradientEngine:
                             sent.pack.data.mul_(self.scale)
                         self._send(sent.pack.data, sent.pack, sent.index, carries_flags=False)
                         overflowed = True
-            if not overflowed:
+            if not overflowed and not resumed:
                 return True
+
+    def _resume_codecs(self) -> bool:
+        """Every compressed pack's codec on to its next collective, pack after pack in the plan's
+        order: the same order on every rank, whichever of its collectives came back first."""
+        codecs = [sent for sent in self.inflight if sent.codec is not None]
+        if not codecs:
+            return False
+        self.inflight = [sent for sent in self.inflight if sent.codec is None]
+        for sent in codecs:
+            self._resume_codec(sent.codec, sent.pack, sent.index)
+        return True
 
     def _totals(self, flags: List[float]) -> Totals:
         totals = Totals.read(flags, self.world_size, averaged=self.op == dist.ReduceOp.AVG)

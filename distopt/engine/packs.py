@@ -9,6 +9,9 @@ the gradients in (scaled by the mean's 1/world in the same pass) and says in
 plain words what went wrong when the model or the backward call changed under
 the wrapper.
 
+A compressed pack sends its values through the compressor's codec
+(:mod:`distopt.compression`), or as a 16-bit copy (``wire``) for a plain cast.
+
 A *direct* pack holds one large gradient (at least :data:`DIRECT_MIN_BYTES`, sent
 uncompressed). It has no buffer for it: the gradient autograd made is scaled and
 all-reduced in place, and only its presence and control flags travel in a small
@@ -23,11 +26,12 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 import torch
 from torch import Tensor
 
+from ..compression.protocol import Codec, Compressor, PackLayout
 from ..planning.control import CONTROL_FLAGS
 from ..planning.packing import PackSpec, ParamMeta, plan_packs
 from .sparse_rows import RowSparse
 
-__all__ = ["Pack", "DIRECT_MIN_BYTES", "build_packs", "adopt_current_grads", "gather", "gather_nothing", "scratch",
+__all__ = ["Pack", "DIRECT_MIN_BYTES", "layout_of", "build_packs", "adopt_current_grads", "gather", "gather_nothing", "scratch",
            "release", "gather_early", "metas", "sums"]
 
 #: Bytes from which a pack of one gradient sends that gradient itself: below it, the flags'
@@ -57,7 +61,7 @@ class Pack:
     params: List[Tensor]  # the members' parameters
     names: List[str]  # the members' names, for errors
     batched: bool  # small members: gather with one fused copy instead of one copy each
-    wire: Optional[Tensor]  # 16-bit copy sent instead of ``buffer`` when compressing
+    wire: Optional[Tensor]  # 16-bit copy sent instead of ``buffer`` when casting (compression="fp16")
     absent: List[int]  # members that had no local gradient this round
     direct: bool = False  # one large gradient, all-reduced where autograd left it
     moved: Set[int] = field(default_factory=set)  # members moved in by their hook this round
@@ -65,12 +69,16 @@ class Pack:
     gathers: Set[int] = field(default_factory=set)  # bytes of the sums it sends as a gather (rounds.plan_gathers)
     # Room for the other ranks' copies of each of those sums, by (numel, dtype).
     copies: Dict[Tuple[int, torch.dtype], Tensor] = field(default_factory=dict)
+    # The compressor's codec for the values (its flags travel apart, exactly), or None.
+    codec: Optional[Codec] = None
 
 
 def sums(pack: Pack) -> List[int]:
     """Bytes of each sum the pack sends in a round: its buffer, or a direct pack's gradient and flags."""
     if pack.direct:
         return [pack.spec.nbytes, pack.flags.numel() * pack.flags.element_size()]
+    if pack.codec is not None:  # the values' collectives are the codec's
+        return [pack.flags.numel() * pack.flags.element_size()]
     sent = pack.buffer if pack.wire is None else pack.wire
     return [sent.numel() * sent.element_size()]
 
@@ -80,15 +88,28 @@ def metas(params: Sequence[Tensor]) -> List[ParamMeta]:
     return [ParamMeta((p.device, p.dtype), p.numel(), p.element_size()) for p in params]
 
 
+def layout_of(spec: PackSpec, params: Sequence[Tensor], names: Sequence[str]) -> PackLayout:
+    """What a compressor is told of the pack ``spec``."""
+    device, dtype = spec.key
+    return PackLayout(members=tuple(spec.members), names=tuple(names[i] for i in spec.members),
+                      shapes=tuple(params[i].shape for i in spec.members), offsets=tuple(spec.offsets),
+                      numel=spec.numel, dtype=dtype, device=device)
+
+
 def build_packs(params: Sequence[Tensor], names: Sequence[str], order: Sequence[int], threshold: int,
-                wire_dtype: Optional[torch.dtype]) -> List[Pack]:
-    """Allocate the packs of the plan for ``params`` taken in ``order``."""
+                compressor: Optional[Compressor]) -> List[Pack]:
+    """Allocate the packs of the plan for ``params`` taken in ``order``, each with its codec if compressed."""
     packs = []
     for spec in plan_packs(order, metas(params), threshold):
         device, dtype = spec.key
         first = params[spec.members[0]]
+        wire_dtype = codec = None
+        if compressor is not None:
+            wire_dtype = compressor.wire_dtype(dtype)
+            if wire_dtype is None:
+                codec = compressor.codec(layout_of(spec, params, names))
         if (len(spec.members) == 1 and spec.nbytes >= DIRECT_MIN_BYTES and first.is_contiguous()
-                and (wire_dtype is None or dtype not in (torch.float32, torch.float64))):
+                and wire_dtype is None and codec is None):
             flags = torch.empty(1 + CONTROL_FLAGS, dtype=dtype, device=device)
             packs.append(Pack(spec, flags, flags[:0], [], flags, [first], [names[spec.members[0]]], False, None, [],
                               direct=True))
@@ -96,11 +117,12 @@ def build_packs(params: Sequence[Tensor], names: Sequence[str], order: Sequence[
         buffer = torch.empty(spec.numel + len(spec.members) + CONTROL_FLAGS, dtype=dtype, device=device)
         views = [buffer[off : off + n].view(params[i].shape) for i, off, n in zip(spec.members, spec.offsets, spec.numels)]
         wire = None
-        if wire_dtype is not None and dtype in (torch.float32, torch.float64):
+        if wire_dtype is not None:
             wire = torch.empty(buffer.numel(), dtype=wire_dtype, device=device)
         batched = spec.numel < _BATCH_GATHER_BELOW * len(spec.members)
         packs.append(Pack(spec, buffer, buffer[: spec.numel], views, buffer[spec.numel :],
-                          [params[i] for i in spec.members], [names[i] for i in spec.members], batched, wire, []))
+                          [params[i] for i in spec.members], [names[i] for i in spec.members], batched, wire, [],
+                          codec=codec))
     return packs
 
 

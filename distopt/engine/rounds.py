@@ -11,12 +11,13 @@ from __future__ import annotations
 import contextlib
 import time
 from datetime import timedelta
-from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..compression.protocol import Collective
 from .packs import Pack
 from ..transport.waiting import completed_failure
 
@@ -45,6 +46,7 @@ class Sent(NamedTuple):
     gathered: bool = False  # a direct pack's non-zero rows, gathered (distopt.engine.sparse_rows)
     copies: Optional[Tensor] = None  # a small sum done as a gather: the other ranks' copies, to add into ``into``
     into: Optional[Tensor] = None
+    codec: Optional[Iterator[Collective]] = None  # a compressed pack's codec, resumed when ``work`` is back
 
 
 def sums_by_gather(nbytes: int, world: int, device: torch.device, limit: int = GATHER_SUM_MAX_BYTES) -> bool:

@@ -39,6 +39,8 @@ class StepStats:
             a tensor's mean and RMS, in its own units (``p.add_(1e-3)`` on one rank reads
             1e-3), ``inf`` for a shape or an entry that differs; 0.0 when nothing differed.
         drift_name: where that largest drift was (``"parameter '0.weight'"``); ``""`` if none.
+        pack_threshold: the pack size in bytes the packs are planned with (with
+            ``pack_threshold="auto"``, the one the root chose from the link's timing).
         drift_corrected: None, or, when the last check ran right before a ``bcast_period``
             re-broadcast, the largest parameter drift that re-broadcast overwrote (0.0: the
             ranks agreed already).
@@ -58,3 +60,4 @@ class StepStats:
     drift: float = 0.0
     drift_name: str = ""
     drift_corrected: Optional[float] = None
+    pack_threshold: int = 0

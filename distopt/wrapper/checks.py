@@ -18,11 +18,11 @@ from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
 from .. import collectives
+from .. import compression as compression_module
 from ..collectives.tensors import same_everywhere
 from ..planning.drift import ON_DRIFT
 
 __all__ = [
-    "COMPRESSIONS",
     "REDUCE_OPS",
     "check_arguments",
     "check_local_sgd",
@@ -39,8 +39,6 @@ __all__ = [
 ]
 
 REDUCE_OPS = ("mean", "sum")
-#: ``compression=`` values and the dtype each puts on the wire.
-COMPRESSIONS = {None: None, "none": None, "fp16": torch.float16, "bf16": torch.bfloat16}
 # The attribute by which a parameter names the wrapper that reduces its gradient.
 _OWNER_ATTR = "_distopt_owner"
 
@@ -62,7 +60,8 @@ def check_arguments(
         )
     if reduce_op not in REDUCE_OPS:
         raise ValueError(f"reduce_op must be 'mean' or 'sum', got {reduce_op!r}")
-    byte_count(pack_threshold, "pack_threshold", "0 sends each gradient alone")
+    if pack_threshold != "auto":
+        byte_count(pack_threshold, "pack_threshold", "0 sends each gradient alone, \"auto\" measures the link")
     if isinstance(bcast_period, bool) or not isinstance(bcast_period, int) or bcast_period < -1:
         raise ValueError(
             f"bcast_period must be an int >= -1 (N > 0: every N steps, 0: only at construction, -1: never), "
@@ -77,8 +76,7 @@ def check_arguments(
             f"backward_passes_per_step must be an int >= 1 (1 reduces after every backward), "
             f"got {backward_passes_per_step!r}"
         )
-    if compression not in COMPRESSIONS:
-        raise ValueError(f"compression must be None, 'fp16' or 'bf16', got {compression!r}")
+    compression_module.resolve(compression)
     if not isinstance(sparse_as_dense, bool):
         raise TypeError(f"sparse_as_dense must be True or False, got {sparse_as_dense!r}")
 

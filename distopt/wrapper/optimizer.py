@@ -44,19 +44,26 @@ from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
 from .. import collectives
+from .. import compression as compression_module
+from ..compression import Compressor
 from ..collectives.groups import check_member
 from ..engine import GradientEngine, RoundState
 from ..modes import Mode, ModeArguments, ModeContext, OuterFactory, choose, shards
 from ..modes.synchronous import shadow_closure_loss
 from ..planning.drift import DriftReport
 from ..planning.stats import StepStats
+from ..planning.link import choose_threshold
 from ..transport import private_groups, stalls
+from ..transport.link import measure_link
 from ..transport.stalls import Progress
 from . import checks, ddp_guard
 from .drift import DEFAULT_CHECK_EVERY, DriftCheck
 from .forwarding import InnerOptimizerSurface
 
-__all__ = ["DistributedOptimizer", "StepStats", "DEFAULT_PACK_THRESHOLD", "join", "join_and_wait"]
+__all__ = ["DistributedOptimizer", "StepStats", "DEFAULT_PACK_THRESHOLD", "COMPRESSION_KEY", "join", "join_and_wait"]
+
+#: The key of the compressor's state (this rank's residuals, PowerSGD's Q) in ``state_dict()``.
+COMPRESSION_KEY = "distopt_compression"
 
 #: Default pack size in bytes (see docs/benchmark.md for how it was chosen).
 DEFAULT_PACK_THRESHOLD = 10 * 2**20
@@ -104,7 +111,9 @@ class DistributedOptimizer(InnerOptimizerSurface):
         reduce_op: ``"mean"`` averages gradients over ranks, ``"sum"`` adds them
             (default: ``"mean"``).
         pack_threshold: a pack is launched once it holds this many bytes; ``0`` sends
-            each gradient on its own (default: 10 MiB).
+            each gradient on its own; ``"auto"`` times the link when the parameters are
+            first taken on and the root picks the size (:mod:`distopt.planning.link`;
+            ``stats.pack_threshold`` says which) (default: 10 MiB).
         bcast_period: re-broadcast parameters from ``root_rank`` after every
             ``bcast_period``-th step; ``0`` broadcasts only at construction; ``-1``
             never broadcasts (default: ``0``).
@@ -114,8 +123,13 @@ class DistributedOptimizer(InnerOptimizerSurface):
             ``model.named_parameters()``, so errors name parameters (default: None).
         process_group: the group to average over (default: the default group).
         root_rank: rank within ``process_group`` that broadcasts (default: ``0``).
-        compression: ``"fp16"`` or ``"bf16"`` sends float32/float64 packs as 16-bit
-            on the wire (mean scaling applied before the cast) (default: None).
+        compression: how float packs travel: a :class:`distopt.compression.Compressor`
+            (``PowerSGD(rank=4)``, ``Quantize(bits=8)``, ``Cast(torch.float16)``, or your
+            own) or its name: ``"fp16"``, ``"bf16"``, ``"int8"``, ``"int4"``,
+            ``"powersgd"``. Error feedback keeps what a compressor left out for the next
+            step; that state is this rank's own and goes into ``state_dict()``. In local
+            SGD the pseudo-gradients are compressed. None sends values as they are
+            (default: None).
         sparse_as_dense: turn sparse gradients dense instead of raising (default: False).
         stall_warning: seconds a rank waits for the others in one of the wrapper's
             collectives before a warning names the ranks that have not arrived and
@@ -165,13 +179,13 @@ class DistributedOptimizer(InnerOptimizerSurface):
         optimizer: Optimizer,
         *,
         reduce_op: str = "mean",
-        pack_threshold: int = DEFAULT_PACK_THRESHOLD,
+        pack_threshold: Union[int, str] = DEFAULT_PACK_THRESHOLD,
         bcast_period: int = 0,
         backward_passes_per_step: int = 1,
         named_parameters: Optional[Iterable[Tuple[str, Tensor]]] = None,
         process_group: Optional[ProcessGroup] = None,
         root_rank: int = 0,
-        compression: Optional[str] = None,
+        compression: Union[str, Compressor, None] = None,
         sparse_as_dense: bool = False,
         stall_warning: Union[float, timedelta, None] = 60.0,
         stall_timeout: Union[float, timedelta, None] = None,
@@ -190,9 +204,14 @@ class DistributedOptimizer(InnerOptimizerSurface):
                                compression, sparse_as_dense)
         self.optimizer = optimizer
         self.reduce_op = reduce_op
-        self.pack_threshold = checks.byte_count(pack_threshold, "pack_threshold", "0 sends each gradient alone")
+        # "auto" stays "auto" here (it is a setting the ranks compare); the engine holds the size chosen.
+        self.pack_threshold: Union[int, str] = (
+            "auto" if pack_threshold == "auto" else checks.byte_count(pack_threshold, "pack_threshold", ""))
         self.bcast_period = int(bcast_period)
         self.compression = None if compression in (None, "none") else compression
+        self.compressor: Optional[Compressor] = compression_module.resolve(compression)
+        if self.compressor is not None:
+            _bind_compressor(self.compressor, self)
         self.sparse_as_dense = sparse_as_dense
         self.shard_state = checks.shard_state(shard_state, optimizer)
         local = checks.check_local_sgd(sync_every, outer_optimizer, local_warmup, reduce_op, bcast_period,
@@ -215,8 +234,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
             )
         self.root_rank = root_rank
         self._names_by_id = checks.names_by_id(named_parameters, optimizer)
-        self._engine = self._build_engine(wire_dtype=checks.COMPRESSIONS[self.compression],
-                                          backward_passes_per_step=int(backward_passes_per_step))
+        self._engine = self._build_engine(backward_passes_per_step=int(backward_passes_per_step))
         self._mode: Mode = choose(ModeArguments(
             rank=self.rank, world_size=self.world_size, local=local, shard_state=self.shard_state,
             sync_every=int(sync_every), outer_optimizer=outer_optimizer, local_warmup=int(local_warmup),
@@ -253,6 +271,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
         stats.optimizer_state_bytes = sum(v.numel() * v.element_size() for state in self.optimizer.state.values()
                                           for v in state.values() if isinstance(v, Tensor))
         stats.extra_state_bytes = self._mode.extra_state_bytes(self._context)
+        stats.pack_threshold = self._engine.pack_threshold
         self._drift.fill(stats)
         return stats
 
@@ -497,7 +516,10 @@ class DistributedOptimizer(InnerOptimizerSurface):
         optimizer state) under the key ``"distopt_local_sgd"``, which a plain
         ``torch.optim`` optimizer's ``load_state_dict`` ignores.
         """
-        return self._mode.state_dict(self._context)
+        state = self._mode.state_dict(self._context)
+        if self.compressor is not None:
+            state[COMPRESSION_KEY] = self.compressor.state_dict()
+        return state
 
     def sharded_state_dict(self) -> Dict[str, Any]:
         """With ``shard_state=True``: this rank's shard only, without communication (fast saves of
@@ -526,7 +548,12 @@ class DistributedOptimizer(InnerOptimizerSurface):
             ValueError: a shard that lacks state this wrapper needs (merge the save's shards
                 with :func:`distopt.merge_state_dicts`), or a state dict of another optimizer.
         """
+        compressed = state_dict.get(COMPRESSION_KEY)
+        if compressed is not None:
+            state_dict = {k: v for k, v in state_dict.items() if k != COMPRESSION_KEY}
         self._mode.load_state_dict(self._context, state_dict)
+        if self.compressor is not None and compressed is not None:
+            self.compressor.load_state_dict(compressed)
 
     def broadcast_parameters(self) -> None:
         """Overwrite every rank's parameters with the root's (coalesced per device and dtype)."""
@@ -551,19 +578,20 @@ class DistributedOptimizer(InnerOptimizerSurface):
 
     # ------------------------------------------------------------------ set-up
 
-    def _build_engine(self, *, wire_dtype: Optional[torch.dtype], backward_passes_per_step: int) -> GradientEngine:
+    def _build_engine(self, *, backward_passes_per_step: int) -> GradientEngine:
         """The gradient engine, over a private group of its own (none in a group of one)."""
         world_size, mean = self.world_size, self.reduce_op == "mean"
         # NCCL averages natively. Otherwise the mean's 1/world is applied while each gradient is
         # copied into its pack (no extra pass), and always before a 16-bit cast, which could overflow.
         native_avg = world_size > 1 and dist.get_backend(self.process_group) == "nccl"
-        scale = 1.0 / world_size if mean and (wire_dtype is not None or not native_avg) else None
+        scale = 1.0 / world_size if mean and (self.compressor is not None or not native_avg) else None
         channel = progress = None
         if world_size > 1:
             channel, progress = self._open_channel()
         return GradientEngine(
             channel=channel, scale=scale, op=dist.ReduceOp.AVG if mean and scale is None else dist.ReduceOp.SUM,
-            pack_threshold=self.pack_threshold, wire_dtype=wire_dtype, sparse_as_dense=self.sparse_as_dense,
+            pack_threshold=DEFAULT_PACK_THRESHOLD if self.pack_threshold == "auto" else self.pack_threshold,
+            compressor=self.compressor, sparse_as_dense=self.sparse_as_dense,
             backward_passes_per_step=backward_passes_per_step, root_rank=self.root_rank, world_size=world_size,
             mean=mean, progress=progress,
         )
@@ -605,7 +633,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
         return {
             "reduce_op": self.reduce_op,
             "pack_threshold": self.pack_threshold,
-            "compression": self.compression,
+            "compression": None if self.compressor is None else self.compressor.settings(),
             "bcast_period": self.bcast_period,
             "backward_passes_per_step": self.backward_passes_per_step,
             "sparse_as_dense": self.sparse_as_dense,
@@ -652,11 +680,23 @@ class DistributedOptimizer(InnerOptimizerSurface):
         group = self._context.group
         with stalls.inspected(engine.progress, "the check that every rank built the same optimizer"):
             checks.check_agreement(self._settings(), new, names, group, self.root_rank)
+        if self.pack_threshold == "auto" and not engine.params:
+            with stalls.inspected(engine.progress, "the timing of the link (pack_threshold='auto')"):
+                engine.pack_threshold = self._auto_threshold(new)
         if self.bcast_period != -1:
             with torch.no_grad(), stalls.inspected(engine.progress, "the broadcast of the initial parameters"):
                 collectives.broadcast_parameters(new, src=self.root_rank, group=group)
         engine.track(new, names)
         self._mode.on_track(self._context, new)
+
+    def _auto_threshold(self, params: List[Tensor]) -> int:
+        """The root times the link and picks the pack size; every rank takes the root's."""
+        total = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+        device = params[0].device
+        timing = measure_link(self._engine.channel.group, device)
+        chosen = torch.tensor([choose_threshold(timing, total)], dtype=torch.int64, device=device)
+        collectives.broadcast(chosen, src=self.root_rank, group=self._engine.channel.group)
+        return int(chosen.item())
 
     def _retire(self) -> None:
         """A newer wrapper took this one's parameters over: stop reducing, for good."""
@@ -877,3 +917,21 @@ def _watch(engine: GradientEngine, k: int, seq: int) -> None:
     progress.begin(seq, what)
     if progress.raise_after is not None and progress.waited() >= progress.raise_after:
         raise stalls.stall_error(progress, seq, what)
+
+
+# Which wrapper each compressor serves: its state (residuals) is one wrapper's, so one object
+# cannot serve two live ones.
+_COMPRESSOR_OWNERS: "weakref.WeakKeyDictionary[Compressor, weakref.ReferenceType[DistributedOptimizer]]" = (
+    weakref.WeakKeyDictionary())
+
+
+def _bind_compressor(compressor: Compressor, wrapper: DistributedOptimizer) -> None:
+    owner_ref = _COMPRESSOR_OWNERS.get(compressor)
+    owner = None if owner_ref is None else owner_ref()
+    if owner is not None and owner._retired_by is None:
+        raise ValueError(
+            f"compression={compressor!r} already serves another DistributedOptimizer, and its state (error "
+            "feedback) is one wrapper's; give each wrapper a compressor of its own, e.g. "
+            f"compression={type(compressor).__name__}(...) in each constructor call"
+        )
+    _COMPRESSOR_OWNERS[compressor] = weakref.ref(wrapper)

@@ -1,0 +1,220 @@
+"""PowerSGD (Vogels, Karimireddy and Jaggi, NeurIPS 2019): low-rank gradients with error feedback.
+
+Each gradient matrix ``M`` (a conv kernel viewed as ``out x rest``) is sent as two thin
+factors: ``P = M Q`` (``n x r``), summed over the ranks and orthonormalised, then
+``Q = Mᵀ P`` (``m x r``), summed; every rank then holds the same ``P Qᵀ``, the sum
+projected onto ``P``'s span. ``Q`` is kept for the next step (the warm start that
+makes one power iteration per step enough), and what the projection left out of
+this rank's ``M`` is added to its next gradient (error feedback), so nothing is lost
+for good, only late.
+
+Per pack, two all-reduces: the first carries every matrix's ``P`` and, uncompressed,
+the members too small to gain (vectors, and matrices where ``r (n + m)`` is not at
+least ``min_compression_rate`` times smaller than ``n m``); the second every ``Q``.
+Before ``start_step`` the packs travel uncompressed (one all-reduce), which helps the
+first, large gradients of training settle.
+
+A non-finite gradient (an AMP overflow that ``GradScaler`` will skip) reaches every
+rank as non-finite, as without compression; the residual of that round is dropped
+and ``Q`` starts afresh, so one overflow does not poison the state for good.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from .protocol import AllReduce, Codec, Collective, Compressor, PackLayout, Round
+
+__all__ = ["PowerSGD"]
+
+_FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class _Matrix:
+    index: int  # the parameter's index: its residual and Q are keyed by it
+    offset: int
+    rows: int
+    cols: int
+
+
+class PowerSGD(Compressor):
+    """Send each gradient matrix as rank-``rank`` factors, with error feedback and a warm-started ``Q``.
+
+    Args:
+        rank: the factors' rank r; higher is closer to the exact mean, and sends more (default: 4).
+        start_step: steps sent uncompressed before compression starts (default: 0).
+        min_compression_rate: a matrix ``n x m`` is compressed only if ``n m`` is at least this
+            many times ``r (n + m)`` (default: 2.0).
+        seed: the seed of every rank's first ``Q`` (they must match) (default: 0).
+
+    Raises:
+        ValueError: a setting out of range.
+
+    Example::
+
+        >>> opt = distopt.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=3e-4),
+        ...                                    compression=distopt.compression.PowerSGD(rank=4))
+        >>> torch.save(opt.state_dict(), f"ckpt-rank{distopt.get_rank()}.pt")  # residuals are per rank
+    """
+
+    name = "powersgd"
+
+    def __init__(self, rank: int = 4, start_step: int = 0, min_compression_rate: float = 2.0, seed: int = 0) -> None:
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"PowerSGD(rank=) must be an int >= 1, got {rank!r}")
+        if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
+            raise ValueError(f"PowerSGD(start_step=) must be an int >= 0, got {start_step!r}")
+        if not min_compression_rate > 0:
+            raise ValueError(f"PowerSGD(min_compression_rate=) must be > 0, got {min_compression_rate!r}")
+        self.rank = rank
+        self.start_step = start_step
+        self.min_compression_rate = float(min_compression_rate)
+        self.seed = int(seed)
+        # Keyed by (exchange, parameter index): gradients and a mode's exchanges keep theirs apart.
+        self.residuals: Dict[Tuple[bool, int], Tensor] = {}
+        self.qs: Dict[Tuple[bool, int], Tensor] = {}
+
+    def __repr__(self) -> str:
+        return f"PowerSGD(rank={self.rank}, start_step={self.start_step})"
+
+    def settings(self) -> Dict[str, Any]:
+        return {"compressor": "PowerSGD", "rank": self.rank, "start_step": self.start_step,
+                "min_compression_rate": self.min_compression_rate, "seed": self.seed}
+
+    def codec(self, layout: PackLayout) -> Optional[Codec]:
+        if layout.dtype not in _FLOATS:
+            return None
+        matrices = []
+        for index, shape, offset in zip(layout.members, layout.shapes, layout.offsets):
+            if len(shape) < 2:
+                continue
+            rows = shape[0]
+            cols = 1
+            for s in shape[1:]:
+                cols *= s
+            if rows * cols >= self.min_compression_rate * self.rank * (rows + cols):
+                matrices.append(_Matrix(index, offset, rows, cols))
+        return _PowerSGDCodec(self, layout, matrices) if matrices else None
+
+    def first_q(self, index: int, cols: int, like: Tensor) -> Tensor:
+        """The same ``Q`` on every rank: drawn from a generator seeded by the seed and the parameter."""
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+        return torch.randn(cols, self.rank, generator=gen, dtype=torch.float32).to(like.device, like.dtype)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"residuals": {_key(k): v.clone() for k, v in self.residuals.items()},
+                "qs": {_key(k): v.clone() for k, v in self.qs.items()}}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        unknown = set(state_dict) - {"residuals", "qs"}
+        if unknown:
+            raise ValueError(f"not a PowerSGD state: unexpected keys {sorted(unknown)}")
+        self.residuals = {_unkey(k): v.clone() for k, v in state_dict.get("residuals", {}).items()}
+        self.qs = {_unkey(k): v.clone() for k, v in state_dict.get("qs", {}).items()}
+
+
+def _key(key: Tuple[bool, int]) -> str:
+    return f"{'exchange' if key[0] else 'grad'}:{key[1]}"
+
+
+def _unkey(text: str) -> Tuple[bool, int]:
+    kind, _, index = text.partition(":")
+    if kind not in ("exchange", "grad") or not index.isdigit():
+        raise ValueError(f"not a PowerSGD state key: {text!r}")
+    return kind == "exchange", int(index)
+
+
+class _PowerSGDCodec(Codec):
+    def __init__(self, owner: PowerSGD, layout: PackLayout, matrices: List[_Matrix]) -> None:
+        self.owner = owner
+        self.layout = layout
+        self.matrices = matrices
+        # The members sent as they are, as (offset, numel) runs of the flat values.
+        compressed = {(m.offset, m.rows * m.cols) for m in matrices}
+        self.rest = [(o, n) for o, n in _member_spans(layout) if (o, n) not in compressed]
+        self.rest_numel = sum(n for _, n in self.rest)
+
+    def reduce(self, data: Tensor, round: Round) -> Iterator[Collective]:
+        owner, r = self.owner, self.owner.rank
+        if round.step < owner.start_step:
+            yield AllReduce(data)
+            return
+        # Each matrix's M: its value plus its residual, in the residual's own storage (no copy kept).
+        ms: List[Tensor] = []
+        for m in self.matrices:
+            value = data[m.offset:m.offset + m.rows * m.cols].view(m.rows, m.cols)
+            if round.contributing:
+                residual = owner.residuals.get((round.exchange, m.index))
+                if residual is None:
+                    residual = owner.residuals[(round.exchange, m.index)] = torch.zeros_like(value)
+                ms.append(residual.add_(value))
+            else:  # a rank that has joined adds nothing, and keeps its residual for later
+                ms.append(value)
+        qs = []
+        for m in self.matrices:
+            q = owner.qs.get((round.exchange, m.index))
+            if q is None:
+                q = owner.qs[(round.exchange, m.index)] = owner.first_q(m.index, m.cols, data)
+            qs.append(q)
+        p_numel = sum(m.rows * r for m in self.matrices)
+        first = torch.empty(p_numel + self.rest_numel, dtype=data.dtype, device=data.device)
+        ps = _split(first, [(m.rows, r) for m in self.matrices])
+        for m_, q, p in zip(ms, qs, ps):
+            torch.mm(m_, q, out=p)
+        at = p_numel
+        for offset, n in self.rest:
+            first[at:at + n].copy_(data[offset:offset + n])
+            at += n
+        yield AllReduce(first)
+        at = p_numel
+        for offset, n in self.rest:
+            data[offset:offset + n].copy_(first[at:at + n])
+            at += n
+        second = torch.empty(sum(m.cols * r for m in self.matrices), dtype=data.dtype, device=data.device)
+        new_qs = _split(second, [(m.cols, r) for m in self.matrices])
+        for m_, p, q in zip(ms, ps, new_qs):
+            p.copy_(_orthonormal(p))
+            torch.mm(m_.t(), p, out=q)
+        yield AllReduce(second)
+        finite = bool(torch.isfinite(second).all())
+        for m, m_, p, q in zip(self.matrices, ms, ps, new_qs):
+            value = data[m.offset:m.offset + m.rows * m.cols].view(m.rows, m.cols)
+            approx = torch.mm(p, q.t())
+            if round.contributing:
+                if finite:
+                    # The residual: this rank's M less its share of the sum's approximation, so
+                    # that the ranks' residuals add up to what the approximation left out.
+                    m_.sub_(approx, alpha=1.0 / round.world_size)
+                else:
+                    m_.zero_()
+            value.copy_(approx)
+            owner.qs[(round.exchange, m.index)] = q.clone() if finite else owner.first_q(m.index, m.cols, data)
+
+
+def _orthonormal(p: Tensor) -> Tensor:
+    """An orthonormal basis of ``p``'s columns (the same on every rank: they hold the same ``p``)."""
+    if p.dtype in (torch.float16, torch.bfloat16):
+        return torch.linalg.qr(p.float()).Q.to(p.dtype)
+    return torch.linalg.qr(p).Q
+
+
+def _split(flat: Tensor, shapes: List[Tuple[int, int]]) -> List[Tensor]:
+    out, at = [], 0
+    for rows, cols in shapes:
+        out.append(flat[at:at + rows * cols].view(rows, cols))
+        at += rows * cols
+    return out
+
+
+def _member_spans(layout: PackLayout) -> List[Tuple[int, int]]:
+    spans = []
+    for shape, offset in zip(layout.shapes, layout.offsets):
+        n = 1
+        for s in shape:
+            n *= s
+        spans.append((offset, n))
+    return spans

@@ -1,0 +1,168 @@
+"""The compressor protocol: how a pack of gradients may travel in fewer bytes.
+
+A :class:`Compressor` is handed each pack of the plan once, as a :class:`PackLayout`,
+and answers with a :class:`Codec` for it, or None to send that pack as it is. A
+codec averages the pack's values by *yielding* the collectives it needs
+(:class:`AllReduce`, :class:`AllGather`, :class:`AllToAll`) and computing between
+them; the engine issues each one and resumes the codec once it is back.
+
+The engine, not the codec, decides when a collective is issued: every pack's first
+collective as the pack launches (during backward, in the plan's order), each later
+one in the engine's one waiting place, pack after pack in the plan's order. So every
+rank issues the same collectives in the same order whatever its timing: the reason
+DDP's PowerSGD hook, whose futures chain its second collective from another thread,
+can abort on gloo with "collective mismatch", and a codec cannot.
+
+A codec sees the pack's values already multiplied by the mean's ``1/world`` and
+leaves their *sum* over the ranks in place. The pack's control flags never pass
+through it: the engine sums them exactly, in a small all-reduce of their own.
+
+Example of a compressor a user might write (values sent as bfloat16 with error feedback
+would follow the same shape)::
+
+    class Halves(Compressor):
+        def codec(self, layout):
+            return _HalvesCodec() if layout.dtype == torch.float32 else None
+
+    class _HalvesCodec(Codec):
+        def reduce(self, data, round):
+            wire = data.to(torch.float16)
+            yield AllReduce(wire)
+            data.copy_(wire)
+"""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+__all__ = ["PackLayout", "Round", "AllReduce", "AllGather", "AllToAll", "Collective", "Codec", "Compressor"]
+
+
+@dataclass(frozen=True)
+class PackLayout:
+    """What a compressor knows of a pack: its members and where each lies in the flat values.
+
+    Attributes:
+        members: the members' indices among the wrapper's parameters, stable for its life;
+            per-parameter state (a residual, PowerSGD's Q) is keyed by them.
+        names: the members' names, for errors.
+        shapes: the members' shapes.
+        offsets: where each member starts in the pack's flat values.
+        numel: elements in the pack's values.
+        dtype: the values' dtype.
+        device: the values' device.
+    """
+
+    members: Tuple[int, ...]
+    names: Tuple[str, ...]
+    shapes: Tuple[torch.Size, ...]
+    offsets: Tuple[int, ...]
+    numel: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+@dataclass(frozen=True)
+class Round:
+    """What a codec knows of the round it reduces in.
+
+    Attributes:
+        rank: this rank within the wrapper's group.
+        world_size: ranks in the group.
+        step: the optimizer steps taken so far.
+        contributing: False on a rank that has joined (``join()``): its values are zeros,
+            and it must add nothing of its own state (error feedback) to the sum.
+        exchange: the values are a mode's exchange (local SGD's pseudo-gradients), not
+            gradients; state such as residuals is kept apart for the two.
+    """
+
+    rank: int
+    world_size: int
+    step: int
+    contributing: bool = True
+    exchange: bool = False
+
+
+@dataclass
+class AllReduce:
+    """Sum ``tensor`` over the ranks, in place."""
+
+    tensor: Tensor
+
+
+@dataclass
+class AllGather:
+    """Every rank's ``tensor``, in rank order, into ``out`` (``world_size * tensor.numel()`` elements)."""
+
+    tensor: Tensor
+    out: Tensor
+
+
+@dataclass
+class AllToAll:
+    """Chunk ``j`` of ``tensor`` goes to rank ``j``; chunk ``i`` of ``out`` comes from rank ``i`` (equal chunks)."""
+
+    tensor: Tensor
+    out: Tensor
+
+
+Collective = Union[AllReduce, AllGather, AllToAll]
+
+
+class Codec(abc.ABC):
+    """Sums one pack's values over the ranks, through the collectives it yields."""
+
+    @abc.abstractmethod
+    def reduce(self, data: Tensor, round: Round) -> Iterator[Collective]:
+        """Leave the sum of every rank's ``data`` in ``data``, yielding each collective it needs.
+
+        Every rank must yield the same collectives, of the same sizes, in the same
+        order: decide them from the layout and the round, never from the values.
+
+        Args:
+            data: the pack's flat values (already scaled by the mean's ``1/world``).
+            round: the round's rank, world size, step and kind.
+
+        Yields:
+            The next collective; the generator resumes once it is complete.
+        """
+
+
+class Compressor(abc.ABC):
+    """Decides how each pack travels; pass one as ``DistributedOptimizer(..., compression=)``.
+
+    One compressor serves one wrapper: it may keep per-parameter state (error feedback)
+    that goes into the wrapper's ``state_dict()``.
+    """
+
+    #: What ``compression=`` names it (``"powersgd"``, ``"int8"``, ...), for messages.
+    name: str = "custom"
+
+    @abc.abstractmethod
+    def codec(self, layout: PackLayout) -> Optional[Codec]:
+        """The codec for a pack, or None to send it uncompressed (e.g. integer packs)."""
+
+    def settings(self) -> Dict[str, Any]:
+        """What must match on every rank (compared when the wrapper is built)."""
+        return {"compressor": type(self).__qualname__}
+
+    def wire_dtype(self, dtype: torch.dtype) -> Optional[torch.dtype]:
+        """For a plain cast: the dtype packs of ``dtype`` travel as, which the engine casts inline.
+
+        A compressor that answers a dtype here is never asked for codecs; the default, None,
+        means the compressor works through :meth:`codec`.
+        """
+        return None
+
+    def state_dict(self) -> Dict[str, Any]:
+        """This rank's compressor state (residuals, warm-start factors), for checkpoints."""
+        return {}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` returned."""
+        if state_dict:
+            raise ValueError(f"{type(self).__name__} keeps no state, but was given {sorted(state_dict)}")

@@ -1,0 +1,287 @@
+"""Compressors without processes: each codec runs for a simulated world of ranks in one process.
+
+:func:`simulate` drives one codec generator per rank and carries out each collective they
+yield in plain Python, checking that every rank asks for the same collective of the same
+size at the same point, the way the engine's fixed plan requires.
+"""
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from distopt.compression import (AllGather, AllReduce, AllToAll, Cast, Compressor, PackLayout, PowerSGD, Quantize,
+                                 Round, resolve)
+from distopt.compression.quantize import dequantize_blocks, quantize_blocks
+
+
+def layout_of(shapes, members=None):
+    offsets, at = [], 0
+    for shape in shapes:
+        offsets.append(at)
+        at += math.prod(shape)
+    members = tuple(range(len(shapes))) if members is None else tuple(members)
+    return PackLayout(members=members, names=tuple(f"p{i}" for i in members),
+                      shapes=tuple(torch.Size(s) for s in shapes), offsets=tuple(offsets), numel=at,
+                      dtype=torch.float32, device=torch.device("cpu"))
+
+
+def simulate(codecs, datas, step=0, contributing=None, exchange=False):
+    """Run one round of ``codecs[r]`` on ``datas[r]`` for every rank r; return the collectives' kinds and sizes."""
+    world = len(codecs)
+    contributing = contributing or [True] * world
+    gens = [c.reduce(d, Round(rank=r, world_size=world, step=step, contributing=contributing[r], exchange=exchange))
+            for r, (c, d) in enumerate(zip(codecs, datas))]
+    asked = [next(g, None) for g in gens]
+    trace = []
+    while asked[0] is not None:
+        kinds = {(type(a).__name__, a.tensor.numel(), a.tensor.dtype) for a in asked}
+        assert len(kinds) == 1, f"the ranks asked for different collectives: {kinds}"
+        trace.append(kinds.pop()[:2])
+        first = asked[0]
+        if isinstance(first, AllReduce):
+            total = sum(a.tensor.clone() for a in asked)
+            for a in asked:
+                a.tensor.copy_(total)
+        elif isinstance(first, AllGather):
+            stacked = torch.cat([a.tensor for a in asked])
+            for a in asked:
+                a.out.copy_(stacked)
+        elif isinstance(first, AllToAll):
+            chunks = [a.tensor.view(world, -1) for a in asked]
+            for j, a in enumerate(asked):
+                a.out.view(world, -1).copy_(torch.stack([chunks[i][j] for i in range(world)]))
+        asked = [next(g, None) for g in gens]
+        assert all(a is None for a in asked) == (asked[0] is None), "a rank's codec ended before the others'"
+    return trace
+
+
+# ---------------------------------------------------------------------------- names and arguments
+
+
+@pytest.mark.parametrize("name, kind", [("fp16", Cast), ("bf16", Cast), ("int8", Quantize), ("int4", Quantize),
+                                        ("powersgd", PowerSGD)])
+def test_every_name_builds_its_compressor(name, kind):
+    compressor = resolve(name)
+    assert isinstance(compressor, kind) and compressor.name == name
+
+
+@pytest.mark.parametrize("value, error, match", [
+    ("int2", ValueError, r"compression must be None, one of 'fp16'.*got 'int2'"),
+    (3, TypeError, r"compression must be None, a name .* got int 3"),
+    (PowerSGD, TypeError, r"compression=PowerSGD is a class; pass an instance, e.g. PowerSGD\(\)"),
+])
+def test_a_bad_compression_names_the_value_and_the_fix(value, error, match):
+    with pytest.raises(error, match=match):
+        resolve(value)
+
+
+@pytest.mark.parametrize("build, match", [
+    (lambda: PowerSGD(rank=0), r"PowerSGD\(rank=\) must be an int >= 1, got 0"),
+    (lambda: PowerSGD(start_step=-1), r"PowerSGD\(start_step=\) must be an int >= 0, got -1"),
+    (lambda: Quantize(bits=2), r"Quantize\(bits=\) must be 8 or 4, got 2"),
+    (lambda: Quantize(block_size=12), r"Quantize\(block_size=\) must be a positive multiple of 8, got 12"),
+    (lambda: Cast(torch.float32), r"Cast\(dtype=\) must be torch.float16 or torch.bfloat16"),
+])
+def test_bad_compressor_settings_name_the_setting_and_the_value(build, match):
+    with pytest.raises(ValueError, match=match):
+        build()
+
+
+# ---------------------------------------------------------------------------- blockwise quantisation
+
+
+@settings(max_examples=60, deadline=None)
+@given(bits=st.sampled_from([4, 8]), blocks=st.integers(1, 6), seed=st.integers(0, 2**16),
+       scale=st.floats(1e-6, 1e6))
+def test_blockwise_quantisation_errs_by_at_most_half_a_step_of_each_block(bits, blocks, seed, scale):
+    block = 32
+    values = torch.randn(blocks * block, generator=torch.Generator().manual_seed(seed)) * scale
+    values[::7] = 0.0
+    codes, scales = quantize_blocks(values, bits, block)
+    assert codes.dtype == torch.uint8 and codes.numel() == values.numel() * bits // 8
+    decoded = dequantize_blocks(codes, scales, bits, block, torch.empty_like(values))
+    step = scales.repeat_interleave(block)
+    assert torch.all((decoded - values).abs() <= step / 2 + 1e-6 * step)
+    assert torch.equal(decoded[values == 0], torch.zeros_like(decoded[values == 0]))  # zero is exact
+
+
+def test_a_block_of_zeros_decodes_to_zeros_without_dividing_by_zero():
+    codes, scales = quantize_blocks(torch.zeros(64), 8, 32)
+    assert torch.equal(dequantize_blocks(codes, scales, 8, 32, torch.empty(64)), torch.zeros(64))
+
+
+# ---------------------------------------------------------------------------- codecs in a simulated world
+
+
+@settings(max_examples=25, deadline=None)
+@given(world=st.integers(1, 4), bits=st.sampled_from([4, 8]), sizes=st.lists(st.integers(1, 700), min_size=1, max_size=4),
+       seed=st.integers(0, 2**16))
+def test_quantised_sums_are_the_same_bitwise_on_every_rank_and_close_to_the_true_sum(world, bits, sizes, seed):
+    layout = layout_of([(n,) for n in sizes])
+    gen = torch.Generator().manual_seed(seed)
+    datas = [torch.randn(layout.numel, generator=gen) for _ in range(world)]
+    truth = sum(d.clone() for d in datas)
+    compressors = [Quantize(bits=bits, block_size=64) for _ in range(world)]
+    codecs = [c.codec(layout) for c in compressors]
+    trace = simulate(codecs, datas)
+    assert [kind for kind, _ in trace] == ["AllToAll", "AllGather"]
+    assert all(torch.equal(d, datas[0]) for d in datas)
+    # Two quantisations: each rank's values, then the sum; each errs by half a step of its block.
+    bound = (world + 2) * truth.abs().max().item() / ((1 << (bits - 1)) - 1)
+    assert (datas[0] - truth).abs().max().item() <= bound + 1e-6
+
+
+def _gap_after_rounds(bits, feedback, world=3, rounds=60):
+    layout = layout_of([(40,), (300,)])
+    compressors = [Quantize(bits=bits, block_size=64) for _ in range(world)]
+    codecs = [c.codec(layout) for c in compressors]
+    gen = torch.Generator().manual_seed(0)
+    sent_total = torch.zeros(layout.numel, dtype=torch.float64)
+    true_total = torch.zeros(layout.numel, dtype=torch.float64)
+    for _ in range(rounds):
+        datas = [torch.randn(layout.numel, generator=gen) + 0.3 for _ in range(world)]
+        true_total += sum(d.double() for d in datas)
+        simulate(codecs, datas)
+        sent_total += datas[0].double()
+        if not feedback:
+            for c in compressors:
+                for r in c.residuals.values():
+                    r.zero_()
+    return (sent_total - true_total).abs().max().item()
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_error_feedback_makes_what_was_sent_follow_the_true_sum_over_many_rounds(bits):
+    # Without feedback the per-round errors add up; with it the gap stays within what the
+    # residuals hold at the end: a few quantisation steps, however many rounds.
+    with_feedback, without = _gap_after_rounds(bits, True), _gap_after_rounds(bits, False)
+    assert with_feedback < without / 4, (with_feedback, without)
+    assert with_feedback <= 3 * 4 * 4.0 / ((1 << (bits - 1)) - 1)
+
+
+def test_powersgd_sends_factors_of_matrices_and_the_small_members_exactly():
+    world = 2
+    layout = layout_of([(64, 32), (32,), (4, 4)])  # a matrix that gains, a vector, a matrix too small to gain
+    compressors = [PowerSGD(rank=2) for _ in range(world)]
+    codecs = [c.codec(layout) for c in compressors]
+    gen = torch.Generator().manual_seed(1)
+    datas = [torch.randn(layout.numel, generator=gen) for _ in range(world)]
+    truth = sum(d.clone() for d in datas)
+    trace = simulate(codecs, datas)
+    # First all-reduce: P (64 x 2) plus the 32 + 16 uncompressed values; second: Q (32 x 2).
+    assert trace == [("AllReduce", 64 * 2 + 32 + 16), ("AllReduce", 32 * 2)]
+    assert all(torch.equal(d, datas[0]) for d in datas)
+    assert torch.equal(datas[0][2048:], truth[2048:])  # vector and small matrix: exact sums
+    approx = datas[0][:2048].view(64, 32)
+    assert torch.linalg.matrix_rank(approx).item() <= 2
+
+
+def test_powersgd_error_feedback_recovers_a_fixed_gradient_over_rounds():
+    # A constant full-rank gradient: rank-1 factors each round, but with feedback and the warm
+    # start, the running mean of what arrives converges to the true mean.
+    world, rounds = 2, 200
+    layout = layout_of([(16, 16)])
+    compressors = [PowerSGD(rank=1, min_compression_rate=1.0) for _ in range(world)]
+    codecs = [c.codec(layout) for c in compressors]
+    gen = torch.Generator().manual_seed(2)
+    fixed = [torch.randn(256, generator=gen) for _ in range(world)]
+    truth = sum(fixed)
+    received = torch.zeros(256)
+    for _ in range(rounds):
+        datas = [f.clone() for f in fixed]
+        simulate(codecs, datas)
+        received += datas[0]
+    assert (received / rounds - truth).abs().max().item() < 0.1 * truth.abs().max().item()
+
+
+def test_powersgd_before_its_start_step_sends_the_pack_as_it_is():
+    layout = layout_of([(64, 32)])
+    codecs = [PowerSGD(rank=2, start_step=5).codec(layout) for _ in range(2)]
+    datas = [torch.randn(2048), torch.randn(2048)]
+    truth = datas[0] + datas[1]
+    assert simulate(codecs, datas, step=4) == [("AllReduce", 2048)]
+    assert torch.equal(datas[0], truth)
+    assert len(simulate(codecs, [torch.randn(2048), torch.randn(2048)], step=5)) == 2
+
+
+@pytest.mark.parametrize("make", [lambda: PowerSGD(rank=2), lambda: Quantize(bits=8, block_size=64)])
+def test_a_rank_that_has_joined_adds_nothing_and_keeps_its_residual(make):
+    layout = layout_of([(64, 32)])
+    compressors = [make() for _ in range(2)]
+    codecs = [c.codec(layout) for c in compressors]
+    simulate(codecs, [torch.randn(2048), torch.randn(2048)])  # both rounds leave residuals
+    kept = {k: v.clone() for k, v in compressors[1].residuals.items()}
+    live = torch.randn(2048)
+    alone = [live.clone(), torch.zeros(2048)]
+    simulate(codecs, alone, contributing=[True, False])
+    assert all(torch.equal(compressors[1].residuals[k], v) for k, v in kept.items())
+    assert torch.equal(alone[0], alone[1])
+
+
+@pytest.mark.parametrize("make", [lambda: PowerSGD(rank=2), lambda: Quantize(bits=8, block_size=64)])
+def test_an_overflow_reaches_every_rank_and_does_not_poison_the_next_rounds(make):
+    layout = layout_of([(64, 32)])
+    compressors = [make() for _ in range(2)]
+    codecs = [c.codec(layout) for c in compressors]
+    bad = torch.randn(2048)
+    bad[5] = float("inf")
+    datas = [bad, torch.randn(2048)]
+    simulate(codecs, datas)
+    assert not torch.isfinite(datas[0]).all() and not torch.isfinite(datas[1]).all()
+    clean = [torch.randn(2048), torch.randn(2048)]
+    simulate(codecs, clean)
+    assert torch.isfinite(clean[0]).all() and torch.equal(clean[0], clean[1])
+
+
+@pytest.mark.parametrize("make", [lambda: PowerSGD(rank=2), lambda: Quantize(bits=4, block_size=64)])
+def test_state_dict_round_trip_continues_bitwise(make):
+    layout = layout_of([(64, 32), (10,)])
+    gen = torch.Generator().manual_seed(3)
+    rounds = [[torch.randn(layout.numel, generator=gen) for _ in range(2)] for _ in range(4)]
+    first = [make() for _ in range(2)]
+    codecs = [c.codec(layout) for c in first]
+    for datas in rounds[:2]:
+        simulate(codecs, [d.clone() for d in datas])
+    saved = [c.state_dict() for c in first]
+    straight = []
+    for datas in rounds[2:]:
+        ds = [d.clone() for d in datas]
+        simulate(codecs, ds)
+        straight.append(ds[0])
+    resumed = [make() for _ in range(2)]
+    for c, state in zip(resumed, saved):
+        c.load_state_dict(state)
+    codecs = [c.codec(layout) for c in resumed]
+    for datas, expected in zip(rounds[2:], straight):
+        ds = [d.clone() for d in datas]
+        simulate(codecs, ds)
+        assert torch.equal(ds[0], expected)
+
+
+def test_gradients_and_exchanges_keep_their_residuals_apart():
+    layout = layout_of([(64, 32)])
+    compressors = [Quantize(bits=8, block_size=64) for _ in range(2)]
+    codecs = [c.codec(layout) for c in compressors]
+    simulate(codecs, [torch.randn(2048), torch.randn(2048)], exchange=True)
+    assert {kind for kind, _ in compressors[0].residuals} == {True}
+
+
+def test_a_user_compressor_needs_only_a_codec():
+    class Halves(Compressor):
+        def codec(self, layout):
+            return _Halves()
+
+    class _Halves:
+        def reduce(self, data, round):
+            wire = data.to(torch.float16)
+            yield AllReduce(wire)
+            data.copy_(wire)
+
+    datas = [torch.ones(8), torch.ones(8) * 2]
+    simulate([Halves().codec(layout_of([(8,)]))] * 2, datas)
+    assert torch.equal(datas[0], torch.full((8,), 3.0))
+    assert Halves().settings() == {"compressor": "test_a_user_compressor_needs_only_a_codec.<locals>.Halves"}
+    with pytest.raises(ValueError, match="keeps no state"):
+        Halves().load_state_dict({"x": 1})
