@@ -38,32 +38,44 @@ __all__ = ["Quantize", "quantize_blocks", "dequantize_blocks"]
 _FLOATS = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-def quantize_blocks(values: Tensor, bits: int, block_size: int) -> Tuple[Tensor, Tensor]:
+def quantize_blocks(values: Tensor, bits: int, block_size: int, work: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """Quantise ``values`` (a multiple of ``block_size`` long) blockwise: ``(codes, scales)``.
 
     Codes are uint8: one value each for 8 bits, two (low nibble first) for 4 bits; each
     is the integer plus ``2**(bits-1)``, so that zero is exact. Scales are float32.
+
+    Args:
+        values: what to quantise.
+        bits: 8 or 4.
+        block_size: values per scale.
+        work: float32 scratch as long as ``values`` (a codec keeps one, since allocating
+            a pack-sized tensor costs more than the arithmetic), or None.
     """
     top = (1 << (bits - 1)) - 1
-    blocks = values.float().view(-1, block_size)
-    scales = blocks.abs().amax(dim=1) / top
-    # A block of zeros keeps scale 0 (decodes to zeros); dividing by 1 there avoids 0/0.
-    safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    ints = torch.round(blocks / safe.unsqueeze(1)).clamp_(-top, top).add_(top + 1).to(torch.uint8).view(-1)
+    blocks = values.view(-1, block_size)
+    if work is None:
+        work = torch.empty(blocks.shape, dtype=torch.float32, device=values.device)
+    work = work.view(blocks.shape)
+    scales = torch.abs(blocks, out=work).amax(dim=1).div_(top)
+    # A block of zeros keeps scale 0 (decodes to zeros); multiplying by 0 there avoids 0/0.
+    inverse = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales)).unsqueeze(1)
+    torch.mul(blocks, inverse, out=work).round_().clamp_(-top, top).add_(top + 1)
+    codes = torch.empty(blocks.numel(), dtype=torch.uint8, device=values.device)
+    codes.copy_(work.view(-1))
     if bits == 4:
-        ints = ints.view(-1, 2)
-        ints = ints[:, 0] | (ints[:, 1] << 4)
-    return ints, scales
+        pairs = codes.view(-1, 2)
+        codes = pairs[:, 0] | (pairs[:, 1] << 4)
+    return codes, scales
 
 
 def dequantize_blocks(codes: Tensor, scales: Tensor, bits: int, block_size: int, out: Tensor) -> Tensor:
-    """Decode :func:`quantize_blocks`' output into ``out`` (float, ``len(scales) * block_size``)."""
+    """Decode :func:`quantize_blocks`' output into ``out`` (float32, ``len(scales) * block_size``)."""
     top = (1 << (bits - 1)) - 1
     if bits == 4:
         codes = torch.stack((codes & 0xF, codes >> 4), dim=1).view(-1)
-    ints = codes.view(-1, block_size).to(torch.float32).sub_(top + 1)
-    out.view(-1, block_size).copy_(ints.mul_(scales.unsqueeze(1)))
-    return out
+    blocks = out.view(-1, block_size)
+    blocks.copy_(codes.view(-1, block_size))
+    return out.sub_(top + 1).view(-1, block_size).mul_(scales.unsqueeze(1)).view(out.shape)
 
 
 class Quantize(Compressor):
@@ -128,6 +140,7 @@ class _QuantizeCodec(Codec):
         self.layout = layout
         self.buffers: Dict[bool, Tensor] = {}  # per kind (exchange or not): the pack's padded residual
         self.loads = owner.loads
+        self.work: Optional[Tensor] = None  # float32 scratch, the padded pack's size
 
     def _residual(self, exchange: bool, padded: int, device: torch.device) -> Tensor:
         """The pack's residual, padded; its members' residuals are views of it (and taken over from
@@ -159,9 +172,12 @@ class _QuantizeCodec(Codec):
             values[:n].add_(data)
         else:  # a joined rank sends zeros and keeps its residual for later
             values = torch.zeros(padded, dtype=torch.float32, device=data.device)
-        codes, scales = quantize_blocks(values, bits, block)
+        if self.work is None or self.work.numel() != padded:
+            self.work = torch.empty(padded, dtype=torch.float32, device=data.device)
+        work = self.work
+        codes, scales = quantize_blocks(values, bits, block, work)
         if round.contributing:
-            residual.sub_(dequantize_blocks(codes, scales, bits, block, torch.empty_like(residual)))
+            residual.sub_(dequantize_blocks(codes, scales, bits, block, work))
         # One message per destination: its chunk's codes, then their scales' bytes.
         code_bytes = chunk * bits // 8
         width = code_bytes + 4 * (chunk // block)
@@ -175,7 +191,7 @@ class _QuantizeCodec(Codec):
         for source in range(world):  # in rank order: the same float sum wherever it is done
             row = recv[source]
             mine.add_(dequantize_blocks(row[:code_bytes], row[code_bytes:].view(torch.float32), bits, block, decoded))
-        codes2, scales2 = quantize_blocks(mine, bits, block)
+        codes2, scales2 = quantize_blocks(mine, bits, block, work[:chunk])
         if round.contributing:
             start = round.rank * chunk
             residual[start:start + chunk].add_(mine.sub_(dequantize_blocks(codes2, scales2, bits, block, decoded)))
@@ -184,7 +200,7 @@ class _QuantizeCodec(Codec):
         piece[code_bytes:].copy_(scales2.view(torch.uint8))
         gathered = torch.empty(world, width, dtype=torch.uint8, device=data.device)
         yield AllGather(piece, gathered.view(-1))
-        total = torch.empty(padded, dtype=torch.float32, device=data.device)
+        total = work
         for source in range(world):
             row = gathered[source]
             dequantize_blocks(row[:code_bytes], row[code_bytes:].view(torch.float32), bits, block,
