@@ -172,6 +172,9 @@ class GradientEngine:
         self.local = False
         # While an exchange runs: writes what to send into a pack, instead of its gradients.
         self.exchange_fill: Optional[Callable[[Pack], None]] = None
+        # Fault tolerance (distopt.fault_tolerance): asked once a round's collectives are back; True when
+        # one failed because a replica went away. The step is then discarded: nothing is read back.
+        self.round_failed: Optional[Callable[[], bool]] = None
         self.lock = threading.Lock()
         self.reset_round()
 
@@ -521,6 +524,9 @@ class GradientEngine:
         start = time.perf_counter()
         if not self._arrive(patience):
             return
+        if self.round_failed is not None and self.round_failed():
+            self._discard_failed_round()
+            return
         if patience is not None:
             self._slowest_wait = max(self._slowest_wait, time.perf_counter() - start)
         touched, self._touched = self._touched, False
@@ -556,6 +562,15 @@ class GradientEngine:
         self._settle(totals)
         if self.on_settled is not None:
             self.on_settled()
+
+    def _discard_failed_round(self) -> None:
+        """Fault tolerance: a collective of this round failed; its values and flags are garbage and are
+        not read (the step is discarded on every replica that saw the failure, and a replica that did
+        not heals from one that did at the next quorum)."""
+        self.inflight = []
+        self._touched = False
+        self.state = RoundState.SETTLED
+        self._passes = self.backward_passes_per_step
 
     def _arrive(self, patience: Optional[float]) -> bool:
         """Wait for everything in flight and complete it: add up the gathered copies of small
