@@ -37,7 +37,7 @@ _keys = [0]
 
 
 def check_arguments(manager: Any, *, shard_state: bool, compression: Any, bcast_period: int,
-                    process_group_size: int, reduce_op: str) -> None:
+                    process_group_size: int, reduce_op: str, local_sgd: bool = False) -> None:
     """Refuse what fault tolerance cannot do, with the reason.
 
     Raises:
@@ -75,6 +75,13 @@ def check_arguments(manager: Any, *, shard_state: bool, compression: Any, bcast_
             f"the torchft Manager, but this process is in a group of {process_group_size}. Start one process per "
             "replica (python -m distopt.fault_tolerance.launch --replicas N), or leave process_group unset in a "
             "job without a default group of more than one"
+        )
+    if local_sgd:
+        raise ValueError(
+            "local SGD and DiLoCo (sync_every > 1, outer_optimizer) are not supported with fault_tolerance yet: "
+            "their commit vote belongs after each sync's exchange and before its result is applied, with a quorum "
+            "per sync rather than per step, and the mode does not have that seam yet. Use sync_every=1, or "
+            "torchft's own torchft.local_sgd.DiLoCo (docs/fault-tolerance.md compares the two)"
         )
     if reduce_op not in ("mean", "sum"):
         raise ValueError(f"reduce_op must be 'mean' or 'sum', got {reduce_op!r}")
