@@ -99,9 +99,10 @@ while True:
     loss = torch.nn.functional.mse_loss(model(x), y)
     loss.backward()
     opt.step()
+    dt = time.time() - t0
     ft = opt.stats.fault_tolerance
     log(step=manager.current_step(), committed=ft["committed"], discarded=ft["discarded"], loss=loss.item(),
-        world=ft["world_size"], digest=digest(model, opt), t0=t0)
+        world=ft["world_size"], digest=digest(model, opt), t0=t0, dt=dt)
     if pace:
         time.sleep(pace)
     streak = streak + 1 if ft["world_size"] == until_world else 0
