@@ -33,6 +33,11 @@ How a pack travels: a pack of one large CPU gradient that is mostly zero rows (a
 embedding table's) gathers its non-zero rows instead of all-reducing the whole
 (:mod:`distopt.engine.sparse_rows`); a small CPU pack travels once, as one broadcast
 from each rank, and is summed locally in rank order (:mod:`distopt.engine.rounds`).
+A compressed pack (:mod:`distopt.compression`) sends its control flags exactly and its
+values through its codec, which yields one collective after another: the first is
+issued as the pack launches, each later one in the waiting place
+(:meth:`GradientEngine._resume_codecs`), pack after pack in the plan's order, so the
+ranks' collectives pair up however their timing differs.
 
 The engine knows nothing of optimizers; a mode (:mod:`distopt.modes`) decides what
 happens at ``step()``. A mode that keeps gradients local (local SGD) sets
