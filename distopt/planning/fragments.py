@@ -24,10 +24,9 @@ __all__ = ["split_fragments", "fragment_of"]
 def split_fragments(nbytes: Sequence[int], fragments: int) -> List[range]:
     """Cut the parameters ``0..n-1`` into ``min(fragments, n)`` contiguous runs balanced by bytes.
 
-    Run ``k`` ends at the first parameter whose cumulative bytes reach ``(k + 1) / F`` of
-    the total, moved just enough that every run holds at least one parameter. So no run
-    holds more than ``total / F + the largest parameter`` bytes (a property test checks it),
-    and one large parameter makes a fragment of its own rather than starving the others.
+    Run ``k`` ends where the cumulative bytes come nearest ``(k + 1) / F`` of the total,
+    moved just enough that every run holds at least one parameter. So no run holds more
+    than ``total / F + the largest parameter`` bytes (a property test checks it).
 
     Args:
         nbytes: each parameter's bytes, in tracking order.
@@ -42,7 +41,7 @@ def split_fragments(nbytes: Sequence[int], fragments: int) -> List[range]:
     Example::
 
         split_fragments([4, 4, 4, 4], 2)     # -> [range(0, 2), range(2, 4)]
-        split_fragments([100, 1, 1, 1], 2)  # -> [range(0, 1), range(1, 4)]
+        split_fragments([1, 1, 6, 1], 2)    # -> [range(0, 2), range(2, 4)]
     """
     if isinstance(fragments, bool) or not isinstance(fragments, int) or fragments < 1:
         raise ValueError(f"fragments must be an int >= 1, got {fragments!r}")
@@ -58,8 +57,11 @@ def split_fragments(nbytes: Sequence[int], fragments: int) -> List[range]:
         prefix.append(prefix[-1] + n)
     cuts = [0]
     for k in range(1, runs):
-        # The first end whose prefix reaches k/runs of the total (integer arithmetic: exact on every rank).
+        # The end nearest k/runs of the total: the first whose prefix reaches it, or the one before
+        # if that is nearer (integer arithmetic: exact on every rank).
         end = next(i for i in range(1, count + 1) if prefix[i] * runs >= k * total)
+        if k * total - prefix[end - 1] * runs < prefix[end] * runs - k * total:
+            end -= 1
         # At least one parameter per run, and room for one in each of the runs still to come.
         end = min(max(end, cuts[-1] + 1), count - (runs - k))
         cuts.append(end)

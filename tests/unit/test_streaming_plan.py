@@ -38,6 +38,8 @@ def test_fragments_of_equal_parameters_are_equal_and_one_fragment_is_everything(
     assert split_fragments([4] * 8, 4) == [range(0, 2), range(2, 4), range(4, 6), range(6, 8)]
     assert split_fragments([3, 1, 2], 1) == [range(0, 3)]
     assert split_fragments([100, 1, 1, 1], 2) == [range(0, 1), range(1, 4)]
+    assert split_fragments([320, 64, 512, 64, 128, 16], 2) == [range(0, 2), range(2, 6)]  # 384 | 720, not 896 | 208
+    assert split_fragments([1, 1, 6, 1], 2) == [range(0, 2), range(2, 4)]
     assert split_fragments([1, 1], 5) == [range(0, 1), range(1, 2)]  # fewer parameters than fragments
     with pytest.raises(ValueError, match="fragments must be an int >= 1, got 0"):
         split_fragments([1], 0)
