@@ -667,7 +667,10 @@ class GradientEngine:
     def _settle(self, totals: Totals) -> None:
         if totals.unfrozen:
             self._adopt_unfrozen()
-        elif not self.planned:
+        elif not self.planned and totals.counts_steps:
+            # Only a gradient round observed an order. Not after an exchange: a streaming exchange
+            # settles steps after it was sent, and a rank leaving sends several at once, so a
+            # broadcast here would meet the others' collectives in another order.
             self._fix_plan()
 
     # ------------------------------------------------------------------ between rounds
@@ -838,8 +841,6 @@ class GradientEngine:
             if not self.packs:  # nothing trainable: the flags travel, at once, as a joined rank's shadow does
                 self.control_round()
                 return empty_exchange()
-            if not self.planned:  # as launch_exchange: offer the current order, so the plan is fixed once
-                self.arrivals = [i for pack in self.packs for i in pack.spec.members]
             round_state = (self.inflight, self._control, self._phase, self.exchange_fill)
             self.inflight, self._control, self._phase, self.exchange_fill = [], None, Phase.EXCHANGE, fill
             try:
@@ -871,6 +872,23 @@ class GradientEngine:
                 self.inflight, self._phase = round_state
             exchange.sent = []
             exchange.arrived = True
+
+    def advance_partial(self, exchange: PartialExchange) -> None:
+        """Move a compressed exchange on by one stage: wait for its collectives now in flight and issue
+        each codec's next one (an all-gather after an all-to-all, say), so that later stages travel
+        during inner steps too. Every rank calls it at the same point; without codecs it does nothing.
+        """
+        with self.lock:
+            if exchange.arrived or not any(sent.codec is not None for sent in exchange.sent):
+                return
+            round_state = (self.inflight, self._phase)
+            self.inflight, self._phase = exchange.sent, Phase.EXCHANGE
+            try:
+                self.wait(None)
+                self._resume_codecs()
+                exchange.sent = self.inflight
+            finally:
+                self.inflight, self._phase = round_state
 
     def finish_partial(self, exchange: PartialExchange) -> None:
         """Wait for ``exchange`` (:meth:`arrive_partial`) and act on its control flags as a round's end

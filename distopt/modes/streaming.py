@@ -138,6 +138,9 @@ class StreamingMode(LocalSGDMode):
         for f in schedule.merges(step):
             if f in self._pending and self.overlap:
                 self._merge(ctx, f)
+        for sync in sorted(self._pending.values(), key=lambda sync: sync.launched):
+            if sync.exchange is not None:  # a compressor's later stages travel during inner steps too
+                ctx.engine.advance_partial(sync.exchange)
         for f in schedule.launches(step):
             self._follow_plan(ctx)
             self._send(ctx, f, step)
