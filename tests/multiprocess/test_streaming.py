@@ -381,7 +381,12 @@ def test_compressed_streaming_trains_like_the_uncompressed_run(name, no_leftover
     for r, u in zip(results(name), plain):
         assert all(r["anchors_identical"])
         assert 0 < max_diff(r["params"], u["params"]) < 2e-2
-        assert sum(r["bytes"]) < sum(u["bytes"]) * (0.6 if name == "fp16" else 0.5)
+        launched = [t for t in range(len(u["bytes"])) if u["bytes"][t]]
+        if name == "fp16":
+            assert sum(r["bytes"]) < sum(u["bytes"]) * 0.6
+            assert [t for t in range(len(r["bytes"])) if r["bytes"][t]] == launched
+        else:  # an all-to-all as the fragment is sent, its all-gather during the next inner step (overlap 2)
+            assert all(r["bytes"][t] and r["bytes"][t + 1] for t in launched if t + 1 < len(r["bytes"]))
 
 
 @pytest.mark.timeout(300)
