@@ -135,12 +135,14 @@ class StreamingMode(LocalSGDMode):
             return
         step = self.local_step(ctx)
         schedule = self.schedule(ctx)
-        for f in schedule.merges(step):
-            if f in self._pending and self.overlap:
+        # The syncs sent tau steps ago (schedule.merges(step), and any loaded from a checkpoint).
+        for f in self._in_flight():
+            if self._pending[f].launched + self.overlap <= step:
                 self._merge(ctx, f)
-        for sync in sorted(self._pending.values(), key=lambda sync: sync.launched):
-            if sync.exchange is not None:  # a compressor's later stages travel during inner steps too
-                ctx.engine.advance_partial(sync.exchange)
+        for f in self._in_flight():
+            exchange = self._pending[f].exchange
+            if exchange is not None:  # a compressor's later stages travel during inner steps too
+                ctx.engine.advance_partial(exchange)
         for f in schedule.launches(step):
             self._follow_plan(ctx)
             self._send(ctx, f, step)
@@ -196,9 +198,13 @@ class StreamingMode(LocalSGDMode):
             self._apply([(p, self._anchor_of(p), mean) for p, mean in sync.arrived()],
                         0.0 if final else self.mixing)
 
+    def _in_flight(self) -> List[int]:
+        """The fragments whose sync is in flight (or arrived, not merged), in the order they were sent."""
+        return sorted(self._pending, key=lambda f: self._pending[f].launched)
+
     def _merge_all(self, ctx: ModeContext) -> None:
         """Merge every sync in flight, in the order they were sent."""
-        for fragment in sorted(self._pending, key=lambda f: self._pending[f].launched):
+        for fragment in self._in_flight():
             self._merge(ctx, fragment)
 
     # ------------------------------------------------------------------ join
@@ -211,6 +217,7 @@ class StreamingMode(LocalSGDMode):
             self._shadow_warm = self.local_warmup - ctx.steps
             self._start_shadow_cycle(ctx, 0)
             return None
+        self._shadow_warm = 0
         step = ctx.steps - self.local_warmup
         schedule = self.schedule(ctx)
         in_flight = bool(self._pending)
@@ -260,7 +267,7 @@ class StreamingMode(LocalSGDMode):
         out = super().state_dict(ctx)
         index = {id(p): i for i, p in enumerate(ctx.params)}
         pending = []
-        for fragment in sorted(self._pending, key=lambda f: self._pending[f].launched):
+        for fragment in self._in_flight():
             sync = self._pending[fragment]
             if sync.exchange is not None:
                 ctx.engine.arrive_partial(sync.exchange)

@@ -64,10 +64,11 @@ def max_diff(a, b):
     return max(((x - y).abs().max().item() for x, y in zip(a, b)), default=0.0)
 
 
-def simulate(counts, every, fragments, overlap, mixing=0.0, inner="sgd", outer=None):
+def simulate(counts, every, fragments, overlap, mixing=0.0, inner="sgd", outer=None, warmup=0):
     """Every rank's replica in one process, and the streaming protocol between them.
 
-    Rank r runs ``counts[r]`` local steps. After local step s it merges the fragments the
+    Rank r runs ``counts[r]`` steps, the first ``warmup`` on gradients averaged over the ranks
+    still training. After local step s (counted from 1 after the warm-up) it merges the fragments the
     schedule merges (those sent ``overlap`` steps before), then sends the one it launches
     (merged at once without overlap). Its k-th send meets every other rank's k-th, and the
     mean is over the ranks that sent it. A rank that runs out merges what it has in flight,
@@ -111,8 +112,21 @@ def simulate(counts, every, fragments, overlap, mixing=0.0, inner="sgd", outer=N
         for t in range(counts[r]):
             opt.zero_grad()
             loss_of(model, *batch(r, t)).backward()
+            if t < warmup:  # a gradient round: it pairs with the others' like an exchange
+                yield "send", sent, {i: p.grad.clone() for i, p in enumerate(model.parameters())}
+                mean = yield "merge", sent
+                sent += 1
+                for i, p in enumerate(model.parameters()):
+                    p.grad = mean[i]
             opt.step()
-            s = t + 1
+            if t == warmup - 1:
+                with torch.no_grad():
+                    for a, p in zip(anchors[r], model.parameters()):
+                        a.copy_(p)
+            if t < warmup:
+                trace[r].append(params_of(model))
+                continue
+            s = t + 1 - warmup
             if overlap:
                 for f in schedule.merges(s):
                     apply(r, f, (yield "merge", pending.pop(f)), mixing)
@@ -122,7 +136,9 @@ def simulate(counts, every, fragments, overlap, mixing=0.0, inner="sgd", outer=N
                 if not overlap:
                     apply(r, f, (yield "merge", pending.pop(f)), mixing)
             trace[r].append(params_of(model))
-        s = counts[r]
+        if counts[r] <= warmup:
+            return
+        s = counts[r] - warmup
         flying = sorted(pending, key=pending.get)
         for f in flying:
             apply(r, f, (yield "merge", pending.pop(f)), mixing)
@@ -210,13 +226,14 @@ def one_fragment_is_plain_sync_every(steps):
     return out
 
 
-def train_against_simulation(steps, every, fragments, overlap, mixing=0.0, inner="sgd", outer=None, compression=None):
+def train_against_simulation(steps, every, fragments, overlap, mixing=0.0, inner="sgd", outer=None, compression=None,
+                             warmup=0):
     rank = dist.get_rank()
     model = make_model(seed=rank)
     opt = DistributedOptimizer(INNER[inner](model.parameters()), sync_every=every, outer_optimizer=OUTER[outer],
                                sync_fragments=fragments, sync_overlap=overlap, sync_mixing=mixing,
-                               compression=compression, pack_threshold=256, check_every=1)
-    trace, _ = simulate([steps] * dist.get_world_size(), every, fragments, overlap, mixing, inner, outer)
+                               compression=compression, pack_threshold=256, check_every=1, local_warmup=warmup)
+    trace, _ = simulate([steps] * dist.get_world_size(), every, fragments, overlap, mixing, inner, outer, warmup)
     diffs, anchors_identical, nbytes, checks = [], [], [], []
     for t in range(steps):
         opt.zero_grad()
@@ -251,12 +268,13 @@ def bytes_per_step(steps, every, fragments, overlap):
     return out
 
 
-def train_uneven(counts, every, fragments, overlap, mixing=0.0, inner="sgd", outer=None):
+def train_uneven(counts, every, fragments, overlap, mixing=0.0, inner="sgd", outer=None, warmup=0):
     """``with opt.join():`` around a loop of ``counts[rank]`` steps."""
     rank = dist.get_rank()
     model = make_model(seed=rank)
     opt = DistributedOptimizer(INNER[inner](model.parameters()), sync_every=every, outer_optimizer=OUTER[outer],
-                               sync_fragments=fragments, sync_overlap=overlap, sync_mixing=mixing, pack_threshold=256)
+                               sync_fragments=fragments, sync_overlap=overlap, sync_mixing=mixing, pack_threshold=256,
+                               local_warmup=warmup)
     with opt.join():
         for t in range(counts[rank]):
             opt.zero_grad()
@@ -266,7 +284,7 @@ def train_uneven(counts, every, fragments, overlap, mixing=0.0, inner="sgd", out
     outer_state = [v for s in (mode.outer.state.values() if mode.outer else []) for v in s.values()
                    if torch.is_tensor(v)]
     identical = everyone_equal(list(model.parameters()) + anchors_of(opt) + outer_state)
-    _, final = simulate(counts, every, fragments, overlap, mixing, inner, outer)
+    _, final = simulate(counts, every, fragments, overlap, mixing, inner, outer, warmup)
     result = {"identical": identical, "diff": max_diff(params_of(model), final), "steps": opt._engine.steps,
               "anchors_are_params": max_diff(anchors_of(opt), params_of(model)), "pending": len(mode._pending)}
     opt.close()
@@ -331,6 +349,7 @@ CASES = {
     "diloco F=2 tau=1 mixing 0.5": (2, train_against_simulation, (STEPS, 4, 2, 1),
                                     {"mixing": 0.5, "inner": "adam", "outer": "nesterov"}),
     "plain F=3 tau=2": (2, train_against_simulation, (STEPS, 6, 3, 2), {"inner": "momentum"}),
+    "warm-up, diloco F=2 tau=1": (2, train_against_simulation, (STEPS, 4, 2, 1), {"outer": "nesterov", "warmup": 3}),
     "uncompressed": (2, train_against_simulation, (STEPS, 4, 2, 2), {"outer": "nesterov"}),
     "fp16": (2, train_against_simulation, (STEPS, 4, 2, 2), {"outer": "nesterov", "compression": "fp16"}),
     "int8": (2, train_against_simulation, (STEPS, 4, 2, 2), {"outer": "nesterov", "compression": "int8"}),
@@ -338,6 +357,7 @@ CASES = {
     "join, a fragment in flight": (2, train_uneven, ([6, 11], 4, 2, 1), {"inner": "momentum"}),
     "join diloco mixing, root last": (2, train_uneven, ([11, 5], 4, 2, 2), {"outer": "nesterov", "mixing": 0.5}),
     "join equal counts": (2, train_uneven, ([9, 9], 4, 4, 0), {"outer": "nesterov"}),
+    "join during warm-up": (2, train_uneven, ([2, 10], 4, 2, 1), {"outer": "nesterov", "warmup": 3}),
     "checkpoint": (2, checkpoint_in_flight, (12, 6), {}),
     "settings differ": (2, fragments_differ, (), {}),
     "plain F=2 tau=1, world 3": (3, train_against_simulation, (10, 4, 2, 1), {"mixing": 0.25}),
@@ -361,9 +381,10 @@ def test_one_fragment_without_overlap_is_plain_sync_every_bitwise(no_leftover_pr
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("name", ["diloco F=2 tau=1 mixing 0.5", "plain F=3 tau=2", "uncompressed",
-                                  "plain F=2 tau=1, world 3"])
+                                  "warm-up, diloco F=2 tau=1", "plain F=2 tau=1, world 3"])
 def test_streaming_follows_the_simulation_and_keeps_the_last_sync_copies_identical(name, no_leftover_processes):
-    _, _, (steps, every, fragments, overlap), _ = CASES[name]
+    _, _, (steps, every, fragments, overlap), kwargs = CASES[name]
+    warmup = kwargs.get("warmup", 0)
     for r in results(name):
         assert r["fragments"] == fragments
         assert max(r["diffs"]) < TOL, r["diffs"]
@@ -371,7 +392,8 @@ def test_streaming_follows_the_simulation_and_keeps_the_last_sync_copies_identic
         # the drift check (check_every=1) ran at every step, and found the last-sync copies alike
         assert r["checks"] == [(t + 1, 0) for t in range(steps)]
         schedule = StreamSchedule(every, fragments, overlap)
-        assert [t for t in range(steps) if r["bytes"][t]] == [t for t in range(steps) if schedule.launches(t + 1)]
+        assert ([t for t in range(steps) if r["bytes"][t]]
+                == [t for t in range(steps) if t < warmup or schedule.launches(t + 1 - warmup)])
 
 
 @pytest.mark.timeout(300)
