@@ -879,7 +879,7 @@ class GradientEngine:
         during inner steps too. Every rank calls it at the same point; without codecs it does nothing.
         """
         with self.lock:
-            if exchange.arrived or not any(sent.codec is not None for sent in exchange.sent):
+            if exchange.arrived or not exchange.staged():
                 return
             round_state = (self.inflight, self._phase)
             self.inflight, self._phase = exchange.sent, Phase.EXCHANGE

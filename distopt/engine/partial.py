@@ -57,6 +57,10 @@ class PartialExchange:
         """``(parameter, value)`` for every member, in plan order: the mean once arrived."""
         return [(p, view) for pack, _, views in self.held for p, view in zip(pack.params, views)]
 
+    def staged(self) -> bool:
+        """Whether a codec of it may still issue collectives (a compressor's later stages)."""
+        return any(sent.codec is not None for sent in self.sent)
+
     def nbytes(self) -> int:
         """Bytes of the values it carries (not counting flags)."""
         return sum(data.numel() * data.element_size() for _, data, _ in self.held)

@@ -145,6 +145,7 @@ class StreamingMode(LocalSGDMode):
                 ctx.engine.advance_partial(exchange)
         for f in schedule.launches(step):
             self._follow_plan(ctx)
+            self._complete_stages(ctx)
             self._send(ctx, f, step)
             self.since_sync = 0
             if not self.overlap:
@@ -198,6 +199,20 @@ class StreamingMode(LocalSGDMode):
             self._apply([(p, self._anchor_of(p), mean) for p, mean in sync.arrived()],
                         0.0 if final else self.mixing)
 
+    def _complete_stages(self, ctx: ModeContext) -> None:
+        """Before another exchange is sent: every compressor stage of those in flight, issued and back.
+
+        A codec's later stages are issued as earlier ones come back. Were they issued after the
+        next exchange's first, a rank that has joined (which shadows one exchange after the
+        other) or one sending its last exchanges could not issue the same collectives in the
+        same order. So at most one exchange, the last sent, has stages to come: its stages
+        travel during the inner steps until the next fragment is sent.
+        """
+        for f in self._in_flight():
+            exchange = self._pending[f].exchange
+            if exchange is not None and exchange.staged():
+                ctx.engine.arrive_partial(exchange)
+
     def _in_flight(self) -> List[int]:
         """The fragments whose sync is in flight (or arrived, not merged), in the order they were sent."""
         return sorted(self._pending, key=lambda f: self._pending[f].launched)
@@ -226,15 +241,22 @@ class StreamingMode(LocalSGDMode):
         progress = any(step - (schedule.last_launch(f, step) or 0) for f in range(schedule.fragments))
         if not (in_flight or progress):  # nothing to send: shadow at once (plain sync_every's rule)
             return None
-        # Every fragment once more, in the order the others will send them, all launched now.
-        finals = []
+        # Every fragment once more, in the order the others will send them. One after the other, each
+        # back (a compressor's stages too) before the next is sent, as the others complete the stages
+        # of one before sending the next; the first is launched now, as a contributor.
+        order = schedule.order_after(step)
+        fill = self._filler(ctx)
         with torch.no_grad():
-            for f in schedule.order_after(step):
-                finals.append((f, engine.launch_partial(engine.fragment_packs[f], self._filler(ctx))))
+            first = engine.launch_partial(engine.fragment_packs[order[0]], fill)
         self.since_sync = 0
 
         def finish() -> None:
-            for f, exchange in finals:
+            exchanges = [first]
+            for f in order[1:]:
+                engine.arrive_partial(exchanges[-1])
+                with torch.no_grad():
+                    exchanges.append(engine.launch_partial(engine.fragment_packs[f], fill))
+            for f, exchange in zip(order, exchanges):
                 self._pending[f] = _Sync(step, exchange)
                 self._merge(ctx, f, final=True)
 

@@ -268,13 +268,13 @@ def bytes_per_step(steps, every, fragments, overlap):
     return out
 
 
-def train_uneven(counts, every, fragments, overlap, mixing=0.0, inner="sgd", outer=None, warmup=0):
+def train_uneven(counts, every, fragments, overlap, mixing=0.0, inner="sgd", outer=None, warmup=0, compression=None):
     """``with opt.join():`` around a loop of ``counts[rank]`` steps."""
     rank = dist.get_rank()
     model = make_model(seed=rank)
     opt = DistributedOptimizer(INNER[inner](model.parameters()), sync_every=every, outer_optimizer=OUTER[outer],
                                sync_fragments=fragments, sync_overlap=overlap, sync_mixing=mixing, pack_threshold=256,
-                               local_warmup=warmup)
+                               local_warmup=warmup, compression=compression)
     with opt.join():
         for t in range(counts[rank]):
             opt.zero_grad()
@@ -358,6 +358,9 @@ CASES = {
     "join diloco mixing, root last": (2, train_uneven, ([11, 5], 4, 2, 2), {"outer": "nesterov", "mixing": 0.5}),
     "join equal counts": (2, train_uneven, ([9, 9], 4, 4, 0), {"outer": "nesterov"}),
     "join during warm-up": (2, train_uneven, ([2, 10], 4, 2, 1), {"outer": "nesterov", "warmup": 3}),
+    # int4's all-to-all then all-gather: a rank that has joined shadows both stages of each exchange in turn
+    "join int4, every step a fragment": (2, train_uneven, ([5, 9], 4, 4, 2), {"outer": "nesterov",
+                                                                               "compression": "int4"}),
     "checkpoint": (2, checkpoint_in_flight, (12, 6), {}),
     "settings differ": (2, fragments_differ, (), {}),
     "plain F=2 tau=1, world 3": (3, train_against_simulation, (10, 4, 2, 1), {"mixing": 0.25}),
@@ -425,9 +428,10 @@ def test_bytes_per_step_are_flat_instead_of_bursts(no_leftover_processes):
 @pytest.mark.parametrize("name", [n for n, c in CASES.items() if c[1] is train_uneven])
 def test_join_with_fragments_in_flight_ends_identical_and_follows_the_protocol(name, no_leftover_processes):
     counts = CASES[name][2][0]
+    compressed = "compression" in CASES[name][3]
     for r in results(name):
         assert r["identical"], r
-        assert r["diff"] < TOL, r
+        assert r["diff"] < (5e-2 if compressed else TOL), r
         assert r["steps"] == max(counts)
         assert r["anchors_are_params"] == 0.0 and r["pending"] == 0
 
