@@ -801,10 +801,7 @@ class GradientEngine:
             self.open_round(Phase.EXCHANGE)
             self.exchange_fill = fill
             self.state = RoundState.IN_FLIGHT
-            if not self.planned:
-                # No backward saw an arrival order: offer the current one, so the plan is
-                # fixed once (one broadcast) rather than re-offered at every exchange.
-                self.arrivals = [i for pack in self.packs for i in pack.spec.members]
+            # An exchange fixes no plan (_settle): its order is the plan's present one, on every rank.
             if self.packs:
                 self.flush()
 
