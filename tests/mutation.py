@@ -68,6 +68,20 @@ MUTANTS: List[Mutant] = [
     Mutant("local SGD's anchor update", "distopt/modes/local_sgd.py",
            "                anchor.sub_(pseudo)\n", "                anchor.sub_(pseudo * 0.5)\n",
            ["tests/multiprocess/test_local_sgd.py", "-k", "matches_the_single_process_simulation"]),
+    Mutant("quantiser's error feedback", "distopt/compression/quantize.py",
+           "            residual.sub_(dequantize_blocks(codes, scales, bits, block, work))\n",
+           "            residual.zero_()\n",
+           ["tests/unit/test_compressors.py", "-k", "feedback"]),
+    Mutant("PowerSGD's residual share", "distopt/compression/powersgd.py",
+           "m_.addmm_(p, qt, alpha=-1.0 / round.world_size)", "m_.addmm_(p, qt, alpha=-1.0)",
+           ["tests/unit/test_compressors.py", "-k", "powersgd"]),
+    Mutant("one order of codec collectives on every rank", "distopt/engine/engine.py",
+           "        for sent in codecs:\n",
+           "        for sent in (codecs if self.channel.group.rank() == 0 else codecs[::-1]):\n",
+           ["tests/multiprocess/test_compression.py", "-k", "pair_up"]),
+    Mutant("compressor state in checkpoints", "distopt/wrapper/optimizer.py",
+           "            self.compressor.load_state_dict(compressed)\n", "            pass\n",
+           ["tests/multiprocess/test_compression.py", "-k", "resumes_bitwise"]),
 ]
 
 

@@ -43,6 +43,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="optional modes to add, comma-separated: distopt+join (the cost of join() while ranks are "
                         "even), distopt+shard (shard_state=True), distopt-noinspect (the stall inspector off), "
                         "distopt-allreduce (small sums all-reduced, not gathered), distopt-local4 (local SGD, parameters averaged every 4th step), "
+                        "distopt-stream4 (streaming local SGD: a quarter of the model each step, sync_overlap=1), "
                         "distopt-nodrift and distopt+drift1 (the drift check off, and at every step: together, what "
                         "the default check every 100 steps costs)")
     p.add_argument("--profile", metavar="WORKLOAD", choices=list(WORKLOADS),

@@ -24,7 +24,7 @@ class BenchConfig:
         warmup: untimed steps per mode after it is built.
         thresholds: extra distopt pack thresholds in bytes, one mode each.
         extra_modes: optional modes to run too (``distopt+join``, ``distopt-noinspect``, ``distopt-local4``,
-            ``distopt-nodrift``, ``distopt+drift1``, ...).
+            ``distopt-stream4``, ``distopt-nodrift``, ``distopt+drift1``, ...).
         memory: whether to probe peak memory (one fresh launch per mode).
         world1: whether to run the world-size-1 section.
         seed: seeds model initialisation and data.

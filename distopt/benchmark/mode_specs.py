@@ -124,6 +124,13 @@ def _distopt_local4(model: nn.Module, sgd: torch.optim.Optimizer, device: torch.
     return model, DistributedOptimizer(sgd, sync_every=4)
 
 
+def _distopt_stream4(model: nn.Module, sgd: torch.optim.Optimizer, device: torch.device,
+                     variant: Optional[int]) -> Tuple[nn.Module, Any]:
+    # Streaming local SGD at the same period: a quarter of the model synced at every step, each
+    # sync travelling during the next step.
+    return model, DistributedOptimizer(sgd, sync_every=4, sync_fragments=4, sync_overlap=1)
+
+
 def _distopt_nodrift(model: nn.Module, sgd: torch.optim.Optimizer, device: torch.device,
                      variant: Optional[int]) -> Tuple[nn.Module, Any]:
     return model, DistributedOptimizer(sgd, check_every=0)
@@ -153,6 +160,9 @@ MODES: Dict[str, ModeSpec] = {
     # local SGD: gradients stay local, parameters are averaged every 4th step (sync_every=4).
     "distopt-local4": ModeSpec(_distopt_local4, distributed_only=True, memory_probe=False, optional=True,
                                count_steps=4),
+    # streaming local SGD at the same period: one fragment of four per step, each overlapped with the next step.
+    "distopt-stream4": ModeSpec(_distopt_stream4, distributed_only=True, memory_probe=False, optional=True,
+                                count_steps=4),
     # The drift check: distopt checks every DEFAULT_CHECK_EVERY steps by default, which a median over a few
     # dozen steps cannot see; these two time it off (check_every=0) and at every step (check_every=1), and
     # the report divides their difference, the cost of one check, by the default period.

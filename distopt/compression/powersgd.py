@@ -50,6 +50,9 @@ class PowerSGD(Compressor):
         min_compression_rate: a matrix ``n x m`` is compressed only if ``n m`` is at least this
             many times ``r (n + m)`` (default: 2.0).
         seed: the seed of every rank's first ``Q`` (they must match) (default: 0).
+        error_feedback: keep what the approximation left out for the next step (default: True).
+        warm_start: start each step's power iteration from the last step's ``Q``, rather
+            than from a fresh random one (default: True).
 
     Raises:
         ValueError: a setting out of range.
@@ -63,7 +66,8 @@ class PowerSGD(Compressor):
 
     name = "powersgd"
 
-    def __init__(self, rank: int = 4, start_step: int = 0, min_compression_rate: float = 2.0, seed: int = 0) -> None:
+    def __init__(self, rank: int = 4, start_step: int = 0, min_compression_rate: float = 2.0, seed: int = 0,
+                 error_feedback: bool = True, warm_start: bool = True) -> None:
         if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
             raise ValueError(f"PowerSGD(rank=) must be an int >= 1, got {rank!r}")
         if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
@@ -74,6 +78,11 @@ class PowerSGD(Compressor):
         self.start_step = start_step
         self.min_compression_rate = float(min_compression_rate)
         self.seed = int(seed)
+        for name, value in (("error_feedback", error_feedback), ("warm_start", warm_start)):
+            if not isinstance(value, bool):
+                raise TypeError(f"PowerSGD({name}=) must be True or False, got {value!r}")
+        self.error_feedback = error_feedback
+        self.warm_start = warm_start
         # Keyed by (exchange, parameter index): gradients and a mode's exchanges keep theirs apart.
         self.residuals: Dict[Tuple[bool, int], Tensor] = {}
         # Q is kept transposed (rank x cols): both of a step's products with M then read M row
@@ -85,7 +94,8 @@ class PowerSGD(Compressor):
 
     def settings(self) -> Dict[str, Any]:
         return {"compressor": "PowerSGD", "rank": self.rank, "start_step": self.start_step,
-                "min_compression_rate": self.min_compression_rate, "seed": self.seed}
+                "min_compression_rate": self.min_compression_rate, "seed": self.seed,
+                "error_feedback": self.error_feedback, "warm_start": self.warm_start}
 
     def codec(self, layout: PackLayout) -> Optional[Codec]:
         if layout.dtype not in _FLOATS:
@@ -102,9 +112,10 @@ class PowerSGD(Compressor):
                 matrices.append(_Matrix(index, offset, rows, cols))
         return _PowerSGDCodec(self, layout, matrices) if matrices else None
 
-    def first_q(self, index: int, cols: int, like: Tensor) -> Tensor:
-        """The same ``Qᵀ`` (``rank x cols``) on every rank: drawn from a generator seeded by the seed and the parameter."""
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+    def first_q(self, index: int, cols: int, like: Tensor, step: int = 0) -> Tensor:
+        """The same ``Qᵀ`` (``rank x cols``) on every rank: drawn from a generator seeded by the seed and
+        the parameter (and the step, without a warm start)."""
+        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + index) * 1_000_033 + step)
         return torch.randn(self.rank, cols, generator=gen, dtype=torch.float32).to(like.device, like.dtype)
 
     def state_dict(self) -> Dict[str, Any]:
@@ -149,18 +160,21 @@ class _PowerSGDCodec(Codec):
         ms: List[Tensor] = []
         for m in self.matrices:
             value = data[m.offset:m.offset + m.rows * m.cols].view(m.rows, m.cols)
-            if round.contributing:
+            if round.contributing and owner.error_feedback:
                 residual = owner.residuals.get((round.exchange, m.index))
                 if residual is None:
                     residual = owner.residuals[(round.exchange, m.index)] = torch.zeros_like(value)
                 ms.append(residual.add_(value))
             else:  # a rank that has joined adds nothing, and keeps its residual for later
                 ms.append(value)
+        feedback = round.contributing and owner.error_feedback
         qts = []
         for m in self.matrices:
-            qt = owner.qs.get((round.exchange, m.index))
+            qt = owner.qs.get((round.exchange, m.index)) if owner.warm_start else None
             if qt is None:
-                qt = owner.qs[(round.exchange, m.index)] = owner.first_q(m.index, m.cols, data)
+                qt = owner.first_q(m.index, m.cols, data, round.step)
+                if owner.warm_start:
+                    owner.qs[(round.exchange, m.index)] = qt
             qts.append(qt)
         p_numel = sum(m.rows * r for m in self.matrices)
         first = torch.empty(p_numel + self.rest_numel, dtype=data.dtype, device=data.device)
@@ -185,7 +199,7 @@ class _PowerSGDCodec(Codec):
         finite = bool(torch.isfinite(second).all())
         for m, m_, p, qt in zip(self.matrices, ms, ps, new_qts):
             value = data[m.offset:m.offset + m.rows * m.cols].view(m.rows, m.cols)
-            if round.contributing:
+            if feedback:
                 if finite:
                     # The residual: this rank's M less its share of the sum's approximation P Qᵀ, so
                     # that the ranks' residuals add up to what the approximation left out.
@@ -193,7 +207,9 @@ class _PowerSGDCodec(Codec):
                 else:
                     m_.zero_()
             torch.mm(p, qt, out=value)
-            owner.qs[(round.exchange, m.index)] = qt.clone() if finite else owner.first_q(m.index, m.cols, data)
+            if owner.warm_start:
+                owner.qs[(round.exchange, m.index)] = (qt.clone() if finite
+                                                       else owner.first_q(m.index, m.cols, data, round.step))
 
 
 def _orthonormal(p: Tensor) -> Tensor:

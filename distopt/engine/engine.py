@@ -33,11 +33,20 @@ How a pack travels: a pack of one large CPU gradient that is mostly zero rows (a
 embedding table's) gathers its non-zero rows instead of all-reducing the whole
 (:mod:`distopt.engine.sparse_rows`); a small CPU pack travels once, as one broadcast
 from each rank, and is summed locally in rank order (:mod:`distopt.engine.rounds`).
+A compressed pack (:mod:`distopt.compression`) sends its control flags exactly and its
+values through its codec, which yields one collective after another: the first is
+issued as the pack launches, each later one in the waiting place
+(:meth:`GradientEngine._resume_codecs`), pack after pack in the plan's order, so the
+ranks' collectives pair up however their timing differs.
 
 The engine knows nothing of optimizers; a mode (:mod:`distopt.modes`) decides what
 happens at ``step()``. A mode that keeps gradients local (local SGD) sets
 :attr:`GradientEngine.local`, so backward never reduces, and sends its own values
 through the same packs, plan and flags (:meth:`GradientEngine.launch_exchange`).
+Streaming local SGD sends one fragment of the model at a time, as a subset of the
+packs whose exchange outlives the round (:meth:`GradientEngine.launch_partial`,
+:mod:`distopt.engine.partial`): the plan then keeps each fragment's parameters in
+packs of their own (:attr:`GradientEngine.fragments`).
 """
 from __future__ import annotations
 
@@ -55,6 +64,7 @@ from torch.autograd import Variable
 from .. import collectives
 from ..compression.protocol import AllGather, AllReduce, AllToAll, Collective, Compressor, Round
 from ..planning import replanning
+from ..planning.fragments import fragment_of, split_fragments
 from ..planning.control import CONTROL_FLAGS, Control, Totals
 from ..planning.packing import LaunchOrder
 from ..planning.stats import StepStats
@@ -62,6 +72,7 @@ from ..transport import stalls, waiting
 from ..transport.private_groups import PrivateGroup
 from ..transport.stalls import Progress
 from . import sparse_rows
+from .partial import PartialExchange, empty_exchange
 from .packs import (Pack, adopt_current_grads, build_packs, gather, gather_early, gather_nothing, metas, release,
                     scratch, sums)
 from .rounds import (GATHER_SUM_MAX_BYTES, Sent, broadcast_each, gather_buffer, gather_by_broadcasts, labelled,
@@ -175,6 +186,13 @@ class GradientEngine:
         # Fault tolerance (distopt.fault_tolerance): asked once a round's collectives are back; True when
         # one failed because a replica went away. The step is then discarded: nothing is read back.
         self.round_failed: Optional[Callable[[], bool]] = None
+        # Streaming local SGD: the parameters are cut into this many fragments (distopt.planning.fragments),
+        # each kept in packs of its own; fragment_packs[f] lists fragment f's packs, in plan order.
+        self.fragments = 1
+        self.fragment_packs: List[List[int]] = []
+        # Which fragment a shadow round sends (a rank that has joined), asked of the mode before each one:
+        # None sends every pack (a gradient round, or a whole-model exchange).
+        self.shadow_fragment: Optional[Callable[[], Optional[int]]] = None
         self.lock = threading.Lock()
         self.reset_round()
 
@@ -211,7 +229,8 @@ class GradientEngine:
             self.channel.destroy()
 
     def build_packs(self, order: Sequence[int]) -> None:
-        packs = build_packs(self.params, self.names, order, self.pack_threshold, self.compressor)
+        groups = self._fragment_groups()
+        packs = build_packs(self.params, self.names, order, self.pack_threshold, self.compressor, groups)
         for pack in packs:
             if pack.direct and self.rows_allowed and self.channel is not None:
                 pack.rows = sparse_rows.plan_rows(pack.params[0], self.world_size, self.channel.group.rank())
@@ -230,6 +249,26 @@ class GradientEngine:
                 self.pack_of[i] = k
                 self.slot_of[i] = j
         self.launch_order = LaunchOrder([len(pack.spec.members) for pack in packs])
+        fragment = [0 if groups is None else groups[pack.spec.members[0]] for pack in packs]
+        self.fragment_packs = [[k for k, f in enumerate(fragment) if f == g] for g in range(max(fragment, default=-1) + 1)]
+
+    def _fragment_groups(self) -> Optional[List[int]]:
+        """Each tracked parameter's fragment, or None for one fragment (the plan as without streaming)."""
+        if self.fragments == 1:
+            return None
+        return fragment_of(split_fragments([p.numel() * p.element_size() for p in self.params], self.fragments))
+
+    def set_fragments(self, fragments: int) -> None:
+        """Keep the parameters of each of ``fragments`` fragments in packs of their own, from now on.
+
+        Re-plans at once, in the plan's present order (every rank alike: the plan is the same
+        on every rank, and so are the parameters' sizes).
+        """
+        if fragments == self.fragments:
+            return
+        self.fragments = fragments
+        if self.params:
+            self.build_packs([i for pack in self.packs for i in pack.spec.members])
 
     # ------------------------------------------------------------------ the round
 
@@ -530,6 +569,28 @@ class GradientEngine:
         if patience is not None:
             self._slowest_wait = max(self._slowest_wait, time.perf_counter() - start)
         touched, self._touched = self._touched, False
+        totals = self._read_back()
+        self.inflight = []
+        self.state = RoundState.SETTLED
+        self._passes = self.backward_passes_per_step
+        if self.progress is not None:
+            self.progress.phase = "after backward, before step()"
+        if totals is None:
+            return
+        totals.check(self.world_size)
+        if touched:
+            raise RuntimeError(_TOUCHED_WHILE_PENDING.format(self._patience_used))
+        self._settle(totals)
+        if self.on_settled is not None:
+            self.on_settled()
+
+    def _read_back(self) -> Optional[Totals]:
+        """Everything in flight is back: take the values off the wire, read the control flags, rescale
+        the mean to the contributors, and leave members no rank had without a gradient.
+
+        Returns:
+            The flags' totals, or None if no collective carried flags.
+        """
         totals = None
         for sent in self.inflight:
             if not sent.carries_flags:
@@ -549,19 +610,7 @@ class GradientEngine:
                     index = pack.spec.members[j]
                     self.params[index].grad = pack.views[j] if present[j] else None
                 pack.absent.clear()
-        self.inflight = []
-        self.state = RoundState.SETTLED
-        self._passes = self.backward_passes_per_step
-        if self.progress is not None:
-            self.progress.phase = "after backward, before step()"
-        if totals is None:
-            return
-        totals.check(self.world_size)
-        if touched:
-            raise RuntimeError(_TOUCHED_WHILE_PENDING.format(self._patience_used))
-        self._settle(totals)
-        if self.on_settled is not None:
-            self.on_settled()
+        return totals
 
     def _discard_failed_round(self) -> None:
         """Fault tolerance: a collective of this round failed; its values and flags are garbage and are
@@ -633,7 +682,10 @@ class GradientEngine:
     def _settle(self, totals: Totals) -> None:
         if totals.unfrozen:
             self._adopt_unfrozen()
-        elif not self.planned:
+        elif not self.planned and totals.counts_steps:
+            # Only a gradient round observed an order. Not after an exchange: a streaming exchange
+            # settles steps after it was sent, and a rank leaving sends several at once, so a
+            # broadcast here would meet the others' collectives in another order.
             self._fix_plan()
 
     # ------------------------------------------------------------------ between rounds
@@ -705,7 +757,7 @@ class GradientEngine:
         if not observed:
             return
         if replanning.replan([pack.spec for pack in self.packs], root_order, metas(self.params),
-                             self.pack_threshold) is not None:
+                             self.pack_threshold, self._fragment_groups()) is not None:
             self.build_packs(root_order)
         self.planned = True
 
@@ -764,10 +816,7 @@ class GradientEngine:
             self.open_round(Phase.EXCHANGE)
             self.exchange_fill = fill
             self.state = RoundState.IN_FLIGHT
-            if not self.planned:
-                # No backward saw an arrival order: offer the current one, so the plan is
-                # fixed once (one broadcast) rather than re-offered at every exchange.
-                self.arrivals = [i for pack in self.packs for i in pack.spec.members]
+            # An exchange fixes no plan (_settle): its order is the plan's present one, on every rank.
             if self.packs:
                 self.flush()
 
@@ -782,17 +831,116 @@ class GradientEngine:
             finally:
                 self.exchange_fill = None
 
+    # ------------------------------------------------------------------ partial exchanges (streaming: one fragment)
+
+    def launch_partial(self, packs: Sequence[int], fill: Callable[[Pack], None]) -> PartialExchange:
+        """Start an exchange of the packs at ``packs`` (one fragment's) that stays in flight across steps.
+
+        Each pack launches as in a round (:meth:`launch_exchange`: the same collectives, codec and
+        control flags, this rank contributing), in the order given, which must be the plan's. Its
+        collectives are not the round's: ``reset_round()`` and ``after_step()`` leave them alone, and
+        inner steps (local backward passes, which never reduce) go on while they travel. Finish it
+        with :meth:`finish_partial`; meanwhile the packs' buffers belong to it.
+
+        Args:
+            packs: places in the plan, ascending (:attr:`fragment_packs`).
+            fill: writes the values into each pack's member views, scaled by :attr:`scale`.
+
+        Returns:
+            The exchange, for :meth:`arrive_partial` and :meth:`finish_partial`.
+        """
+        with self.lock:
+            if not self.packs:  # nothing trainable: the flags travel, at once, as a joined rank's shadow does
+                self.control_round()
+                return empty_exchange()
+            round_state = (self.inflight, self._control, self._phase, self.exchange_fill)
+            self.inflight, self._control, self._phase, self.exchange_fill = [], None, Phase.EXCHANGE, fill
+            try:
+                for k in packs:
+                    self._launch(k)
+                held = [(self.packs[k], self.packs[k].data, list(self.packs[k].views)) for k in packs]
+                return PartialExchange(list(packs), self.inflight, held)
+            finally:
+                self.inflight, self._control, self._phase, self.exchange_fill = round_state
+
+    def arrive_partial(self, exchange: PartialExchange) -> None:
+        """Wait for ``exchange``'s collectives; its values are then the mean over the contributors.
+
+        Communicates nothing of its own (a codec's later stages aside, which every rank runs for
+        its packs), so one rank may call it alone, e.g. to save a checkpoint; what the flags
+        say is acted on by :meth:`finish_partial`, which every rank calls at the same point.
+        """
+        with self.lock:
+            if exchange.arrived:
+                return
+            for pack, data, views in exchange.held:
+                pack.data, pack.views = data, views  # a one-parameter pack's were let go at the round's end
+            round_state = (self.inflight, self._phase)
+            self.inflight, self._phase = exchange.sent, Phase.EXCHANGE
+            try:
+                self._arrive(None)
+                exchange.totals = self._read_back()
+            finally:
+                self.inflight, self._phase = round_state
+            exchange.sent = []
+            exchange.arrived = True
+
+    def advance_partial(self, exchange: PartialExchange) -> None:
+        """Move a compressed exchange on by one stage: wait for its collectives now in flight and issue
+        each codec's next one (an all-gather after an all-to-all, say), so that later stages travel
+        during inner steps too. Every rank calls it at the same point; without codecs it does nothing.
+        """
+        with self.lock:
+            if exchange.arrived or not exchange.staged():
+                return
+            round_state = (self.inflight, self._phase)
+            self.inflight, self._phase = exchange.sent, Phase.EXCHANGE
+            try:
+                self.wait(None)
+                self._resume_codecs()
+                exchange.sent = self.inflight
+            finally:
+                self.inflight, self._phase = round_state
+
+    def finish_partial(self, exchange: PartialExchange) -> None:
+        """Wait for ``exchange`` (:meth:`arrive_partial`) and act on its control flags as a round's end
+        does: the checks, the plan fixed once, parameters unfrozen. Every rank calls it at the same point.
+
+        Raises:
+            RuntimeError: the ranks are not in step (see :meth:`distopt.planning.control.Totals.check`).
+            ValueError: the ranks unfroze different parameters.
+        """
+        self.arrive_partial(exchange)
+        with self.lock:
+            if exchange.settled:
+                return
+            exchange.settled = True
+            totals = exchange.totals
+            if totals is None:
+                return
+            totals.check(self.world_size)
+            self._settle(totals)
+            if self.on_settled is not None:
+                self.on_settled()
+
     # ------------------------------------------------------------------ shadow rounds (a rank that has joined)
 
     def shadow_launch(self) -> None:
-        """As a rank that has joined: send zeros for the others' next round."""
+        """As a rank that has joined: send zeros for the others' next round (the fragment :attr:`shadow_fragment` names)."""
         with self.lock:
             self.stats = StepStats()
             self.joined = True
-            if self.packs:
-                self.flush()
-            else:  # nothing trainable: only the control flags travel, at once
+            if not self.packs:  # nothing trainable: only the control flags travel, at once
                 self.control_round()
+                return
+            fragment = None if self.shadow_fragment is None else self.shadow_fragment()
+            if fragment is None:
+                self.flush()
+                return
+            self._phase = Phase.EXCHANGE  # the others' fragment exchange
+            for k in self.fragment_packs[fragment]:
+                self._launch(k)
+            self.state = RoundState.FLUSHED
 
     def shadow_finish(self, final: Optional[Callable[[], None]] = None) -> int:
         """Finish the shadow round (or ``final``, a mode's last round); return how many ranks contributed."""

@@ -97,10 +97,11 @@ def layout_of(spec: PackSpec, params: Sequence[Tensor], names: Sequence[str]) ->
 
 
 def build_packs(params: Sequence[Tensor], names: Sequence[str], order: Sequence[int], threshold: int,
-                compressor: Optional[Compressor]) -> List[Pack]:
-    """Allocate the packs of the plan for ``params`` taken in ``order``, each with its codec if compressed."""
+                compressor: Optional[Compressor], groups: Optional[Sequence[int]] = None) -> List[Pack]:
+    """Allocate the packs of the plan for ``params`` taken in ``order``, each with its codec if compressed
+    (packs never mix ``groups``: see :func:`distopt.planning.packing.plan_packs`)."""
     packs = []
-    for spec in plan_packs(order, metas(params), threshold):
+    for spec in plan_packs(order, metas(params), threshold, groups):
         device, dtype = spec.key
         first = params[spec.members[0]]
         wire_dtype = codec = None

@@ -11,14 +11,16 @@ from typing import Tuple, Type
 from .base import Mode, ModeArguments, ModeContext, OuterFactory
 from .local_sgd import LocalSGDMode
 from .sharded import ShardedMode
+from .streaming import StreamingMode
 from .shards import merge_state_dicts
 from .synchronous import SynchronousMode
 
 __all__ = ["Mode", "ModeArguments", "ModeContext", "OuterFactory", "REGISTRY", "choose",
-           "LocalSGDMode", "ShardedMode", "SynchronousMode", "merge_state_dicts"]
+           "LocalSGDMode", "StreamingMode", "ShardedMode", "SynchronousMode", "merge_state_dicts"]
 
 #: The modes, asked in this order.
 REGISTRY: Tuple[Type[Mode], ...] = (
+    StreamingMode,
     LocalSGDMode,
     ShardedMode,
     SynchronousMode,

@@ -70,6 +70,11 @@ class ModeArguments:
         sync_every: local steps between two syncs.
         outer_optimizer: DiLoCo's outer-optimizer factory, or None.
         local_warmup: synchronous steps before local SGD starts.
+        streaming: streaming local SGD was asked for (``sync_fragments``, ``sync_overlap`` or
+            ``sync_mixing`` given; see :mod:`distopt.modes.streaming`).
+        sync_fragments: fragments synced on staggered schedules (F).
+        sync_overlap: local steps a fragment's sync stays in flight before it is applied (tau).
+        sync_mixing: the local parameters' weight when a fragment's sync is applied (alpha).
     """
 
     rank: int
@@ -79,6 +84,10 @@ class ModeArguments:
     sync_every: int = 1
     outer_optimizer: Optional[OuterFactory] = None
     local_warmup: int = 0
+    streaming: bool = False
+    sync_fragments: int = 1
+    sync_overlap: int = 0
+    sync_mixing: float = 0.0
 
 
 class ModeContext:

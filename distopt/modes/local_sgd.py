@@ -55,6 +55,7 @@ from torch.optim import Optimizer
 from .. import collectives
 from ..engine.packs import Pack
 from ..planning import drift
+from ..planning.mixing import mix_
 from ..planning.stats import StepStats
 from ..transport import stalls
 from . import amp, shards
@@ -138,10 +139,14 @@ class LocalSGDMode(Mode):
             loss = None
         else:
             loss = ctx.optimizer.step() if closure is None else ctx.optimizer.step(closure)
+        self._after_local_step(ctx)
+        return loss
+
+    def _after_local_step(self, ctx: ModeContext) -> None:
+        """After a local step (the inner step taken or skipped): sync when the period is over."""
         self.since_sync += 1
         if self.since_sync >= self.sync_every:
             self._sync(ctx)
-        return loss
 
     def leaving(self, ctx: ModeContext) -> Optional[Callable[[], None]]:
         # Steps not averaged yet are sent once, as a contributor; a rank without any just shadows.
@@ -199,7 +204,14 @@ class LocalSGDMode(Mode):
 
     def _launch(self, ctx: ModeContext) -> None:
         engine = ctx.engine
-        scale = engine.scale
+        if engine.progress is not None:
+            engine.progress.phase = "inside step() (local SGD: averaging the pseudo-gradients)"
+        with torch.no_grad():
+            engine.launch_exchange(self._filler(ctx))
+
+    def _filler(self, ctx: ModeContext) -> Callable[[Pack], None]:
+        """What an exchange writes into each pack: the pseudo-gradients ``anchor - param``, scaled."""
+        scale = ctx.engine.scale
 
         def fill(pack: Pack) -> None:
             for p, view in zip(pack.params, pack.views):
@@ -209,10 +221,7 @@ class LocalSGDMode(Mode):
                 if scale is not None:  # before a 16-bit cast, as for gradients
                     view.mul_(scale)
 
-        if engine.progress is not None:
-            engine.progress.phase = "inside step() (local SGD: averaging the pseudo-gradients)"
-        with torch.no_grad():
-            engine.launch_exchange(fill)
+        return fill
 
     def _finish(self, ctx: ModeContext) -> None:
         engine = ctx.engine
@@ -221,8 +230,15 @@ class LocalSGDMode(Mode):
             self._apply([(p, self._anchor_of(p), view)
                          for pack in engine.packs for p, view in zip(pack.params, pack.views)])
 
-    def _apply(self, items: List[Tuple[Tensor, Tensor, Tensor]]) -> None:
-        """Move the anchors by the mean pseudo-gradient and give the parameters their values."""
+    def _apply(self, items: List[Tuple[Tensor, Tensor, Tensor]], alpha: float = 0.0) -> None:
+        """Move the anchors by the mean pseudo-gradient and give the parameters their values.
+
+        Args:
+            items: ``(parameter, anchor, mean pseudo-gradient)``; the outer optimizer steps only
+                these anchors (the others have no gradient), so it can step one fragment at a time.
+            alpha: the parameters become ``alpha * param + (1 - alpha) * anchor`` (streaming's
+                mixing, :func:`distopt.planning.mixing.mix_`); 0 copies the anchors.
+        """
         if self.outer is None:
             for _, anchor, pseudo in items:
                 anchor.sub_(pseudo)
@@ -233,7 +249,7 @@ class LocalSGDMode(Mode):
             for _, anchor, _ in items:
                 anchor.grad = None  # the pack views are reused by the next exchange
         for p, anchor, _ in items:
-            p.copy_(anchor)
+            mix_(p, anchor, alpha)
         self._count_bytes()
 
     # ------------------------------------------------------------------ checkpoints and taking one rank's state

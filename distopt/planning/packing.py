@@ -68,7 +68,8 @@ class PackSpec:
         return self.numel * self.itemsize
 
 
-def plan_packs(order: Sequence[int], metas: Sequence[ParamMeta], threshold: int) -> List[PackSpec]:
+def plan_packs(order: Sequence[int], metas: Sequence[ParamMeta], threshold: int,
+               groups: Optional[Sequence[int]] = None) -> List[PackSpec]:
     """Group parameters into packs, in the order their gradients are expected.
 
     Parameters are taken in ``order``; each joins the open pack of its key, and a
@@ -82,6 +83,10 @@ def plan_packs(order: Sequence[int], metas: Sequence[ParamMeta], threshold: int)
         order: every parameter index exactly once, earliest-ready first.
         metas: per-index metadata.
         threshold: pack size in bytes at which a pack closes.
+        groups: per index, a group (streaming local SGD's fragment, see
+            :mod:`distopt.planning.fragments`); parameters of different groups never share
+            a pack, as those of different keys do not, so that a group can be sent on its own.
+            None: one group.
 
     Returns:
         The packs, in launch order.
@@ -96,7 +101,10 @@ def plan_packs(order: Sequence[int], metas: Sequence[ParamMeta], threshold: int)
         raise ValueError(
             f"order must list every parameter index 0..{len(metas) - 1} exactly once, got {list(order)}"
         )
+    if groups is not None and len(groups) != len(metas):
+        raise ValueError(f"groups must give a group for each of the {len(metas)} parameters, got {len(groups)}")
     plan: List[PackSpec] = []
+    # Open packs by (key, group): a pack holds one key and one group.
     open_packs: Dict[Hashable, List[int]] = {}
     open_bytes: Dict[Hashable, int] = {}
     for index in order:
@@ -104,13 +112,14 @@ def plan_packs(order: Sequence[int], metas: Sequence[ParamMeta], threshold: int)
         if meta.nbytes >= threshold:
             plan.append(_make_spec(meta.key, [index], metas))
             continue
-        members = open_packs.setdefault(meta.key, [])
+        slot = (meta.key, 0 if groups is None else groups[index])
+        members = open_packs.setdefault(slot, [])
         members.append(index)
-        open_bytes[meta.key] = open_bytes.get(meta.key, 0) + meta.nbytes
-        if open_bytes[meta.key] >= threshold:
-            plan.append(_make_spec(meta.key, open_packs.pop(meta.key), metas))
-            del open_bytes[meta.key]
-    for key, members in open_packs.items():  # dicts keep opening order
+        open_bytes[slot] = open_bytes.get(slot, 0) + meta.nbytes
+        if open_bytes[slot] >= threshold:
+            plan.append(_make_spec(meta.key, open_packs.pop(slot), metas))
+            del open_bytes[slot]
+    for (key, _), members in open_packs.items():  # dicts keep opening order
         plan.append(_make_spec(key, members, metas))
     return plan
 

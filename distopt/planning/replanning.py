@@ -45,7 +45,7 @@ def observed_order(arrivals: Sequence[int], count: int) -> List[int]:
 
 
 def replan(old: Sequence[PackSpec], order: Sequence[int], metas: Sequence[ParamMeta],
-           threshold: int) -> Optional[List[PackSpec]]:
+           threshold: int, groups: Optional[Sequence[int]] = None) -> Optional[List[PackSpec]]:
     """The plan for ``order``, or None when it would hold the same packs as ``old``.
 
     Only which packs exist, and their order, matter to matching the ranks' collectives;
@@ -57,8 +57,9 @@ def replan(old: Sequence[PackSpec], order: Sequence[int], metas: Sequence[ParamM
         order: the new order of parameter indices (a permutation).
         metas: every parameter's size, device and dtype.
         threshold: the pack threshold in bytes.
+        groups: per parameter, the group its pack must keep to (see :func:`plan_packs`), or None.
     """
-    plan = plan_packs(order, metas, threshold)
+    plan = plan_packs(order, metas, threshold, groups)
     if [set(spec.members) for spec in plan] == [set(spec.members) for spec in old]:
         return None
     return plan

@@ -26,6 +26,7 @@ __all__ = [
     "REDUCE_OPS",
     "check_arguments",
     "check_local_sgd",
+    "check_streaming",
     "check_drift_arguments",
     "byte_count",
     "seconds",
@@ -124,6 +125,54 @@ def check_local_sgd(sync_every: Any, outer_optimizer: Any, local_warmup: Any, re
             f"shard_state=True with sync_every={sync_every!r} / outer_optimizer: local SGD steps every parameter "
             "on every rank, so there is no state to shard; use one or the other"
         )
+    return True
+
+
+def check_streaming(sync_fragments: Any, sync_overlap: Any, sync_mixing: Any, sync_every: Any,
+                    local: bool) -> bool:
+    """Check streaming local SGD's arguments (None: not given); return whether any was given.
+
+    Raises:
+        TypeError: ``sync_fragments``/``sync_overlap`` not an int, ``sync_mixing`` not a number.
+        ValueError: out of range (fragments in ``1..sync_every``, overlap in ``0..sync_every - 1``,
+            mixing in ``[0, 1]``), or given without local SGD.
+    """
+    given = [(name, value) for name, value in (("sync_fragments", sync_fragments), ("sync_overlap", sync_overlap),
+                                                ("sync_mixing", sync_mixing)) if value is not None]
+    if not given:
+        return False
+    name, value = given[0]
+    if not local:
+        raise ValueError(
+            f"{name}={value!r} needs local SGD: pass sync_every > 1 (or an outer_optimizer), e.g. "
+            f"sync_every=16, {name}={value!r}; with sync_every=1 every step is synchronous"
+        )
+    for name, value, least, meaning in (("sync_fragments", sync_fragments, 1, "1 syncs the whole model at once"),
+                                        ("sync_overlap", sync_overlap, 0, "0 waits for each sync at once")):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an int, got {value!r}; pass e.g. {name}={least + 1}")
+        if value < least:
+            raise ValueError(f"{name} must be an int >= {least} ({meaning}), got {value!r}")
+    if sync_fragments is not None and sync_fragments > sync_every:
+        raise ValueError(
+            f"sync_fragments={sync_fragments!r} must be at most sync_every={sync_every!r}: each fragment syncs once "
+            f"every sync_every steps, at a step of its own; pass sync_fragments <= {sync_every!r} or a larger sync_every"
+        )
+    if sync_overlap is not None and sync_overlap >= sync_every:
+        raise ValueError(
+            f"sync_overlap={sync_overlap!r} must be less than sync_every={sync_every!r}: a fragment's sync must "
+            f"arrive before the fragment syncs again; pass sync_overlap <= {sync_every - 1!r}"
+        )
+    if sync_mixing is not None:
+        if isinstance(sync_mixing, bool) or not isinstance(sync_mixing, numbers.Real):
+            raise TypeError(f"sync_mixing must be a number in [0, 1], got {sync_mixing!r}; pass e.g. sync_mixing=0.5")
+        if not 0.0 <= sync_mixing <= 1.0:  # NaN too
+            raise ValueError(
+                f"sync_mixing must be in [0, 1] (the weight of the local parameters when a sync arrives: 0 takes "
+                f"the global ones), got {sync_mixing!r}"
+            )
     return True
 
 

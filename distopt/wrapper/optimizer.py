@@ -71,7 +71,8 @@ DEFAULT_PACK_THRESHOLD = 10 * 2**20
 
 #: The local-SGD arguments as a wrapper in another mode has them (sync_every=1 without an outer
 #: optimizer is synchronous training), so that two ranks in different modes differ in an argument.
-_NOT_LOCAL = {"sync_every": 1, "local_warmup": 0, "outer_optimizer": False}
+_NOT_LOCAL = {"sync_every": 1, "local_warmup": 0, "outer_optimizer": False, "sync_fragments": None,
+              "sync_overlap": None, "sync_mixing": None}
 
 # Seconds between two looks at several optimizers' shadow rounds.
 _POLL = 0.0005
@@ -148,6 +149,14 @@ class DistributedOptimizer(InnerOptimizerSurface):
             nesterov=True)``; at each sync it steps on the mean pseudo-gradient
             (last-sync parameters minus local ones). None averages (default: None).
         local_warmup: synchronous steps before local SGD starts (default: 0).
+        sync_fragments: streaming local SGD / DiLoCo (Douillard et al. 2025): the model is cut
+            into this many fragments of about equal bytes, each synced every ``sync_every``
+            steps at a step of its own, so that the bytes of a sync are spread over the period
+            (at most ``sync_every``; see :mod:`distopt.modes.streaming`) (default: None, 1).
+        sync_overlap: streaming: local steps a fragment's sync stays in flight, hidden behind
+            them, before it is applied (less than ``sync_every``) (default: None, 0).
+        sync_mixing: streaming: when a fragment's sync is applied, the parameters become
+            ``sync_mixing * local + (1 - sync_mixing) * global`` (default: None, 0.0: the global values).
         check_every: the drift check: every ``check_every`` steps the ranks compare
             exact fingerprints of what the mode keeps identical on every rank (the
             parameters, and the optimizer state and hyperparameters where every rank
@@ -200,6 +209,9 @@ class DistributedOptimizer(InnerOptimizerSurface):
         sync_every: int = 1,
         outer_optimizer: Optional[OuterFactory] = None,
         local_warmup: int = 0,
+        sync_fragments: Optional[int] = None,
+        sync_overlap: Optional[int] = None,
+        sync_mixing: Optional[float] = None,
         check_every: int = DEFAULT_CHECK_EVERY,
         drift_atol: float = 0.0,
         drift_rtol: float = 0.0,
@@ -224,6 +236,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
         self.shard_state = checks.shard_state(shard_state, optimizer)
         local = checks.check_local_sgd(sync_every, outer_optimizer, local_warmup, reduce_op, bcast_period,
                                        self.shard_state)
+        streaming = checks.check_streaming(sync_fragments, sync_overlap, sync_mixing, sync_every, local)
         self.check_every, self.drift_atol, self.drift_rtol, self.on_drift = checks.check_drift_arguments(
             check_every, drift_atol, drift_rtol, on_drift)
         self._drift = DriftCheck(self.check_every, self.drift_atol, self.drift_rtol, self.on_drift)
@@ -258,6 +271,9 @@ class DistributedOptimizer(InnerOptimizerSurface):
         self._mode: Mode = choose(ModeArguments(
             rank=self.rank, world_size=self.world_size, local=local, shard_state=self.shard_state,
             sync_every=int(sync_every), outer_optimizer=outer_optimizer, local_warmup=int(local_warmup),
+            streaming=streaming, sync_fragments=int(1 if sync_fragments is None else sync_fragments),
+            sync_overlap=int(0 if sync_overlap is None else sync_overlap),
+            sync_mixing=float(0.0 if sync_mixing is None else sync_mixing),
         ))
         self._retired_by: Optional[str] = None  # why this wrapper no longer reduces
         self._params: List[Tensor] = []  # every parameter this wrapper broadcasts, in tracking order

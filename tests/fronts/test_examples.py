@@ -105,7 +105,7 @@ def _load_example() -> ModuleType:
         (["--batch-size", "0"], "--batch-size must be at least 1"),
         (["--nprocs", "0"], "--nprocs must be at least 1"),
         (["--pack-threshold", "ten"], "is not a byte count"),
-        (["--compression", "int8"], "invalid choice"),
+        (["--compression", "int2"], "invalid choice"),
         (["--sync-every", "0"], "--sync-every must be at least 1"),
     ],
 )

@@ -196,6 +196,19 @@ def test_powersgd_error_feedback_recovers_a_fixed_gradient_over_rounds():
     assert (received / rounds - truth).abs().max().item() < 0.1 * truth.abs().max().item()
 
 
+def test_powersgd_without_feedback_or_warm_start_keeps_no_state_and_still_agrees_on_every_rank():
+    layout = layout_of([(64, 32)])
+    compressors = [PowerSGD(rank=2, error_feedback=False, warm_start=False) for _ in range(2)]
+    codecs = [c.codec(layout) for c in compressors]
+    for step in range(3):
+        datas = [torch.randn(2048), torch.randn(2048)]
+        simulate(codecs, datas, step=step)
+        assert torch.equal(datas[0], datas[1])
+    assert all(not c.residuals and not c.qs for c in compressors)
+    with pytest.raises(TypeError, match=r"PowerSGD\(warm_start=\) must be True or False, got 1"):
+        PowerSGD(warm_start=1)
+
+
 def test_powersgd_before_its_start_step_sends_the_pack_as_it_is():
     layout = layout_of([(64, 32)])
     codecs = [PowerSGD(rank=2, start_step=5).codec(layout) for _ in range(2)]
