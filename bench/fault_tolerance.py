@@ -71,7 +71,7 @@ def recovery(trials: int) -> None:
         for trial in range(trials):
             with tempfile.TemporaryDirectory() as d:
                 logs = ft_job(Path(d), 3, dict(steps=40, pace=0.02, until_world=2, streak=3, timeout=5.0),
-                              {1: {"step": 15, "where": where}})
+                              {1: {"step": 15, "where": where, "world": 3}})
             death = next(e for e in logs[1] if "dying" in e)
             worst = 0.0
             for r in (0, 2):

@@ -6,7 +6,9 @@ DistributedOptimizer(fault_tolerance=manager) until the committed step count rea
 ``steps``. Every step appends one JSON line to ``out``: the step count, whether it committed,
 the loss, the world size, and a hash of the parameters and optimizer state. A ``kill`` entry
 makes the process SIGKILL itself at a step, inside backward (after its first pack was sent)
-or between steps.
+or between steps, once ``world`` replicas (default 1) train together: replicas start at
+different times on a loaded host, and a kill meant to land in a step of three must not
+land in a step that a late starter has not joined yet.
 """
 import hashlib
 import json
@@ -53,7 +55,14 @@ model = torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.Tanh(), torch.n
                             torch.nn.Linear(width, 1))
 opt = distopt.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=spec.get("lr", 1e-2)),
                                    pack_threshold=spec.get("pack_threshold", 4096), fault_tolerance=manager)
-kill = spec.get("kill")  # {"step": n, "where": "backward" | "between"} or {"where": "heal"}
+kill = spec.get("kill")  # {"step": n, "where": "backward" | "between", "world": m} or {"where": "heal"}
+
+
+def armed():
+    """The kill's step is reached, with at least ``world`` replicas averaged in this (or the last) step."""
+    return (manager.current_step() + 1 >= kill["step"]
+            and (opt.fault_tolerance.world_size or 0) >= kill.get("world", 1))
+
 if kill and kill["where"] == "heal":  # die inside the heal: the live peer's state has arrived, half loaded
     def heal_then_die(state):
         log(dying="heal", step=manager.current_step())
@@ -75,7 +84,7 @@ def batch(step):
 
 if kill and kill["where"] == "backward":
     def die(grad):
-        if manager.current_step() + 1 >= kill["step"] and opt.stats.packs >= 1:
+        if armed() and opt.stats.packs >= 1:
             if kill.get("signal") == "SIGSTOP":  # silent, not dead: stopped until the harness sends SIGCONT
                 if not kill.get("done"):
                     kill["done"] = True
@@ -90,7 +99,7 @@ if kill and kill["where"] == "backward":
 pace = spec.get("pace", 0.0)
 until_world, streak = spec.get("until_world"), 0
 while True:
-    if kill and kill["where"] == "between" and manager.current_step() + 1 >= kill["step"]:
+    if kill and kill["where"] == "between" and armed():
         log(dying="between", step=manager.current_step())
         os.kill(os.getpid(), signal.SIGKILL)
     t0 = time.time()

@@ -125,8 +125,8 @@ def test_deaths_of_the_root_and_another_replica_then_replacements_that_heal(job:
     same parameters and Adam state at every step, the replacements heal and are bitwise equal from
     their first step, the loss falls, and every process that was not killed exits 0."""
     j = job(steps=30, until_world=3, streak=3)
-    j.start("r0", 0, kill={"step": 8, "where": "backward"})
-    j.start("r1", 1, kill={"step": 14, "where": "between"})
+    j.start("r0", 0, kill={"step": 8, "where": "backward", "world": 3})  # all three in the step it breaks
+    j.start("r1", 1, kill={"step": 14, "where": "between", "world": 2})
     j.start("r2", 2)
     j.wait_for(lambda: j.procs["r0"].poll() is not None, 30, "replica 0 to die")
     j.start("r0b", 0, kill={"where": "heal"})  # a replacement that dies during its heal
@@ -168,7 +168,7 @@ def test_a_stopped_replica_is_dropped_after_the_group_timeout_and_rejoins_after_
     failed, rejoins, heals, and all three end identical."""
     j = job(steps=20, until_world=3, streak=3, timeout=1.0)
     j.start("r0", 0)
-    j.start("r1", 1, kill={"step": 8, "where": "backward", "signal": "SIGSTOP"})
+    j.start("r1", 1, kill={"step": 8, "where": "backward", "signal": "SIGSTOP", "world": 3})
     j.start("r2", 2)
     j.wait_for(lambda: any("dying" in e for e in j.log("r1")), 30, "replica 1 to stop")
     stopped = next(e for e in j.log("r1") if "dying" in e)
