@@ -186,6 +186,10 @@ class GradientEngine:
         # Fault tolerance (distopt.fault_tolerance): asked once a round's collectives are back; True when
         # one failed because a replica went away. The step is then discarded: nothing is read back.
         self.round_failed: Optional[Callable[[], bool]] = None
+        # Fault tolerance: called when a round that sends opens (the first hook of a reducing backward
+        # pass, or a round launched outside backward), before anything is scaled into a pack: the
+        # controller waits for the step's quorum there and sets world_size and scale.
+        self.on_round_open: Optional[Callable[[], None]] = None
         # Streaming local SGD: the parameters are cut into this many fragments (distopt.planning.fragments),
         # each kept in packs of its own; fragment_packs[f] lists fragment f's packs, in plan order.
         self.fragments = 1
@@ -304,6 +308,8 @@ class GradientEngine:
         """Begin counting a round launched outside backward (``phase`` says where, for the control flags)."""
         self.stats = StepStats()
         self._phase = phase
+        if self.on_round_open is not None:
+            self.on_round_open()
 
     def forbid_rows(self) -> None:
         """Never send a gradient as its rows (a mode that exchanges parameters).
@@ -371,6 +377,8 @@ class GradientEngine:
         if self._pass_reduces:
             self.state = RoundState.IN_FLIGHT
             self.stats = StepStats()
+            if self.on_round_open is not None:
+                self.on_round_open()
         if self.progress is not None:
             self.progress.phase = "in backward" if self._pass_reduces else "in backward (accumulating locally)"
         Variable._execution_engine.queue_callback(self._on_backward_end)

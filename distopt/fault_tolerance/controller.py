@@ -4,9 +4,10 @@ Per step, with torchft's ``Manager`` (used duck-typed: this module never imports
 
 1. ``start()``: ``manager.start_quorum()``, at ``zero_grad()`` (so that the quorum overlaps
    the forward pass) or, at the latest, when backward launches its first pack.
-2. Every pack is all-reduced through ``manager.allreduce`` (:mod:`.channel`); before the
-   first, the engine learns how many replicas take part this step (the mean's divisor,
-   and the count its control flags are read against).
+2. When the round opens (the first gradient hook of backward, or an exchange), the quorum is
+   waited for and the engine learns how many replicas take part this step: it scales the
+   gradients by 1/participants while copying them into the packs, as without fault
+   tolerance, and the packs' sums travel on the manager's process group (:mod:`.channel`).
 3. A collective that fails marks the step as failed: the engine then reads nothing back
    (:attr:`distopt.engine.GradientEngine.round_failed`), and this replica *cuts* its
    group's connections at once, so that every survivor still waiting on it fails too
@@ -37,7 +38,8 @@ _keys = [0]
 
 
 def check_arguments(manager: Any, *, shard_state: bool, compression: Any, bcast_period: int,
-                    process_group_size: int, reduce_op: str, local_sgd: bool = False) -> None:
+                    process_group_size: int, reduce_op: str, local_sgd: bool = False, streaming: bool = False,
+                    local_warmup: int = 0) -> None:
     """Refuse what fault tolerance cannot do, with the reason.
 
     Raises:
@@ -76,12 +78,18 @@ def check_arguments(manager: Any, *, shard_state: bool, compression: Any, bcast_
             "replica (python -m distopt.fault_tolerance.launch --replicas N), or leave process_group unset in a "
             "job without a default group of more than one"
         )
-    if local_sgd:
+    if streaming:
         raise ValueError(
-            "local SGD and DiLoCo (sync_every > 1, outer_optimizer) are not supported with fault_tolerance yet: "
-            "their commit vote belongs after each sync's exchange and before its result is applied, with a quorum "
-            "per sync rather than per step, and the mode does not have that seam yet. Use sync_every=1, or "
-            "torchft's own torchft.local_sgd.DiLoCo (docs/fault-tolerance.md compares the two)"
+            "streaming local SGD (sync_fragments, sync_overlap, sync_mixing) is not supported with fault_tolerance: "
+            "its fragments' syncs travel across several steps, so a commit vote would have to discard (and a heal "
+            "to carry) exchanges still in flight. Use plain local SGD or DiLoCo (sync_every, outer_optimizer), "
+            "which fault tolerance supports: a quorum and a commit vote per sync"
+        )
+    if local_sgd and local_warmup:
+        raise ValueError(
+            "local_warmup > 0 cannot be combined with fault_tolerance: a replacement that joins while the others "
+            "train locally would send a warm-up step's gradients into their sync. Use local_warmup=0 (a replica's "
+            "first step ends with a sync, which gives every replica the same starting point)"
         )
     if reduce_op not in ("mean", "sum"):
         raise ValueError(f"reduce_op must be 'mean' or 'sum', got {reduce_op!r}")
@@ -119,6 +127,10 @@ class FaultTolerance:
         self._sized = False  # the engine knows this step's world size
         self._failed = False
         self._healed = False
+        self.participating = True
+        # A quorum and a commit vote every step (synchronous training); False in local SGD, where the
+        # mode asks for both at each sync.
+        self.per_step = True
         self._quorum: Optional[Tuple[Any, ...]] = None
         self._members: Tuple[int, ...] = ()
         self.world_size = 0
@@ -157,18 +169,29 @@ class FaultTolerance:
             self._sized = self._failed = False
             self.manager.start_quorum()
 
-    def before_send(self) -> None:
-        """Before the step's first collective: the quorum, and the number of replicas averaged."""
+    def enter_round(self) -> None:
+        """Before the step's first collective (the engine opens its round): the quorum, the number
+        of replicas averaged, and whether this replica takes part (False while it heals)."""
         self.start()
         if not self._sized:
             self._sized = True
-            world = int(self.manager.num_participants())  # waits for the quorum
+            manager = self.manager
+            world = int(manager.num_participants())  # waits for the quorum
             self.world_size = world
-            self._rank = self.manager.participating_rank()
+            self._rank = manager.participating_rank()
+            self.participating = bool(manager.is_participating())
             self._set_world(max(world, 1))
 
-    def failed(self) -> None:
-        """A collective failed: discard the step, and free every peer waiting on this replica."""
+    def process_group(self) -> Any:
+        """The manager's process group, reached directly (None: go through ``manager.allreduce``)."""
+        group = getattr(self.manager, "_pg", None)
+        return group if callable(getattr(group, "allreduce", None)) else None
+
+    def failed(self, error: Optional[BaseException] = None) -> None:
+        """A collective failed: report it (should_commit() then votes False), discard the step, and
+        free every peer waiting on this replica."""
+        if error is not None and callable(getattr(self.manager, "report_error", None)):
+            self.manager.report_error(error)
         if self._failed:
             return
         self._failed = True
@@ -186,7 +209,7 @@ class FaultTolerance:
         taken its peer's state by then). Records the step and any change of membership."""
         self.start()
         if not self._sized:
-            self.before_send()  # a step without a collective still takes part in the quorum
+            self.enter_round()  # a step without a collective still takes part in the quorum
         error = self.manager.errored()
         ok = bool(self.manager.should_commit())
         self._started = False

@@ -254,7 +254,8 @@ class DistributedOptimizer(InnerOptimizerSurface):
         if fault_tolerance is not None:
             ft.check_arguments(fault_tolerance, shard_state=self.shard_state, compression=self.compressor,
                                bcast_period=self.bcast_period, process_group_size=self.world_size,
-                               reduce_op=reduce_op, local_sgd=local)
+                               reduce_op=reduce_op, local_sgd=local, streaming=streaming,
+                               local_warmup=int(local_warmup))
             self.check_every = 0  # the drift check's all-gather has no place in the manager's all-reduces
             self._drift = DriftCheck(0, self.drift_atol, self.drift_rtol, self.on_drift)
             self.fault_tolerance = ft.FaultTolerance(
@@ -286,6 +287,9 @@ class DistributedOptimizer(InnerOptimizerSurface):
         if self.fault_tolerance is not None:
             self.fault_tolerance.params = self._params
             self.fault_tolerance.attach(self._set_world)
+            if local:  # a quorum and a commit vote per sync, not per step (the mode asks for them)
+                self.fault_tolerance.per_step = False
+                self._mode.fault_tolerant(self.fault_tolerance.commit)
         self._track_new_params()
         self._mode.attach(self._context)
         self._ddp_watched = self.world_size > 1  # a model left in DDP shows at its first forward
@@ -375,7 +379,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
             engine.progress.phase = "inside step()"
         # GradScaler sets these on the object whose step it calls when _step_supports_amp_scaling.
         ctx.found_inf, ctx.grad_scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
-        if self.fault_tolerance is not None and not self._commit_or_discard(closure):
+        if self.fault_tolerance is not None and self.fault_tolerance.per_step and not self._commit_or_discard(closure):
             ctx.found_inf = ctx.grad_scale = None
             return None
         try:
@@ -474,7 +478,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
                 engine.finish_round()
         self.optimizer.zero_grad(set_to_none)
         engine.reset_round()
-        if self.fault_tolerance is not None:
+        if self.fault_tolerance is not None and self.fault_tolerance.per_step:
             self.fault_tolerance.start()  # the step's quorum overlaps the forward pass, as torchft's wrapper does
 
     def synchronize(self) -> None:
@@ -663,9 +667,11 @@ class DistributedOptimizer(InnerOptimizerSurface):
         taking part in each step (a healing replica sends zeros and no control flag)."""
         assert self.fault_tolerance is not None
         mean = self.reduce_op == "mean"
+        # Sums, scaled by 1/participants while copied into the packs (the scale is set per step, when
+        # the round opens and the quorum is known: _set_world), as without fault tolerance.
         engine = GradientEngine(
-            channel=self.fault_tolerance.channel(), scale=None,  # type: ignore[arg-type]
-            op=dist.ReduceOp.AVG if mean else dist.ReduceOp.SUM,
+            channel=self.fault_tolerance.channel(), scale=1.0 if mean else None,  # type: ignore[arg-type]
+            op=dist.ReduceOp.SUM,
             pack_threshold=DEFAULT_PACK_THRESHOLD if self.pack_threshold == "auto" else self.pack_threshold,
             compressor=None, sparse_as_dense=self.sparse_as_dense, backward_passes_per_step=backward_passes_per_step,
             root_rank=0, world_size=1, mean=mean, progress=None,
@@ -673,12 +679,15 @@ class DistributedOptimizer(InnerOptimizerSurface):
         engine.gather_sum_limit = 0  # small sums as broadcasts: the manager only all-reduces
         engine.forbid_rows()  # rows as gathers: likewise
         engine.round_failed = self.fault_tolerance.round_failed
+        engine.on_round_open = self.fault_tolerance.enter_round
         return engine
 
     def _set_world(self, world: int) -> None:
         """Fault tolerance: ``world`` replicas take part in this step (before its first collective)."""
         self.world_size = world
         self._engine.world_size = world
+        if self.reduce_op == "mean":
+            self._engine.scale = 1.0 / world
         self._context.world_size = world
 
     def _commit_or_discard(self, closure: Optional[Callable[[], Any]]) -> bool:

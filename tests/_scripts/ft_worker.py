@@ -33,13 +33,20 @@ def log(**fields):
 
 
 def digest(model, opt):
+    """Synchronous: the parameters and Adam's state. Local SGD (right after a sync): the parameters,
+    the anchors and the outer optimizer's state (the inner state is each replica's own)."""
     h = hashlib.sha256()
     for p in model.parameters():
         h.update(p.detach().numpy().tobytes())
-    for state in opt.optimizer.state.values():
-        for v in state.values():
-            if isinstance(v, torch.Tensor):
-                h.update(v.detach().numpy().tobytes())
+    if local:
+        mine = opt.state_dict()["distopt_local_sgd"]
+        tensors = list(mine["anchors"]) + ([v for st in mine["outer"]["state"].values() for v in st.values()]
+                                           if mine["outer"] else [])
+        tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+    else:
+        tensors = [v for state in opt.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    for v in tensors:
+        h.update(v.detach().numpy().tobytes())
     return h.hexdigest()[:16]
 
 
@@ -53,8 +60,14 @@ torch.manual_seed(spec.get("seed", 0) + 1000 * spec["replica"])  # different ini
 width = spec.get("width", 64)
 model = torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.Tanh(), torch.nn.Linear(width, width), torch.nn.Tanh(),
                             torch.nn.Linear(width, 1))
+local = spec.get("sync_every", 1) > 1  # local SGD (DiLoCo with "outer"): a quorum and a commit vote per sync
+extra = {}
+if local:
+    extra["sync_every"] = spec["sync_every"]
+    if spec.get("outer"):
+        extra["outer_optimizer"] = lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)
 opt = distopt.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=spec.get("lr", 1e-2)),
-                                   pack_threshold=spec.get("pack_threshold", 4096), fault_tolerance=manager)
+                                   pack_threshold=spec.get("pack_threshold", 4096), fault_tolerance=manager, **extra)
 kill = spec.get("kill")  # {"step": n, "where": "backward" | "between", "world": m} or {"where": "heal"}
 
 
@@ -96,8 +109,20 @@ if kill and kill["where"] == "backward":
         return grad
     list(model.parameters())[0].register_hook(die)  # the first layer's gradient comes last: packs are in flight
 
+if kill and kill["where"] == "exchange":  # local SGD: die inside a sync's exchange, after its first pack left
+    send = opt._engine._send
+
+    def send_then_die(*args, **kwargs):
+        send(*args, **kwargs)
+        if opt._engine.exchange_fill is not None and armed():
+            log(dying="exchange", step=manager.current_step())
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    opt._engine._send = send_then_die
+
 pace = spec.get("pace", 0.0)
 until_world, streak = spec.get("until_world"), 0
+last_committed = 0
 while True:
     if kill and kill["where"] == "between" and armed():
         log(dying="between", step=manager.current_step())
@@ -110,8 +135,11 @@ while True:
     opt.step()
     dt = time.time() - t0
     ft = opt.stats.fault_tolerance
+    synced = not local or ft["committed"] != last_committed  # local SGD: hashes compared right after a sync
+    last_committed = ft["committed"]
+    fields = dict(digest=digest(model, opt)) if synced else {}
     log(step=manager.current_step(), committed=ft["committed"], discarded=ft["discarded"], loss=loss.item(),
-        world=ft["world_size"], digest=digest(model, opt), t0=t0, dt=dt)
+        world=ft["world_size"], t0=t0, dt=dt, inner=opt._engine.steps, **fields)
     if pace:
         time.sleep(pace)
     streak = streak + 1 if ft["world_size"] == until_world else 0

@@ -37,7 +37,7 @@ class Job:
     def __init__(self, tmp: Path, **spec: Any) -> None:
         self.tmp = tmp
         self.lighthouse = LighthouseServer(bind="[::]:0", **LIGHTHOUSE)
-        self.spec = dict(lighthouse=self.lighthouse.address(), pace=0.05, **spec)
+        self.spec = dict(dict(lighthouse=self.lighthouse.address(), pace=0.05), **spec)
         self.procs: Dict[str, subprocess.Popen] = {}
 
     def start(self, name: str, replica: int, **extra: Any) -> None:
@@ -185,3 +185,35 @@ def test_a_stopped_replica_is_dropped_after_the_group_timeout_and_rejoins_after_
     with capsys.disabled():
         print(f"\n  fault tolerance: a replica stopped inside backward: the others' next commit {waited:.3f} s later "
               "(collective timeout 1 s)")
+
+
+@pytest.mark.timeout(60)
+def test_local_sgd_diloco_a_kill_inside_a_sync_and_a_replacement_that_heals(job: Any, capsys: Any) -> None:
+    """DiLoCo (sync_every=4, a Nesterov outer optimizer), 3 replicas: one SIGKILLs itself inside a
+    sync's exchange, with packs in flight. The survivors discard that sync alike and go on; at every
+    committed sync every replica holds the same parameters, anchors and outer momentum; the
+    replacement (started as an agent would) heals at its first sync (parameters, anchors, outer
+    optimizer, steps since the sync) and is bitwise equal there; every other process exits 0."""
+    j = job(steps=12, until_world=3, streak=6, sync_every=4, outer=True, pace=0.01)
+    j.start("r0", 0)
+    j.start("r1", 1, kill={"step": 4, "where": "exchange", "world": 3})
+    j.start("r2", 2)
+    j.wait_for(lambda: j.procs["r1"].poll() is not None, 40, "replica 1 to die in an exchange")
+    j.start("r1b", 1)
+    codes = j.finish(45)
+    assert codes == {"r0": 0, "r1": -9, "r2": 0, "r1b": 0}, j.tails()
+    hashes = j.check_identical()
+    assert len(hashes) >= 10, hashes
+    for name in ("r0", "r2"):
+        syncs = [e["step"] for e in j.steps(name)]
+        assert syncs == sorted(syncs) and len(set(syncs)) == len(syncs), (name, syncs)  # no restart, none twice
+        assert j.steps(name)[-1]["discarded"] >= 1, j.steps(name)[-1]  # the sync the kill broke
+    done = j.log("r1b")[-1]
+    assert done.get("done") and done["heals"] >= 1, done
+    first = j.steps("r1b")[0]
+    assert first["digest"] == hashes[first["step"]]  # bitwise equal at its first sync
+    losses = [e["loss"] for e in j.log("r0") if "loss" in e]
+    assert sum(losses[-8:]) / 8 < 0.5 * sum(losses[:8]) / 8, losses
+    with capsys.disabled():
+        print(f"\n  fault tolerance, DiLoCo: next committed sync {recovery(j, 'r1', 'r0'):.3f} s after a kill inside "
+              "an exchange")
