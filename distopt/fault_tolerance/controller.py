@@ -62,9 +62,11 @@ def check_arguments(manager: Any, *, shard_state: bool, compression: Any, bcast_
         )
     if compression is not None:
         raise ValueError(
-            "compression is not supported with fault_tolerance yet: torchft's Manager only all-reduces, and a "
-            "compressor's error-feedback residuals are each replica's own, so a replacement could not heal them from "
-            "a peer; use compression=None"
+            "compression is not supported with fault_tolerance yet. The quantisers (int8, int4) sum by an "
+            "all-to-all and an all-gather, which a torchft Manager's reconfigurable group does not carry through "
+            "its commit protocol; PowerSGD and the casts only all-reduce and could travel, but a heal would have "
+            "to carry the warm-started Q and the residuals taken before the round the healer already joined, "
+            "and that is not built or tested. Use compression=None"
         )
     if bcast_period > 0:
         raise ValueError(

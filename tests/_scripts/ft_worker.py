@@ -91,7 +91,7 @@ target = torch.randn(16, generator=torch.Generator().manual_seed(7))
 
 def batch(step):
     g = torch.Generator().manual_seed(10_000 * step + spec["replica"])
-    x = torch.randn(32, 16, generator=g)
+    x = torch.randn(spec.get("batch", 32), 16, generator=g)
     return x, torch.tanh(x @ target).unsqueeze(1)
 
 
@@ -137,7 +137,7 @@ while True:
     ft = opt.stats.fault_tolerance
     synced = not local or ft["committed"] != last_committed  # local SGD: hashes compared right after a sync
     last_committed = ft["committed"]
-    fields = dict(digest=digest(model, opt)) if synced else {}
+    fields = dict(digest=digest(model, opt)) if synced and spec.get("digest", True) else {}
     log(step=manager.current_step(), committed=ft["committed"], discarded=ft["discarded"], loss=loss.item(),
         world=ft["world_size"], t0=t0, dt=dt, inner=opt._engine.steps, **fields)
     if pace:

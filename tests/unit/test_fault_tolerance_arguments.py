@@ -46,11 +46,18 @@ def test_a_non_manager_is_refused_with_what_it_lacks() -> None:
     ({"shard_state": True}, "shard_state=True cannot be combined with fault_tolerance: each rank holds the only copy"),
     ({"compression": "fp16"}, "compression is not supported with fault_tolerance"),
     ({"bcast_period": 5}, "bcast_period > 0 cannot be combined"),
-    ({"sync_every": 4}, "local SGD and DiLoCo"),
+    ({"compression": "int8"}, "all-to-all and an all-gather"),
+    ({"sync_every": 4, "sync_fragments": 2}, "streaming local SGD .* is not supported with fault_tolerance"),
+    ({"sync_every": 4, "local_warmup": 2}, "local_warmup > 0 cannot be combined with fault_tolerance"),
 ])
 def test_settings_that_cannot_work_are_refused_with_the_reason(kwargs: Dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         distopt.DistributedOptimizer(_opt(), fault_tolerance=RecordingManager(), **kwargs)
+
+
+def test_local_sgd_is_accepted_and_votes_per_sync_not_per_step() -> None:
+    opt = distopt.DistributedOptimizer(_opt(), fault_tolerance=RecordingManager(), sync_every=4)
+    assert opt.fault_tolerance.per_step is False  # the quorum and the vote belong to each sync
 
 
 def test_join_check_drift_and_closures_are_refused() -> None:
