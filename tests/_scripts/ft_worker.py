@@ -65,7 +65,7 @@ extra = {}
 if local:
     extra["sync_every"] = spec["sync_every"]
     if spec.get("outer"):
-        extra["outer_optimizer"] = lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)
+        extra["outer_optimizer"] = lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.5, nesterov=True)
 opt = distopt.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=spec.get("lr", 1e-2)),
                                    pack_threshold=spec.get("pack_threshold", 4096), fault_tolerance=manager, **extra)
 kill = spec.get("kill")  # {"step": n, "where": "backward" | "between", "world": m} or {"where": "heal"}
