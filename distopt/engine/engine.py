@@ -183,6 +183,13 @@ class GradientEngine:
         self.local = False
         # While an exchange runs: writes what to send into a pack, instead of its gradients.
         self.exchange_fill: Optional[Callable[[Pack], None]] = None
+        # Fault tolerance (distopt.fault_tolerance): asked once a round's collectives are back; True when
+        # one failed because a replica went away. The step is then discarded: nothing is read back.
+        self.round_failed: Optional[Callable[[], bool]] = None
+        # Fault tolerance: called when a round that sends opens (the first hook of a reducing backward
+        # pass, or a round launched outside backward), before anything is scaled into a pack: the
+        # controller waits for the step's quorum there and sets world_size and scale.
+        self.on_round_open: Optional[Callable[[], None]] = None
         # Streaming local SGD: the parameters are cut into this many fragments (distopt.planning.fragments),
         # each kept in packs of its own; fragment_packs[f] lists fragment f's packs, in plan order.
         self.fragments = 1
@@ -301,6 +308,8 @@ class GradientEngine:
         """Begin counting a round launched outside backward (``phase`` says where, for the control flags)."""
         self.stats = StepStats()
         self._phase = phase
+        if self.on_round_open is not None:
+            self.on_round_open()
 
     def forbid_rows(self) -> None:
         """Never send a gradient as its rows (a mode that exchanges parameters).
@@ -368,6 +377,8 @@ class GradientEngine:
         if self._pass_reduces:
             self.state = RoundState.IN_FLIGHT
             self.stats = StepStats()
+            if self.on_round_open is not None:
+                self.on_round_open()
         if self.progress is not None:
             self.progress.phase = "in backward" if self._pass_reduces else "in backward (accumulating locally)"
         Variable._execution_engine.queue_callback(self._on_backward_end)
@@ -560,6 +571,9 @@ class GradientEngine:
         start = time.perf_counter()
         if not self._arrive(patience):
             return
+        if self.round_failed is not None and self.round_failed():
+            self._discard_failed_round()
+            return
         if patience is not None:
             self._slowest_wait = max(self._slowest_wait, time.perf_counter() - start)
         touched, self._touched = self._touched, False
@@ -605,6 +619,15 @@ class GradientEngine:
                     self.params[index].grad = pack.views[j] if present[j] else None
                 pack.absent.clear()
         return totals
+
+    def _discard_failed_round(self) -> None:
+        """Fault tolerance: a collective of this round failed; its values and flags are garbage and are
+        not read (the step is discarded on every replica that saw the failure, and a replica that did
+        not heals from one that did at the next quorum)."""
+        self.inflight = []
+        self._touched = False
+        self.state = RoundState.SETTLED
+        self._passes = self.backward_passes_per_step
 
     def _arrive(self, patience: Optional[float]) -> bool:
         """Wait for everything in flight and complete it: add up the gathered copies of small

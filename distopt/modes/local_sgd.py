@@ -103,6 +103,18 @@ class LocalSGDMode(Mode):
         self._seen = 0  # the wrapper's parameters looked at for anchors
         self._untracked: List[Tensor] = []  # parameters without an anchor, frozen when looked at
         self._extra_bytes = 0
+        # Fault tolerance (distopt.fault_tolerance): the commit vote of each sync, or None.
+        self._commit: Optional[Callable[[], bool]] = None
+        self._joined = False  # fault tolerance: this process has committed a sync
+
+    def fault_tolerant(self, commit: Callable[[], bool]) -> None:
+        """Sync under a torchft Manager: every sync is a quorum (the exchange opens it), ``commit()``
+        (``should_commit``) is voted between the exchange and applying its result, and a process's
+        first step ends with a sync (where a fresh job's replicas take the primary's state and a
+        replacement heals from a live peer: parameters, anchors, outer optimizer, steps since the
+        sync). A sync voted down moves nothing: the anchors and the outer optimizer stay, and the
+        parameters go back to the anchors, alike on every replica that discarded it."""
+        self._commit = commit
 
     # ------------------------------------------------------------------ the seam
 
@@ -145,7 +157,7 @@ class LocalSGDMode(Mode):
     def _after_local_step(self, ctx: ModeContext) -> None:
         """After a local step (the inner step taken or skipped): sync when the period is over."""
         self.since_sync += 1
-        if self.since_sync >= self.sync_every:
+        if self.since_sync >= self.sync_every or (self._commit is not None and not self._joined):
             self._sync(ctx)
 
     def leaving(self, ctx: ModeContext) -> Optional[Callable[[], None]]:
@@ -195,7 +207,7 @@ class LocalSGDMode(Mode):
         self.since_sync = 0
         if not self._needs_anchors(ctx):  # plain averaging over one rank changes nothing
             return
-        if ctx.world_size > 1:
+        if ctx.world_size > 1 or self._commit is not None:
             self._launch(ctx)
             self._finish(ctx)
             return
@@ -211,9 +223,9 @@ class LocalSGDMode(Mode):
 
     def _filler(self, ctx: ModeContext) -> Callable[[Pack], None]:
         """What an exchange writes into each pack: the pseudo-gradients ``anchor - param``, scaled."""
-        scale = ctx.engine.scale
 
         def fill(pack: Pack) -> None:
+            scale = ctx.engine.scale  # read as each pack launches: under fault tolerance it is set as the round opens
             for p, view in zip(pack.params, pack.views):
                 if p.grad is view:  # left by a synchronous round: .grad stays this rank's own gradient
                     p.grad = view.clone()
@@ -227,6 +239,11 @@ class LocalSGDMode(Mode):
         engine = ctx.engine
         with torch.no_grad():
             engine.finish_exchange()
+            if self._commit is not None and not self._commit():  # may heal: the items are taken after it
+                for p, anchor in self._pairs(ctx):
+                    p.copy_(anchor)
+                return
+            self._joined = self._joined or self._commit is not None
             self._apply([(p, self._anchor_of(p), view)
                          for pack in engine.packs for p, view in zip(pack.params, pack.views)])
 
@@ -447,7 +464,7 @@ class LocalSGDMode(Mode):
     # ------------------------------------------------------------------ anchors
 
     def _needs_anchors(self, ctx: ModeContext) -> bool:
-        return ctx.world_size > 1 or self._factory is not None
+        return ctx.world_size > 1 or self._factory is not None or self._commit is not None
 
     def _set_local(self, ctx: ModeContext, local: bool) -> None:
         self.reduces_in_backward = not local

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Dict, Optional
 
 __all__ = ["StepStats"]
 
@@ -44,6 +44,10 @@ class StepStats:
         drift_corrected: None, or, when the last check ran right before a ``bcast_period``
             re-broadcast, the largest parameter drift that re-broadcast overwrote (0.0: the
             ranks agreed already).
+        fault_tolerance: with ``fault_tolerance=``, this replica's view: ``world_size`` and ``rank``
+            (the replicas averaged in the last step, and this one's place), steps ``committed`` and
+            ``discarded``, ``heals``, ``last_failure`` and ``last_event`` (a
+            :class:`distopt.fault_tolerance.MembershipEvent`); None otherwise.
     """
 
     packs: int = 0
@@ -61,3 +65,4 @@ class StepStats:
     drift_name: str = ""
     drift_corrected: Optional[float] = None
     pack_threshold: int = 0
+    fault_tolerance: Optional[Dict[str, Any]] = None

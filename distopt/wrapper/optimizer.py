@@ -45,6 +45,7 @@ from torch.optim import Optimizer
 
 from .. import collectives
 from .. import compression as compression_module
+from .. import fault_tolerance as ft
 from ..compression import Compressor
 from ..collectives.groups import check_member
 from ..engine import GradientEngine, RoundState
@@ -168,6 +169,12 @@ class DistributedOptimizer(InnerOptimizerSurface):
         drift_rtol: see ``drift_atol`` (default: 0.0).
         on_drift: beyond the tolerance, ``"raise"`` :class:`distopt.DriftError` on every
             rank, or ``"warn"`` with :class:`distopt.DriftWarning` and train on (default: ``"raise"``).
+        fault_tolerance: a torchft ``Manager`` (e.g. from
+            :func:`distopt.fault_tolerance.manager.make_manager`): each process is one replica,
+            the packs are all-reduced across the replicas through the manager, a step whose
+            collectives fail when a replica dies is discarded, the survivors go on, and a
+            replacement heals from a live peer. ``opt.fault_tolerance`` then says who trains
+            (docs/fault-tolerance.md). None: a fixed world (default: None).
 
     Raises:
         TypeError: if ``optimizer`` is not a ``torch.optim.Optimizer``.
@@ -209,6 +216,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
         drift_atol: float = 0.0,
         drift_rtol: float = 0.0,
         on_drift: str = "raise",
+        fault_tolerance: Optional[Any] = None,
     ) -> None:
         if isinstance(optimizer, DistributedOptimizer):
             raise TypeError("optimizer is already a DistributedOptimizer; wrap the plain torch.optim optimizer once")
@@ -241,6 +249,19 @@ class DistributedOptimizer(InnerOptimizerSurface):
             check_member(process_group, "process_group")
         self.rank = collectives.get_rank(self.process_group)
         self.world_size = collectives.get_world_size(self.process_group)
+        # ---- fault tolerance (distopt.fault_tolerance): the replicas' world is the manager's, per step.
+        self.fault_tolerance: Optional[ft.FaultTolerance] = None
+        if fault_tolerance is not None:
+            ft.check_arguments(fault_tolerance, shard_state=self.shard_state, compression=self.compressor,
+                               bcast_period=self.bcast_period, process_group_size=self.world_size,
+                               reduce_op=reduce_op, local_sgd=local, streaming=streaming,
+                               local_warmup=int(local_warmup))
+            self.check_every = 0  # the drift check's all-gather has no place in the manager's all-reduces
+            self._drift = DriftCheck(0, self.drift_atol, self.drift_rtol, self.on_drift)
+            self.fault_tolerance = ft.FaultTolerance(
+                fault_tolerance, params=[], state_dict=self.state_dict, load_state_dict=self.load_state_dict,
+                get_steps=lambda: self._engine.steps, set_steps=lambda n: self._context.set_steps(n))
+        # ----
         if isinstance(root_rank, bool) or not isinstance(root_rank, int) or not 0 <= root_rank < self.world_size:
             raise ValueError(
                 f"root_rank must be a rank of the process group (0..{self.world_size - 1}), got {root_rank!r}"
@@ -263,6 +284,12 @@ class DistributedOptimizer(InnerOptimizerSurface):
             reduce_op=reduce_op, stall_warning=self.stall_warning, stall_timeout=self.stall_timeout,
             reduce_for_step=_weakly(self._reduce_for_step), synchronize=_weakly(self.synchronize),
         )
+        if self.fault_tolerance is not None:
+            self.fault_tolerance.params = self._params
+            self.fault_tolerance.attach(self._set_world)
+            if local:  # a quorum and a commit vote per sync, not per step (the mode asks for them)
+                self.fault_tolerance.per_step = False
+                self._mode.fault_tolerant(self.fault_tolerance.commit)
         self._track_new_params()
         self._mode.attach(self._context)
         self._ddp_watched = self.world_size > 1  # a model left in DDP shows at its first forward
@@ -289,6 +316,8 @@ class DistributedOptimizer(InnerOptimizerSurface):
         stats.extra_state_bytes = self._mode.extra_state_bytes(self._context)
         stats.pack_threshold = self._engine.pack_threshold
         self._drift.fill(stats)
+        if self.fault_tolerance is not None:
+            stats.fault_tolerance = self.fault_tolerance.stats()
         return stats
 
     @property
@@ -350,12 +379,17 @@ class DistributedOptimizer(InnerOptimizerSurface):
             engine.progress.phase = "inside step()"
         # GradScaler sets these on the object whose step it calls when _step_supports_amp_scaling.
         ctx.found_inf, ctx.grad_scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
+        if self.fault_tolerance is not None and self.fault_tolerance.per_step and not self._commit_or_discard(closure):
+            ctx.found_inf = ctx.grad_scale = None
+            return None
         try:
             loss = self._mode.step(ctx, closure)
         finally:
             ctx.found_inf = ctx.grad_scale = None
         engine.after_step()
         ctx.set_steps(engine.steps + 1)
+        if self.fault_tolerance is not None:
+            return loss
         # While a rank has joined it cannot take part in a broadcast or a drift check; the join block's
         # end settles the state.
         if engine.contributors == self.world_size:
@@ -388,6 +422,11 @@ class DistributedOptimizer(InnerOptimizerSurface):
                 after a rank has joined.
         """
         self._check_not_retired("check_drift()")
+        if self.fault_tolerance is not None:
+            raise RuntimeError(
+                "check_drift() is not available with fault_tolerance: it all-gathers fingerprints, and the torchft "
+                "Manager only all-reduces. Replicas cannot drift there: a replica that misses a step heals from a "
+                "live peer at the next quorum")
         engine, ctx = self._engine, self._context
         if engine.state in (RoundState.IN_FLIGHT, RoundState.FLUSHED):
             raise RuntimeError(
@@ -439,6 +478,8 @@ class DistributedOptimizer(InnerOptimizerSurface):
                 engine.finish_round()
         self.optimizer.zero_grad(set_to_none)
         engine.reset_round()
+        if self.fault_tolerance is not None and self.fault_tolerance.per_step:
+            self.fault_tolerance.start()  # the step's quorum overlaps the forward pass, as torchft's wrapper does
 
     def synchronize(self) -> None:
         """Finish averaging gradients now, e.g. before clipping or ``GradScaler.unscale_``.
@@ -449,12 +490,12 @@ class DistributedOptimizer(InnerOptimizerSurface):
         Calling it again, or calling ``step()`` after it, does not reduce a second time.
         """
         self._check_not_retired("synchronize()")
-        if self.world_size > 1 and self._mode.reduces_in_backward:  # local SGD keeps gradients local
+        if self._reduces and self._mode.reduces_in_backward:  # local SGD keeps gradients local
             self._engine.synchronize(explicit=True)
 
     def _reduce_for_step(self) -> None:
         """Reduce what backward did not, as ``step()`` must (the modes call this, through their context)."""
-        if self.world_size > 1:
+        if self._reduces:
             self._engine.synchronize(explicit=False)
 
     @contextlib.contextmanager
@@ -597,6 +638,8 @@ class DistributedOptimizer(InnerOptimizerSurface):
     def _build_engine(self, *, backward_passes_per_step: int) -> GradientEngine:
         """The gradient engine, over a private group of its own (none in a group of one)."""
         world_size, mean = self.world_size, self.reduce_op == "mean"
+        if self.fault_tolerance is not None:
+            return self._build_fault_tolerant_engine(backward_passes_per_step)
         # NCCL averages natively. Otherwise the mean's 1/world is applied while each gradient is
         # copied into its pack (no extra pass), and always before a 16-bit cast, which could overflow.
         native_avg = world_size > 1 and dist.get_backend(self.process_group) == "nccl"
@@ -611,6 +654,54 @@ class DistributedOptimizer(InnerOptimizerSurface):
             backward_passes_per_step=backward_passes_per_step, root_rank=self.root_rank, world_size=world_size,
             mean=mean, progress=progress,
         )
+
+    # ------------------------------------------------------------------ fault tolerance (distopt.fault_tolerance)
+
+    @property
+    def _reduces(self) -> bool:
+        """Whether gradients are reduced at all: a world of more than one, or replicas under fault tolerance."""
+        return self.world_size > 1 or self.fault_tolerance is not None
+
+    def _build_fault_tolerant_engine(self, backward_passes_per_step: int) -> GradientEngine:
+        """The engine over the torchft Manager: all-reduces only, averaged by the manager over the replicas
+        taking part in each step (a healing replica sends zeros and no control flag)."""
+        assert self.fault_tolerance is not None
+        mean = self.reduce_op == "mean"
+        # Sums, scaled by 1/participants while copied into the packs (the scale is set per step, when
+        # the round opens and the quorum is known: _set_world), as without fault tolerance.
+        engine = GradientEngine(
+            channel=self.fault_tolerance.channel(), scale=1.0 if mean else None,  # type: ignore[arg-type]
+            op=dist.ReduceOp.SUM,
+            pack_threshold=DEFAULT_PACK_THRESHOLD if self.pack_threshold == "auto" else self.pack_threshold,
+            compressor=None, sparse_as_dense=self.sparse_as_dense, backward_passes_per_step=backward_passes_per_step,
+            root_rank=0, world_size=1, mean=mean, progress=None,
+        )
+        engine.gather_sum_limit = 0  # small sums as broadcasts: the manager only all-reduces
+        engine.forbid_rows()  # rows as gathers: likewise
+        engine.round_failed = self.fault_tolerance.round_failed
+        engine.on_round_open = self.fault_tolerance.enter_round
+        return engine
+
+    def _set_world(self, world: int) -> None:
+        """Fault tolerance: ``world`` replicas take part in this step (before its first collective)."""
+        self.world_size = world
+        self._engine.world_size = world
+        if self.reduce_op == "mean":
+            self._engine.scale = 1.0 / world
+        self._context.world_size = world
+
+    def _commit_or_discard(self, closure: Optional[Callable[[], Any]]) -> bool:
+        """Fault tolerance: finish the round, then torchft's vote. False: the step is discarded."""
+        if closure is not None:
+            raise RuntimeError("step(closure) is not supported with fault_tolerance (torchft's optimizer wrapper "
+                               "refuses closures too): each closure call would need a quorum of its own")
+        assert self.fault_tolerance is not None
+        if self._mode.reduces_in_backward:
+            self._reduce_for_step()
+        if self.fault_tolerance.commit():
+            return True
+        self._engine.reset_round()
+        return False
 
     def _open_channel(self) -> Tuple[private_groups.PrivateGroup, Progress]:
         """Create the private group (the *channel*) and have the stall inspector watch it.
@@ -690,6 +781,13 @@ class DistributedOptimizer(InnerOptimizerSurface):
                 previous._retire()
         self._params.extend(new)
         engine = self._engine
+        if self.fault_tolerance is not None and new:
+            # No check across replicas and no broadcast: the replicas come and go, and torchft heals a
+            # replica that joins (at step 0 too: init_sync) with a live peer's parameters.
+            engine.track(new, names)
+            engine.planned = True  # the plan stays the registration order: no root to broadcast another
+            self._mode.on_track(self._context, new)
+            return
         if self.world_size == 1 or not new:
             engine.reset_round()
             return
@@ -854,6 +952,12 @@ def join(*optimizers: DistributedOptimizer, divide_by_world: bool = False) -> It
             "rounds without it and the others would wait for ever. Join every optimizer of the loop in one "
             "block: `with distopt.join(opt1, opt2):`"
         )
+    for opt in optimizers:
+        if opt.fault_tolerance is not None:
+            raise RuntimeError(
+                "join() is not available with fault_tolerance: a replica that runs out of data simply leaves (it "
+                "calls manager.shutdown() and exits) and the others go on without it from their next quorum; "
+                "uneven inputs need no shadow rounds there")
     previous = [opt._enter_join(divide_by_world) for opt in optimizers]
     _in_blocks.update(id(opt) for opt in optimizers)
     try:

@@ -1,0 +1,267 @@
+"""A fault-tolerant wrapper's quorum, commit and membership: :class:`FaultTolerance`.
+
+Per step, with torchft's ``Manager`` (used duck-typed: this module never imports torchft):
+
+1. ``start()``: ``manager.start_quorum()``, at ``zero_grad()`` (so that the quorum overlaps
+   the forward pass) or, at the latest, when backward launches its first pack.
+2. When the round opens (the first gradient hook of backward, or an exchange), the quorum is
+   waited for and the engine learns how many replicas take part this step: it scales the
+   gradients by 1/participants while copying them into the packs, as without fault
+   tolerance, and the packs' sums travel on the manager's process group (:mod:`.channel`).
+3. A collective that fails marks the step as failed: the engine then reads nothing back
+   (:attr:`distopt.engine.GradientEngine.round_failed`), and this replica *cuts* its
+   group's connections at once, so that every survivor still waiting on it fails too
+   instead of waiting out gloo's timeout (:mod:`.sockets`).
+4. ``commit()``: ``manager.should_commit()``; False discards the step (the inner optimizer
+   does not step). A replacement that heals loads a live peer's state inside it.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from torch import Tensor
+
+from . import healing
+from .channel import ManagedChannel
+from .membership import MembershipEvent, Record, diff
+
+__all__ = ["FaultTolerance", "check_arguments", "WorldCallback"]
+
+logger = logging.getLogger("distopt")
+
+#: Called with each :class:`MembershipEvent`, on the training thread, inside ``step()``.
+WorldCallback = Callable[[MembershipEvent], None]
+
+_keys = [0]
+
+
+def check_arguments(manager: Any, *, shard_state: bool, compression: Any, bcast_period: int,
+                    process_group_size: int, reduce_op: str, local_sgd: bool = False, streaming: bool = False,
+                    local_warmup: int = 0) -> None:
+    """Refuse what fault tolerance cannot do, with the reason.
+
+    Raises:
+        TypeError: ``manager`` is not a torchft ``Manager`` (duck-typed).
+        ValueError: a setting that cannot work when replicas come and go.
+    """
+    missing = [m for m in ("start_quorum", "allreduce", "should_commit", "num_participants",
+                           "register_state_dict_fn", "errored") if not callable(getattr(manager, m, None))]
+    if missing:
+        raise TypeError(
+            f"fault_tolerance= takes a torchft Manager (e.g. distopt.fault_tolerance.manager.make_manager()); "
+            f"{type(manager).__name__} lacks {', '.join(missing)}"
+        )
+    if shard_state:
+        raise ValueError(
+            "shard_state=True cannot be combined with fault_tolerance: each rank holds the only copy of its shard "
+            "of the optimizer state, so a replica that dies takes that shard with it and a replacement has no live "
+            "peer to heal it from. Use shard_state=False (every replica keeps the whole state, as torchft's own "
+            "replica groups do)"
+        )
+    if compression is not None:
+        raise ValueError(
+            "compression is not supported with fault_tolerance yet. The quantisers (int8, int4) sum by an "
+            "all-to-all and an all-gather, which a torchft Manager's reconfigurable group does not carry through "
+            "its commit protocol; PowerSGD and the casts only all-reduce and could travel, but a heal would have "
+            "to carry the warm-started Q and the residuals taken before the round the healer already joined, "
+            "and that is not built or tested. Use compression=None"
+        )
+    if bcast_period > 0:
+        raise ValueError(
+            "bcast_period > 0 cannot be combined with fault_tolerance: there is no fixed root while replicas come "
+            "and go, and healing already gives a replica that joins the live parameters; use bcast_period=0"
+        )
+    if process_group_size != 1:
+        raise ValueError(
+            f"with fault_tolerance each replica is one process: the gradients are averaged across replicas through "
+            f"the torchft Manager, but this process is in a group of {process_group_size}. Start one process per "
+            "replica (python -m distopt.fault_tolerance.launch --replicas N), or leave process_group unset in a "
+            "job without a default group of more than one"
+        )
+    if streaming:
+        raise ValueError(
+            "streaming local SGD (sync_fragments, sync_overlap, sync_mixing) is not supported with fault_tolerance: "
+            "its fragments' syncs travel across several steps, so a commit vote would have to discard (and a heal "
+            "to carry) exchanges still in flight. Use plain local SGD or DiLoCo (sync_every, outer_optimizer), "
+            "which fault tolerance supports: a quorum and a commit vote per sync"
+        )
+    if local_sgd and local_warmup:
+        raise ValueError(
+            "local_warmup > 0 cannot be combined with fault_tolerance: a replacement that joins while the others "
+            "train locally would send a warm-up step's gradients into their sync. Use local_warmup=0 (a replica's "
+            "first step ends with a sync, which gives every replica the same starting point)"
+        )
+    if reduce_op not in ("mean", "sum"):
+        raise ValueError(f"reduce_op must be 'mean' or 'sum', got {reduce_op!r}")
+
+
+class FaultTolerance:
+    """One wrapper's side of torchft: quorum per step, commit vote, healing and membership.
+
+    It is ``opt.fault_tolerance``. Read :attr:`world_size` and :attr:`rank` (this replica's
+    place among the replicas averaged this step) to shard data, or pass ``on_world_change``.
+
+    Args:
+        manager: a torchft ``Manager`` (duck-typed).
+        params: the wrapper's tracked parameters (its own list).
+        state_dict: the wrapper's ``state_dict`` (what a replacement receives).
+        load_state_dict: the wrapper's ``load_state_dict``.
+        get_steps: the committed step count.
+        set_steps: sets it (a replica that heals takes its peer's).
+        on_world_change: called with each :class:`MembershipEvent` (inside ``step()``), or None.
+    """
+
+    def __init__(self, manager: Any, *, params: List[Tensor], state_dict: Callable[[], Dict[str, Any]],
+                 load_state_dict: Callable[[Dict[str, Any]], None], get_steps: Callable[[], int],
+                 set_steps: Callable[[int], None], on_world_change: Optional[WorldCallback] = None) -> None:
+        self.manager = manager
+        self.params = params
+        self.on_world_change = on_world_change
+        self.record = Record()
+        self._state_dict = state_dict
+        self._load_state_dict = load_state_dict
+        self._get_steps = get_steps
+        self._set_steps = set_steps
+        self._set_world: Callable[[int], None] = lambda world: None
+        self._started = False
+        self._sized = False  # the engine knows this step's world size
+        self._failed = False
+        self._healed = False
+        self.participating = True
+        # A quorum and a commit vote every step (synchronous training); False in local SGD, where the
+        # mode asks for both at each sync.
+        self.per_step = True
+        self._quorum: Optional[Tuple[Any, ...]] = None
+        self._members: Tuple[int, ...] = ()
+        self.world_size = 0
+        self._rank: Optional[int] = None
+        _keys[0] += 1
+        self.key = f"distopt_{_keys[0]}"
+        manager.register_state_dict_fn(self.key, self._load, self._save)
+
+    # ------------------------------------------------------------------ wiring
+
+    def channel(self) -> ManagedChannel:
+        """The engine's channel: packs go through the manager."""
+        return ManagedChannel(self)
+
+    def attach(self, set_world: Callable[[int], None]) -> None:
+        """``set_world(n)`` is called before the first collective of each step with the number of
+        replicas taking part (the wrapper passes it on to its engine and mode)."""
+        self._set_world = set_world
+
+    @property
+    def rank(self) -> int:
+        """This replica's rank among the replicas averaged this step (0 while it heals)."""
+        return self._rank or 0
+
+    @property
+    def events(self) -> List[MembershipEvent]:
+        """Every membership change seen so far, oldest first."""
+        return self.record.events
+
+    # ------------------------------------------------------------------ the step
+
+    def start(self) -> None:
+        """Start this step's quorum, once (torchft: before the forward pass, for overlap)."""
+        if not self._started:
+            self._started = True
+            self._sized = self._failed = False
+            self.manager.start_quorum()
+
+    def enter_round(self) -> None:
+        """Before the step's first collective (the engine opens its round): the quorum, the number
+        of replicas averaged, and whether this replica takes part (False while it heals)."""
+        self.start()
+        if not self._sized:
+            self._sized = True
+            manager = self.manager
+            world = int(manager.num_participants())  # waits for the quorum
+            self.world_size = world
+            self._rank = manager.participating_rank()
+            self.participating = bool(manager.is_participating())
+            self._set_world(max(world, 1))
+
+    def process_group(self) -> Any:
+        """The manager's process group, reached directly (None: go through ``manager.allreduce``)."""
+        group = getattr(self.manager, "_pg", None)
+        return group if callable(getattr(group, "allreduce", None)) else None
+
+    def failed(self, error: Optional[BaseException] = None) -> None:
+        """A collective failed: report it (should_commit() then votes False), discard the step, and
+        free every peer waiting on this replica."""
+        if error is not None and callable(getattr(self.manager, "report_error", None)):
+            self.manager.report_error(error)
+        if self._failed:
+            return
+        self._failed = True
+        group = getattr(self.manager, "_pg", None)
+        cut = getattr(group, "cut", None)
+        if callable(cut):
+            cut()
+
+    def round_failed(self) -> bool:
+        """Whether this step's collectives failed (the engine reads nothing back then)."""
+        return self._failed or self.manager.errored() is not None
+
+    def commit(self) -> bool:
+        """``manager.should_commit()``: True if the inner optimizer may step (a healing replica has
+        taken its peer's state by then). Records the step and any change of membership."""
+        self.start()
+        if not self._sized:
+            self.enter_round()  # a step without a collective still takes part in the quorum
+        error = self.manager.errored()
+        ok = bool(self.manager.should_commit())
+        self._started = False
+        if ok:
+            self.record.committed += 1
+        else:
+            self.record.discarded += 1
+            self.record.last_failure = str(error).splitlines()[0] if error is not None else (
+                "too few replicas for min_replica_size, or a peer of this replica group failed")
+            logger.warning("distopt: step %d discarded on this replica (%s)", self._get_steps() + 1,
+                           self.record.last_failure)
+        self._observe()
+        return ok
+
+    def _observe(self) -> None:
+        """Record a change of quorum (from the process group's report, else the world size and rank)."""
+        members_report = getattr(getattr(self.manager, "_pg", None), "members", None)
+        if members_report is not None:
+            quorum_id, _, _, members = members_report
+            quorum: Tuple[Any, ...] = (quorum_id,)
+        else:
+            quorum_id, members = -1, ()
+            quorum = (self.world_size, self._rank)
+        if quorum == self._quorum and not self._healed:
+            return
+        left, joined = diff(self._members, tuple(members)) if self._quorum is not None else ((), ())
+        event = MembershipEvent(step=self._get_steps(), time=time.time(), quorum_id=int(quorum_id),
+                                world_size=self.world_size, rank=self._rank, members=tuple(members),
+                                left=left, joined=joined, healed=self._healed)
+        self._quorum, self._members, self._healed = quorum, tuple(members), False
+        self.record.events.append(event)
+        logger.info("distopt: %s", event.describe())
+        if self.on_world_change is not None:
+            self.on_world_change(event)
+
+    # ------------------------------------------------------------------ healing
+
+    def _save(self) -> Dict[str, Any]:
+        return healing.snapshot(self.params, self._state_dict, self._get_steps())
+
+    def _load(self, state: Dict[str, Any]) -> None:
+        healing.restore(state, self.params, self._load_state_dict, self._set_steps)
+        self._healed = True
+        self.record.heals += 1
+
+    def stats(self) -> Dict[str, Any]:
+        """What ``opt.stats.fault_tolerance`` shows."""
+        last = self.record.events[-1] if self.record.events else None
+        return {
+            "world_size": self.world_size, "rank": self._rank, "committed": self.record.committed,
+            "discarded": self.record.discarded, "heals": self.record.heals,
+            "last_failure": self.record.last_failure, "last_event": last,
+        }

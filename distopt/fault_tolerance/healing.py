@@ -1,0 +1,62 @@
+"""The state a replacement receives from a live peer, and how it takes it.
+
+torchft sends it (``register_state_dict_fn``, the HTTP checkpoint transport) to a
+replica that joins behind the others, and loads it inside ``should_commit()``, right
+before the step: so the replica then steps on the same averaged gradients from the same
+state as everyone, and is bitwise identical after its first step.
+
+The state is the wrapper's whole: the parameters it tracks, ``opt.state_dict()`` (the
+inner optimizer's state; in local SGD the anchors, the steps since the last sync and the
+outer optimizer; a compressor's state), and the step count.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List
+
+import torch
+from torch import Tensor
+
+__all__ = ["snapshot", "restore"]
+
+
+def snapshot(params: List[Tensor], state_dict: Callable[[], Dict[str, Any]], steps: int) -> Dict[str, Any]:
+    """What a live replica sends: copies, so that training may go on while it travels."""
+    with torch.no_grad():
+        return {
+            "params": [p.detach().clone() for p in params],
+            "optimizer": _cloned(state_dict()),
+            "steps": steps,
+        }
+
+
+def restore(state: Dict[str, Any], params: List[Tensor], load_state_dict: Callable[[Dict[str, Any]], None],
+            set_steps: Callable[[int], None]) -> None:
+    """Take a peer's :func:`snapshot`.
+
+    Raises:
+        ValueError: the peer's model differs from this one (number or shapes of parameters).
+    """
+    received: List[Tensor] = state["params"]
+    if len(received) != len(params) or any(r.shape != p.shape for r, p in zip(received, params)):
+        raise ValueError(
+            "the state received from a live peer does not fit this model: it has parameters of shapes "
+            f"{[tuple(r.shape) for r in received]}, this replica {[tuple(p.shape) for p in params]}; every "
+            "replica must build the same model"
+        )
+    with torch.no_grad():
+        for p, r in zip(params, received):
+            p.copy_(r)
+    load_state_dict(state["optimizer"])
+    set_steps(int(state["steps"]))
+
+
+def _cloned(value: Any) -> Any:
+    if isinstance(value, Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _cloned(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_cloned(v) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_cloned(v) for v in value)
+    return value

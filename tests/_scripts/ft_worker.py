@@ -1,0 +1,155 @@
+"""One replica of a fault-tolerant job for tests/fault_tolerance and bench/fault_tolerance.py.
+
+Usage: python ft_worker.py '<json spec>'. It hosts its replica group's TCPStore, builds a
+torchft Manager (distopt.fault_tolerance.manager.make_manager) and trains a small MLP with
+DistributedOptimizer(fault_tolerance=manager) until the committed step count reaches
+``steps``. Every step appends one JSON line to ``out``: the step count, whether it committed,
+the loss, the world size, and a hash of the parameters and optimizer state. A ``kill`` entry
+makes the process SIGKILL itself at a step, inside backward (after its first pack was sent)
+or between steps, once ``world`` replicas (default 1) train together: replicas start at
+different times on a loaded host, and a kill meant to land in a step of three must not
+land in a step that a late starter has not joined yet.
+"""
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import distopt
+from distopt.fault_tolerance.manager import make_manager
+
+spec = json.loads(sys.argv[1])
+out = open(spec["out"], "a", buffering=1)
+
+
+def log(**fields):
+    fields.setdefault("t", time.time())
+    out.write(json.dumps(fields) + "\n")
+
+
+def digest(model, opt):
+    """Synchronous: the parameters and Adam's state. Local SGD (right after a sync): the parameters,
+    the anchors and the outer optimizer's state (the inner state is each replica's own)."""
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().numpy().tobytes())
+    if local:
+        mine = opt.state_dict()["distopt_local_sgd"]
+        tensors = list(mine["anchors"]) + ([v for st in mine["outer"]["state"].values() for v in st.values()]
+                                           if mine["outer"] else [])
+        tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
+    else:
+        tensors = [v for state in opt.optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    for v in tensors:
+        h.update(v.detach().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+manager = make_manager(
+    replica_id=f"replica_{spec['replica']}", lighthouse=spec["lighthouse"], store_addr="127.0.0.1",
+    store_port=store.port, hostname="127.0.0.1", timeout=spec.get("timeout", 3.0), rank=0, world_size=1,
+    quorum_timeout=spec.get("quorum_timeout", 30.0),
+)
+torch.manual_seed(spec.get("seed", 0) + 1000 * spec["replica"])  # different inits: init_sync heals them
+width = spec.get("width", 64)
+model = torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.Tanh(), torch.nn.Linear(width, width), torch.nn.Tanh(),
+                            torch.nn.Linear(width, 1))
+local = spec.get("sync_every", 1) > 1  # local SGD (DiLoCo with "outer"): a quorum and a commit vote per sync
+extra = {}
+if local:
+    extra["sync_every"] = spec["sync_every"]
+    if spec.get("outer"):
+        extra["outer_optimizer"] = lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.5, nesterov=True)
+opt = distopt.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=spec.get("lr", 1e-2)),
+                                   pack_threshold=spec.get("pack_threshold", 4096), fault_tolerance=manager, **extra)
+kill = spec.get("kill")  # {"step": n, "where": "backward" | "between", "world": m} or {"where": "heal"}
+
+
+def armed():
+    """The kill's step is reached, with at least ``world`` replicas averaged in this (or the last) step."""
+    return (manager.current_step() + 1 >= kill["step"]
+            and (opt.fault_tolerance.world_size or 0) >= kill.get("world", 1))
+
+if kill and kill["where"] == "heal":  # die inside the heal: the live peer's state has arrived, half loaded
+    def heal_then_die(state):
+        log(dying="heal", step=manager.current_step())
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    opt.optimizer.load_state_dict = heal_then_die
+events = []
+opt.fault_tolerance.on_world_change = lambda e: (events.append(e), log(event=e.describe(), world=e.world_size,
+                                                                          left=list(e.left), joined=list(e.joined),
+                                                                          healed=e.healed, step=e.step))
+target = torch.randn(16, generator=torch.Generator().manual_seed(7))
+
+
+def batch(step):
+    g = torch.Generator().manual_seed(10_000 * step + spec["replica"])
+    x = torch.randn(spec.get("batch", 32), 16, generator=g)
+    return x, torch.tanh(x @ target).unsqueeze(1)
+
+
+if kill and kill["where"] == "backward":
+    def die(grad):
+        if armed() and opt.stats.packs >= 1:
+            if kill.get("signal") == "SIGSTOP":  # silent, not dead: stopped until the harness sends SIGCONT
+                if not kill.get("done"):
+                    kill["done"] = True
+                    log(dying="stopped in backward", step=manager.current_step())
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                return grad
+            log(dying="backward", step=manager.current_step())
+            os.kill(os.getpid(), signal.SIGKILL)
+        return grad
+    list(model.parameters())[0].register_hook(die)  # the first layer's gradient comes last: packs are in flight
+
+if kill and kill["where"] == "exchange":  # local SGD: die inside a sync's exchange, after its first pack left
+    send = opt._engine._send
+
+    def send_then_die(*args, **kwargs):
+        send(*args, **kwargs)
+        if opt._engine.exchange_fill is not None and armed():
+            log(dying="exchange", step=manager.current_step())
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    opt._engine._send = send_then_die
+
+pace = spec.get("pace", 0.0)
+until_world, streak = spec.get("until_world"), 0
+last_committed = 0
+while True:
+    if kill and kill["where"] == "between" and armed():
+        log(dying="between", step=manager.current_step())
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.time()
+    opt.zero_grad()
+    x, y = batch(manager.current_step())
+    loss = torch.nn.functional.mse_loss(model(x), y)
+    loss.backward()
+    opt.step()
+    dt = time.time() - t0
+    ft = opt.stats.fault_tolerance
+    synced = not local or ft["committed"] != last_committed  # local SGD: hashes compared right after a sync
+    last_committed = ft["committed"]
+    fields = dict(digest=digest(model, opt)) if synced and spec.get("digest", True) else {}
+    log(step=manager.current_step(), committed=ft["committed"], discarded=ft["discarded"], loss=loss.item(),
+        world=ft["world_size"], t0=t0, dt=dt, inner=opt._engine.steps, **fields)
+    if pace:
+        time.sleep(pace)
+    streak = streak + 1 if ft["world_size"] == until_world else 0
+    if manager.current_step() >= spec["steps"] and (until_world is None or streak >= spec.get("streak", 3)):
+        break
+    if manager.current_step() >= spec.get("max_steps", 10 * spec["steps"]):
+        log(gave_up=True)
+        break
+
+record = opt.fault_tolerance.record
+log(done=True, step=manager.current_step(), committed=record.committed, discarded=record.discarded, heals=record.heals)
+manager.shutdown(wait=True)
+out.close()

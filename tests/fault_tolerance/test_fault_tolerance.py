@@ -1,0 +1,225 @@
+"""Fault tolerance on torchft with real processes, real gloo and a real lighthouse (no mocks).
+
+Each test starts a torchft lighthouse in this process and replicas as processes of
+``tests/_scripts/ft_worker.py`` (one replica each: its own TCPStore, a torchft Manager from
+``distopt.fault_tolerance.manager.make_manager``, ``DistributedOptimizer(fault_tolerance=manager)``),
+kills or stops some, starts replacements as an agent would, and reads the replicas' step logs:
+every step's parameters-and-Adam-state hash must be the same on every replica that took it.
+Skipped, with the reason, where torchft is not installed (``pip install -e ".[ft]"``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+
+os.environ.setdefault("RUST_LOG", "warn")  # the lighthouse below runs in this process: no INFO line per quorum
+torchft = pytest.importorskip("torchft", reason="torchft is not installed: pip install -e '.[ft]' (torchft==0.2.0)")
+from torchft._torchft import LighthouseServer  # noqa: E402
+
+psutil = pytest.importorskip("psutil")
+
+WORKER = Path(__file__).resolve().parents[1] / "_scripts" / "ft_worker.py"
+ROOT = Path(__file__).resolve().parents[2]
+# Short lighthouse timeouts: a dead replica is dropped 0.3 s after its last heartbeat (it beats every 0.05 s).
+LIGHTHOUSE = dict(min_replicas=1, join_timeout_ms=200, quorum_tick_ms=10, heartbeat_timeout_ms=300)
+
+
+class Job:
+    """A lighthouse and the replicas started so far, with their logs."""
+
+    def __init__(self, tmp: Path, lighthouse: Any = None, **spec: Any) -> None:
+        self.tmp = tmp
+        self.lighthouse = LighthouseServer(bind="[::]:0", **dict(LIGHTHOUSE, **(lighthouse or {})))
+        self.spec = dict(dict(lighthouse=self.lighthouse.address(), pace=0.05), **spec)
+        self.procs: Dict[str, subprocess.Popen] = {}
+
+    def start(self, name: str, replica: int, **extra: Any) -> None:
+        spec = dict(self.spec, replica=replica, out=str(self.tmp / f"{name}.jsonl"), **extra)
+        env = dict(os.environ, RUST_LOG="warn", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+        self.procs[name] = subprocess.Popen([sys.executable, str(WORKER), json.dumps(spec)], env=env,
+                                            stdout=subprocess.DEVNULL, stderr=open(self.tmp / f"{name}.err", "w"))
+
+    def log(self, name: str) -> List[Dict[str, Any]]:
+        path = self.tmp / f"{name}.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+
+    def steps(self, name: str) -> List[Dict[str, Any]]:
+        return [entry for entry in self.log(name) if "digest" in entry]
+
+    def wait_for(self, predicate: Any, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"timed out waiting for {what}; {self.tails()}")
+            time.sleep(0.02)
+
+    def finish(self, timeout: float) -> Dict[str, int]:
+        codes = {}
+        deadline = time.monotonic() + timeout
+        for name, proc in self.procs.items():
+            try:
+                codes[name] = proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                codes[name] = None
+        return codes
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.kill()
+                proc.wait()
+        self.lighthouse.shutdown()
+
+    def tails(self) -> str:
+        return "; ".join(f"{n}: rc={p.poll()} last={self.log(n)[-1:]} err={(self.tmp / f'{n}.err').read_text()[-600:]!r}"
+                         for n, p in self.procs.items())
+
+    def check_identical(self) -> Dict[int, str]:
+        """Every step's hash is the same on every replica that took it; returns step -> hash."""
+        seen: Dict[int, Dict[str, List[str]]] = {}
+        for name in self.procs:
+            for entry in self.steps(name):
+                seen.setdefault(entry["step"], {}).setdefault(entry["digest"], []).append(name)
+        differing = {step: hashes for step, hashes in seen.items() if len(hashes) > 1}
+        assert not differing, f"replicas differ at steps {differing}"
+        return {step: next(iter(hashes)) for step, hashes in seen.items()}
+
+
+def recovery(job: Job, dead: str, survivor: str) -> float:
+    """Seconds from ``dead``'s death to ``survivor``'s next committed step."""
+    death = next(entry for entry in job.log(dead) if "dying" in entry)
+    after = next(entry for entry in job.steps(survivor) if entry["t"] > death["t"] and entry["step"] > death["step"])
+    return after["t"] - death["t"]
+
+
+@pytest.fixture
+def job(tmp_path: Path):
+    made: List[Job] = []
+
+    def make(**spec: Any) -> Job:
+        made.append(Job(tmp_path, **spec))
+        return made[-1]
+
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    yield make
+    for j in made:
+        j.close()
+    left = [p for p in psutil.Process().children(recursive=True) if p.pid not in before]
+    assert left == [], f"processes left behind: {left}"
+
+
+@pytest.mark.timeout(60)
+def test_deaths_of_the_root_and_another_replica_then_replacements_that_heal(job: Any, capsys: Any) -> None:
+    """SIGKILL inside backward (the root replica, 0), then a second death between steps (1), then a
+    replacement dies during its heal: the survivor goes on without restart, every replica holds the
+    same parameters and Adam state at every step, the replacements heal and are bitwise equal from
+    their first step, the loss falls, and every process that was not killed exits 0."""
+    j = job(steps=30, until_world=3, streak=3)
+    j.start("r0", 0, kill={"step": 8, "where": "backward", "world": 3})  # all three in the step it breaks
+    j.start("r1", 1, kill={"step": 14, "where": "between", "world": 2})
+    j.start("r2", 2)
+    j.wait_for(lambda: j.procs["r0"].poll() is not None, 30, "replica 0 to die")
+    j.start("r0b", 0, kill={"where": "heal"})  # a replacement that dies during its heal
+    j.wait_for(lambda: j.procs["r1"].poll() is not None, 30, "replica 1 to die")
+    j.start("r1b", 1)
+    j.wait_for(lambda: j.procs["r0b"].poll() is not None, 30, "the replacement of replica 0 to die in its heal")
+    j.start("r0c", 0)
+    codes = j.finish(45)
+    assert codes == {"r0": -9, "r1": -9, "r2": 0, "r0b": -9, "r1b": 0, "r0c": 0}, j.tails()
+    hashes = j.check_identical()
+
+    survivor = j.steps("r2")
+    steps = [e["step"] for e in survivor]  # it may have joined late and healed at its first step
+    assert steps == sorted(steps), "the survivor restarted or went back"
+    assert sorted(set(steps)) == list(range(steps[0], steps[-1] + 1)), "a committed step is missing"
+    assert 1 <= survivor[-1]["discarded"] <= 3, survivor[-1]  # the step the kill inside backward broke
+    losses = [e["loss"] for e in survivor]
+    assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5, losses
+    assert [e for e in j.log("r0b") if e.get("dying") == "heal"], "replica 0's replacement did not die in a heal"
+    for name in ("r1b", "r0c"):
+        done = j.log(name)[-1]
+        assert done.get("done") and done["heals"] >= 1, (name, done)
+        first = j.steps(name)[0]
+        assert first["digest"] == hashes[first["step"]]  # bitwise equal after its first step
+    assert j.log("r0c")[-1]["step"] == survivor[-1]["step"]
+    world = [e["world"] for e in survivor]
+    assert 1 in world and world[-1] == 3, world  # down to one replica, back to three
+    left = [e for e in j.log("r2") if "event" in e and e["left"]]
+    assert {0, 1} <= {r for e in left for r in e["left"]}, left
+    with capsys.disabled():
+        print(f"\n  fault tolerance: next commit {recovery(j, 'r0', 'r2'):.3f} s after a kill inside backward, "
+              f"{recovery(j, 'r1', 'r2'):.3f} s after a kill between steps")
+
+
+@pytest.mark.timeout(60)
+def test_a_stopped_replica_is_dropped_after_the_group_timeout_and_rejoins_after_sigcont(job: Any, capsys: Any) -> None:
+    """One of 3 replicas stops itself (SIGSTOP) inside backward, with packs in flight: the other two
+    go on once the collective timeout (1 s) has passed; after SIGCONT the stopped one finds its step
+    failed, rejoins, heals, and all three end identical."""
+    j = job(steps=20, until_world=3, streak=3, timeout=1.0)
+    j.start("r0", 0)
+    j.start("r1", 1, kill={"step": 8, "where": "backward", "signal": "SIGSTOP", "world": 3})
+    j.start("r2", 2)
+    j.wait_for(lambda: any("dying" in e for e in j.log("r1")), 30, "replica 1 to stop")
+    stopped = next(e for e in j.log("r1") if "dying" in e)
+    j.wait_for(lambda: sum(1 for e in j.steps("r0") if e["t"] > stopped["t"]) >= 5, 20,
+               "the others to go on without the stopped replica")
+    j.procs["r1"].send_signal(signal.SIGCONT)
+    codes = j.finish(40)
+    assert codes == {"r0": 0, "r1": 0, "r2": 0}, j.tails()
+    j.check_identical()
+    assert j.log("r1")[-1]["heals"] >= 1, j.log("r1")[-1]
+    waited = recovery(j, "r1", "r0")
+    assert 1.0 <= waited <= 4.0, waited  # the collective timeout, then a new quorum
+    assert j.steps("r0")[-1]["discarded"] >= 1
+    with capsys.disabled():
+        print(f"\n  fault tolerance: a replica stopped inside backward: the others' next commit {waited:.3f} s later "
+              "(collective timeout 1 s)")
+
+
+@pytest.mark.timeout(60)
+def test_local_sgd_diloco_a_kill_inside_a_sync_and_a_replacement_that_heals(job: Any, capsys: Any) -> None:
+    """DiLoCo (sync_every=4, a Nesterov outer optimizer), 3 replicas: one SIGKILLs itself inside a
+    sync's exchange, with packs in flight. The survivors discard that sync alike and go on; at every
+    committed sync every replica holds the same parameters, anchors and outer momentum; the
+    replacement (started as an agent would) heals at its first sync (parameters, anchors, outer
+    optimizer, steps since the sync) and is bitwise equal there; every other process exits 0."""
+    # A quorum waits up to 1 s for a straggler that still beats (200 ms elsewhere): between syncs nothing
+    # keeps the replicas in step, and on a loaded 2-core host a replica that reached its sync 200 ms late
+    # was left out and healed at nearly every sync (churn, not failure). A dead replica stops beating and
+    # is dropped after the 300 ms heartbeat timeout all the same.
+    j = job(steps=12, until_world=3, streak=6, sync_every=4, outer=True, pace=0.01,
+            lighthouse={"join_timeout_ms": 1000})
+    j.start("r0", 0)
+    j.start("r1", 1, kill={"step": 4, "where": "exchange", "world": 3})
+    j.start("r2", 2)
+    j.wait_for(lambda: j.procs["r1"].poll() is not None, 40, "replica 1 to die in an exchange")
+    j.start("r1b", 1)
+    codes = j.finish(45)
+    assert codes == {"r0": 0, "r1": -9, "r2": 0, "r1b": 0}, j.tails()
+    hashes = j.check_identical()
+    assert len(hashes) >= 10, hashes
+    for name in ("r0", "r2"):
+        syncs = [e["step"] for e in j.steps(name)]
+        assert syncs == sorted(syncs) and len(set(syncs)) == len(syncs), (name, syncs)  # no restart, none twice
+        assert j.steps(name)[-1]["discarded"] >= 1, j.steps(name)[-1]  # the sync the kill broke
+    done = j.log("r1b")[-1]
+    assert done.get("done") and done["heals"] >= 1, done
+    first = j.steps("r1b")[0]
+    assert first["digest"] == hashes[first["step"]]  # bitwise equal at its first sync
+    losses = [e["loss"] for e in j.log("r0") if "loss" in e]
+    assert sum(losses[-8:]) / 8 < sum(losses[:4]) / 4, losses  # below the first sync period's
+    with capsys.disabled():
+        print(f"\n  fault tolerance, DiLoCo: next committed sync {recovery(j, 'r1', 'r0'):.3f} s after a kill inside "
+              "an exchange")

@@ -1,0 +1,97 @@
+"""What fault_tolerance= refuses, and why, without torchft and without processes.
+
+The manager here is a stand-in that records calls: these tests check the wrapper's
+argument checks and refusals only; the behaviour with torchft, real processes and
+real gloo is in tests/fault_tolerance/.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List
+
+import pytest
+import torch
+
+import distopt
+from distopt.fault_tolerance import MembershipEvent
+from distopt.fault_tolerance.membership import diff
+from distopt.fault_tolerance.sockets import connections_since, open_sockets
+
+
+class RecordingManager:
+    """Has torchft Manager's methods that the wrapper needs; records state-dict registrations."""
+
+    def __init__(self) -> None:
+        self.registered: Dict[str, Any] = {}
+
+    def start_quorum(self) -> None: ...
+    def allreduce(self, tensor: torch.Tensor, reduce_op: Any = None) -> Any: ...
+    def should_commit(self) -> bool: return True
+    def num_participants(self) -> int: return 1
+    def errored(self) -> Any: return None
+
+    def register_state_dict_fn(self, key: str, load: Callable[[Any], None], save: Callable[[], Any]) -> None:
+        self.registered[key] = (load, save)
+
+
+def _opt() -> torch.optim.Optimizer:
+    return torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+
+
+def test_a_non_manager_is_refused_with_what_it_lacks() -> None:
+    with pytest.raises(TypeError, match="lacks start_quorum"):
+        distopt.DistributedOptimizer(_opt(), fault_tolerance=object())
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"shard_state": True}, "shard_state=True cannot be combined with fault_tolerance: each rank holds the only copy"),
+    ({"compression": "fp16"}, "compression is not supported with fault_tolerance"),
+    ({"bcast_period": 5}, "bcast_period > 0 cannot be combined"),
+    ({"compression": "int8"}, "all-to-all and an all-gather"),
+    ({"sync_every": 4, "sync_fragments": 2}, "streaming local SGD .* is not supported with fault_tolerance"),
+    ({"sync_every": 4, "local_warmup": 2}, "local_warmup > 0 cannot be combined with fault_tolerance"),
+])
+def test_settings_that_cannot_work_are_refused_with_the_reason(kwargs: Dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        distopt.DistributedOptimizer(_opt(), fault_tolerance=RecordingManager(), **kwargs)
+
+
+def test_local_sgd_is_accepted_and_votes_per_sync_not_per_step() -> None:
+    opt = distopt.DistributedOptimizer(_opt(), fault_tolerance=RecordingManager(), sync_every=4)
+    assert opt.fault_tolerance.per_step is False  # the quorum and the vote belong to each sync
+
+
+def test_join_check_drift_and_closures_are_refused() -> None:
+    manager = RecordingManager()
+    opt = distopt.DistributedOptimizer(_opt(), fault_tolerance=manager)
+    assert len(manager.registered) == 1  # the state a replacement heals from
+    with pytest.raises(RuntimeError, match="join\\(\\) is not available with fault_tolerance"):
+        with opt.join():
+            pass
+    with pytest.raises(RuntimeError, match="check_drift\\(\\) is not available"):
+        opt.check_drift()
+    with pytest.raises(RuntimeError, match="closure"):
+        opt.step(lambda: 0.0)
+
+
+def test_membership_diff_and_description() -> None:
+    assert diff((0, 1, 2), (1, 2, 3)) == ((0,), (3,))
+    event = MembershipEvent(step=7, time=0.0, quorum_id=3, world_size=2, rank=1, members=(1, 2), left=(0,))
+    assert event.describe() == "step 7: 2 replica(s) train together (quorum 3, members [1, 2]); left: [0]"
+
+
+def test_the_cut_picks_connected_sockets_only() -> None:
+    import socket
+
+    before = open_sockets()
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    client = socket.create_connection(listener.getsockname())
+    server, _ = listener.accept()
+    try:
+        chosen = connections_since(before, exclude_port=None)
+        assert set(chosen) == {client.fileno(), server.fileno()}  # not the listener
+        assert set(connections_since(before, exclude_port=listener.getsockname()[1])) == {client.fileno()}
+    finally:
+        for s in (client, server, listener):
+            s.close()
