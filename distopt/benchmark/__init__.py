@@ -37,6 +37,8 @@ The package, a plain import DAG:
 * :mod:`.runner`: :func:`run_benchmark`, every section.
 * :mod:`.report`: the table and the JSON; :mod:`.plot`: the ``--sweep`` PNG.
 * :mod:`.cli`: :func:`main`, the command line.
+* :mod:`.link`: ``--link RATE``, the slow-link benchmark: two shaped network namespaces,
+  DDP's comm hooks against distopt's compressors, time to a target loss on a real task.
 """
 from .cli import main
 from .config import BenchConfig

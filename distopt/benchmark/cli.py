@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 
 from ..wrapper.optimizer import DEFAULT_PACK_THRESHOLD
 from .config import BenchConfig
+from .link.cli import LINK_ONLY, add_link_arguments, run_link
 from .plot import write_sweep_plot
 from .report import format_report, report_to_json
 from .runner import run_benchmark
@@ -52,7 +53,27 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory probes (one fresh launch per mode)")
     p.add_argument("--no-world1", action="store_true", help="skip the world-size-1 section")
     p.add_argument("--seed", type=int, default=0, help="seed of model initialisation and data (default 0)")
+    add_link_arguments(p)
     return p
+
+
+# The step-time benchmark's flags that mean nothing to the slow-link benchmark: dest -> flag.
+_STEP_ONLY = {"workloads": "--workloads", "world": "--world", "backend": "--backend", "iters": "--iters",
+              "rounds": "--rounds", "warmup": "--warmup", "thresholds": "--thresholds", "sweep": "--sweep",
+              "modes": "--modes", "profile": "--profile", "no_memory": "--no-memory", "no_world1": "--no-world1"}
+
+
+def _check_mode_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuse flags of the other benchmark: they would be silently ignored otherwise."""
+    if args.link is not None:
+        given = [flag for dest, flag in _STEP_ONLY.items() if getattr(args, dest) != parser.get_default(dest)]
+        if given:
+            parser.error(f"{', '.join(given)} belong(s) to the step-time benchmark and mean nothing with --link; "
+                         "the slow-link benchmark takes --tasks, --contenders, --powersgd-rank, --quick, --plots")
+    else:
+        given = [flag for dest, flag in LINK_ONLY.items() if getattr(args, dest) not in (None, False)]
+        if given:
+            parser.error(f"{', '.join(given)} only go(es) with --link RATE (e.g. --link 200mbit)")
 
 
 def _config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -84,13 +105,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         argv: the arguments after the program name; None reads ``sys.argv``.
 
     Returns:
-        0; bad flags exit through argparse with status 2 instead.
+        0; 1 when ``--link`` cannot build its link here (not root, say), with a message saying
+        what to do; bad flags exit through argparse with status 2 instead.
     """
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _check_mode_flags(parser, args)
+    if args.link is not None:
+        return run_link(args, parser)
     try:
         cfg = _config_from_args(args)
     except ValueError as exc:
-        _parser().error(str(exc))
+        parser.error(str(exc))
     started = time.perf_counter()
     if args.profile:
         from ..launching import launch

@@ -3,6 +3,11 @@
 A workload is a model, a fixed per-rank batch and a loss. Adding one is one
 :class:`Workload` entry in :data:`WORKLOADS`; ``--workloads`` and
 :class:`~distopt.benchmark.BenchConfig` pick them by name.
+
+:data:`LINK_WORKLOADS` holds the two 12 MiB models of the slow-link benchmark
+(``--link``, :mod:`distopt.benchmark.link`): larger versions of ``transformer`` and
+``mlp``, sized so that sending their gradients over a slow link costs more than
+computing them.
 """
 from __future__ import annotations
 
@@ -12,7 +17,7 @@ from typing import Callable, Dict, List, Tuple
 import torch
 from torch import Tensor, nn
 
-__all__ = ["Batch", "LossFn", "Workload", "WORKLOADS"]
+__all__ = ["Batch", "LossFn", "Workload", "WORKLOADS", "LINK_WORKLOADS"]
 
 Batch = Tuple[Tensor, Tensor]
 LossFn = Callable[[Tensor, Tensor], Tensor]
@@ -128,5 +133,39 @@ WORKLOADS: Dict[str, Workload] = {
                  nn.functional.mse_loss, iters_scale=2),
         Workload("embedding", "Embedding(131072,128) (64 MiB) + 2 x Linear(128,128)", _EmbeddingModel,
                  _embedding_batch, nn.functional.mse_loss),
+    )
+}
+
+
+def _mlp256_model() -> nn.Module:
+    # 48 Linear(256, 256): 96 parameters (a weight and a bias each), 12.0 MiB of gradients, the
+    # issue's "96 x 256^2" MLP; light compute, so on a slow link the step is almost all communication.
+    layers: List[nn.Module] = []
+    for _ in range(48):
+        layers += [nn.Linear(256, 256), nn.ReLU()]
+    return nn.Sequential(*layers)
+
+
+def _mlp256_batch(gen: torch.Generator) -> Batch:
+    return torch.randn(64, 256, generator=gen), torch.randn(64, 256, generator=gen)
+
+
+def _transformer256_model() -> nn.Module:
+    return _TransformerModel(d_model=256)
+
+
+def _transformer256_batch(gen: torch.Generator) -> Batch:
+    return torch.randn(8, 64, 256, generator=gen), torch.randn(8, 64, 256, generator=gen)
+
+
+#: The slow-link benchmark's models (``--link``), by name: 12 MiB of gradients each. On one core of
+#: the development machine a step takes about 130 ms (transformer) and 23 ms (mlp) without communication.
+LINK_WORKLOADS: Dict[str, Workload] = {
+    w.name: w
+    for w in (
+        Workload("transformer", "4-layer TransformerEncoder d=256, 12.3 MiB of gradients", _transformer256_model,
+                 _transformer256_batch, nn.functional.mse_loss),
+        Workload("mlp", "48 x Linear(256,256): 96 parameters, 12.0 MiB of gradients", _mlp256_model,
+                 _mlp256_batch, nn.functional.mse_loss),
     )
 }

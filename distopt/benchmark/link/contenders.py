@@ -1,0 +1,240 @@
+"""Who competes on the slow link, by name: no communication, DDP with its comm hooks, and distopt.
+
+A contender turns a fresh replica and its inner optimizer into what a training step
+calls (:class:`Built`). Every contender runs in a pair of processes of its own (one
+per rank, :mod:`.worker`), so one that aborts cannot take another down.
+
+* ``local``: the inner optimizer alone, no communication. The floor.
+* ``ddp``: ``DistributedDataParallel`` with its defaults.
+* ``ddp-fp16``: DDP with ``default_hooks.fp16_compress_hook``.
+* ``ddp-powersgd``: DDP with ``powerSGD_hook`` (rank ``--powersgd-rank``, error
+  feedback and warm start on, ``start_powerSGD_iter=2``, the least it accepts).
+* ``ddp-postlocal4``: DDP with ``post_localSGD_hook`` and ``PostLocalSGDOptimizer``
+  with ``PeriodicModelAverager(period=4)``: the same schedule as distopt's
+  ``sync_every=4`` (parameters averaged after steps 4, 8, ...; see :func:`_ddp_post_local`).
+* distopt: one contender per row of :data:`DISTOPT_SPECS`, the table to edit:
+  each compressor alone and with local SGD (``sync_every=4``), and DiLoCo.
+
+A contender whose construction raises (an argument this distopt does not have yet, a
+compressor that refuses the model) is reported as unavailable, with the reason.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, Optional, Tuple, Union
+
+import torch
+from torch import nn
+
+from ...wrapper.optimizer import DistributedOptimizer
+
+__all__ = ["PERIOD", "ContenderOptions", "Built", "Contender", "DistoptSpec", "DISTOPT_SPECS", "CONTENDERS"]
+
+#: H of every periodic contender: distopt's local SGD and DiLoCo, and DDP's PostLocalSGD.
+PERIOD = 4
+
+
+@dataclass(frozen=True)
+class ContenderOptions:
+    """Settings the command line passes to every contender.
+
+    Attributes:
+        powersgd_rank: the rank of both PowerSGDs (DDP's hook and distopt's compressor).
+        powersgd_start: steps both PowerSGDs send uncompressed first: DDP's hook needs
+            at least 2 (``start_powerSGD_iter``) with error feedback or warm start, and
+            distopt's starts at the same step so that they are compared alike.
+    """
+
+    powersgd_rank: int = 4
+    powersgd_start: int = 2
+
+    def __post_init__(self) -> None:
+        if isinstance(self.powersgd_rank, bool) or not isinstance(self.powersgd_rank, int) or self.powersgd_rank < 1:
+            raise ValueError(f"--powersgd-rank={self.powersgd_rank!r} must be an integer of at least 1, e.g. 4")
+        if self.powersgd_start < 2:
+            raise ValueError(f"powersgd_start={self.powersgd_start!r} must be at least 2: DDP's PowerSGD hook "
+                             "refuses start_powerSGD_iter < 2 with error feedback or warm start")
+
+
+@dataclass
+class Built:
+    """What a training step uses.
+
+    Attributes:
+        module: what the forward pass calls (the replica, or DDP around it).
+        optimizer: what ``step()`` and ``zero_grad()`` are called on.
+        distopt: the distopt optimizer, whose ``stats`` the report reads; None for the others.
+    """
+
+    module: nn.Module
+    optimizer: Any
+    distopt: Optional[DistributedOptimizer] = None
+
+
+#: ``build(replica, inner optimizer, options)``: the replica and its optimizer, wrapped.
+Build = Callable[[nn.Module, torch.optim.Optimizer, ContenderOptions], Built]
+
+
+@dataclass(frozen=True)
+class Contender:
+    """One contender.
+
+    Attributes:
+        name: the ``--contenders`` name.
+        description: for the report.
+        build: wraps the replica and its inner optimizer.
+        baseline: the uncompressed contender whose final loss this one's is compared with (None: not a
+            compressed variant).
+    """
+
+    name: str
+    description: str
+    build: Build
+    baseline: Optional[str] = None
+
+
+def _local(model: nn.Module, inner: torch.optim.Optimizer, options: ContenderOptions) -> Built:
+    return Built(model, inner)
+
+
+def _ddp(model: nn.Module, inner: torch.optim.Optimizer, options: ContenderOptions) -> Built:
+    return Built(nn.parallel.DistributedDataParallel(model), inner)
+
+
+def _ddp_fp16(model: nn.Module, inner: torch.optim.Optimizer, options: ContenderOptions) -> Built:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    ddp = nn.parallel.DistributedDataParallel(model)
+    ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    return Built(ddp, inner)
+
+
+def _ddp_powersgd(model: nn.Module, inner: torch.optim.Optimizer, options: ContenderOptions) -> Built:
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    ddp = nn.parallel.DistributedDataParallel(model)
+    state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=options.powersgd_rank,
+                                        start_powerSGD_iter=options.powersgd_start, use_error_feedback=True,
+                                        warm_start=True, random_seed=0)
+    ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    return Built(ddp, inner)
+
+
+def _ddp_post_local(model: nn.Module, inner: torch.optim.Optimizer, options: ContenderOptions) -> Built:
+    """DDP's PostLocalSGD, on distopt's ``sync_every=PERIOD`` schedule.
+
+    ``start_localSGD_iter=0``: local from the first step, as distopt's local SGD without
+    ``local_warmup``. ``post_local_gradient_allreduce=False``: after the start DDP
+    all-reduces gradients within each node's subgroup, which with one rank per host is
+    the rank alone, so it skips that. ``warmup_steps=PERIOD - 1``: torch's averager
+    averages at its warm-up step itself, so this averages after steps 4, 8, ... like
+    distopt (docs/modes.md says more).
+    """
+    from torch.distributed.algorithms.ddp_comm_hooks.post_localSGD_hook import PostLocalSGDState, post_localSGD_hook
+    from torch.distributed.algorithms.model_averaging.averagers import PeriodicModelAverager
+    from torch.distributed.optim import PostLocalSGDOptimizer
+
+    ddp = nn.parallel.DistributedDataParallel(model)
+    state = PostLocalSGDState(process_group=None, subgroup=None, start_localSGD_iter=0,
+                              post_local_gradient_allreduce=False)
+    ddp.register_comm_hook(state, post_localSGD_hook)
+    averager = PeriodicModelAverager(period=PERIOD, warmup_steps=PERIOD - 1)
+    return Built(ddp, PostLocalSGDOptimizer(optim=inner, averager=averager))
+
+
+def _powersgd(options: ContenderOptions) -> Any:
+    from ... import compression
+
+    return compression.PowerSGD(rank=options.powersgd_rank, start_step=options.powersgd_start)
+
+
+def _nesterov(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    # DiLoCo's outer optimizer (Douillard et al. 2023).
+    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
+
+
+#: A distopt contender's compression: None, a name ``compression=`` takes, or a factory of the object.
+Compression = Union[None, str, Callable[[ContenderOptions], Any]]
+
+
+@dataclass(frozen=True)
+class DistoptSpec:
+    """One distopt contender: a row of :data:`DISTOPT_SPECS`.
+
+    Attributes:
+        name: the ``--contenders`` name.
+        compression: ``compression=``: None, a name (``"fp16"``, ``"int8"``, ...), or a
+            factory called with the :class:`ContenderOptions` (PowerSGD at ``--powersgd-rank``).
+        sync_every: ``sync_every=``: 1 is synchronous; :data:`PERIOD` is local SGD.
+        diloco: an outer Nesterov SGD (lr 0.7, momentum 0.9) steps on the averaged change (DiLoCo).
+        pack_threshold: ``pack_threshold=``; ``"auto"`` sizes packs from the measured link.
+        baseline: the uncompressed contender its final loss is compared with.
+    """
+
+    name: str
+    compression: Compression = None
+    sync_every: int = 1
+    diloco: bool = False
+    pack_threshold: Union[int, str] = "auto"
+    baseline: Optional[str] = None
+
+    def kwargs(self, options: ContenderOptions) -> Dict[str, Any]:
+        """The ``DistributedOptimizer`` keyword arguments of this row."""
+        kwargs: Dict[str, Any] = {"pack_threshold": self.pack_threshold}
+        if self.compression is not None:
+            kwargs["compression"] = self.compression(options) if callable(self.compression) else self.compression
+        if self.sync_every != 1 or self.diloco:
+            kwargs["sync_every"] = self.sync_every
+        if self.diloco:
+            kwargs["outer_optimizer"] = _nesterov
+        return kwargs
+
+    def describe(self) -> str:
+        """For the report: the arguments, as a user would write them."""
+        parts = [f"pack_threshold={self.pack_threshold!r}"]
+        if self.compression is not None:
+            parts.append(f"compression={'PowerSGD(rank=R)' if callable(self.compression) else repr(self.compression)}")
+        if self.sync_every != 1 or self.diloco:
+            parts.append(f"sync_every={self.sync_every}")
+        if self.diloco:
+            parts.append("outer_optimizer=Nesterov SGD lr 0.7")
+        return "DistributedOptimizer(" + ", ".join(parts) + ")"
+
+    def contender(self) -> Contender:
+        """This row as a :class:`Contender`."""
+        def build(model: nn.Module, inner: torch.optim.Optimizer, options: ContenderOptions) -> Built:
+            opt = DistributedOptimizer(inner, **self.kwargs(options))
+            return Built(model, opt, opt)
+
+        return Contender(self.name, self.describe(), build, self.baseline)
+
+
+_COMPRESSORS: Tuple[Tuple[str, Compression], ...] = (
+    ("fp16", "fp16"), ("bf16", "bf16"), ("int8", "int8"), ("int4", "int4"), ("powersgd", _powersgd),
+)
+
+#: The distopt contenders, in run order: plain, each compressor alone, local SGD plain and with each
+#: compressor (its pseudo-gradients compressed), and DiLoCo. Edit this table to change them.
+DISTOPT_SPECS: Tuple[DistoptSpec, ...] = (
+    DistoptSpec("distopt"),
+    *(DistoptSpec(f"distopt-{name}", compression, baseline="distopt") for name, compression in _COMPRESSORS),
+    DistoptSpec(f"distopt-local{PERIOD}", sync_every=PERIOD),
+    *(DistoptSpec(f"distopt-local{PERIOD}-{name}", compression, sync_every=PERIOD, baseline=f"distopt-local{PERIOD}")
+      for name, compression in _COMPRESSORS),
+    DistoptSpec(f"diloco{PERIOD}", sync_every=PERIOD, diloco=True),
+)
+
+#: Every contender, by name, in run order.
+CONTENDERS: Dict[str, Contender] = {
+    c.name: c
+    for c in (
+        Contender("local", "the inner optimizer alone, no communication", _local),
+        Contender("ddp", "DistributedDataParallel, defaults", _ddp),
+        Contender("ddp-fp16", "DDP + fp16_compress_hook", _ddp_fp16, baseline="ddp"),
+        Contender("ddp-powersgd", "DDP + powerSGD_hook (rank R, start_powerSGD_iter 2)", _ddp_powersgd,
+                  baseline="ddp"),
+        Contender(f"ddp-postlocal{PERIOD}", f"DDP + post_localSGD_hook + PostLocalSGDOptimizer, period {PERIOD}",
+                  _ddp_post_local),
+        *(spec.contender() for spec in DISTOPT_SPECS),
+    )
+}
