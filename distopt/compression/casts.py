@@ -7,7 +7,7 @@ float16 on the way.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 
@@ -48,6 +48,9 @@ class Cast(Compressor):
 
     def wire_dtype(self, dtype: torch.dtype) -> Optional[torch.dtype]:
         return self.dtype if dtype in _CASTABLE else None
+
+    def wire_fraction(self, shapes: Sequence[torch.Size], dtype: torch.dtype) -> float:
+        return 2.0 / torch.empty(0, dtype=dtype).element_size() if dtype in _CASTABLE else 1.0
 
     def settings(self) -> Dict[str, Any]:
         return {"compressor": "Cast", "dtype": str(self.dtype)}

@@ -21,7 +21,7 @@ and ``Q`` starts afresh, so one overflow does not poison the state for good.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -111,6 +111,20 @@ class PowerSGD(Compressor):
             if rows * cols >= self.min_compression_rate * self.rank * (rows + cols):
                 matrices.append(_Matrix(index, offset, rows, cols))
         return _PowerSGDCodec(self, layout, matrices) if matrices else None
+
+    def wire_fraction(self, shapes: Sequence[torch.Size], dtype: torch.dtype) -> float:
+        if dtype not in _FLOATS:
+            return 1.0
+        sent = total = 0
+        for shape in shapes:
+            n = shape.numel()
+            total += n
+            sent += n
+            if len(shape) >= 2:
+                rows, cols = shape[0], n // max(shape[0], 1)
+                if n >= self.min_compression_rate * self.rank * (rows + cols):
+                    sent += self.rank * (rows + cols) - n
+        return sent / total if total else 1.0
 
     def first_q(self, index: int, cols: int, like: Tensor, step: int = 0) -> Tensor:
         """The same ``Qᵀ`` (``rank x cols``) on every rank: drawn from a generator seeded by the seed and

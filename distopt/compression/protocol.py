@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, Optional, Tuple, Union
+from typing import Any, Dict, Iterator, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -149,6 +149,11 @@ class Compressor(abc.ABC):
     def settings(self) -> Dict[str, Any]:
         """What must match on every rank (compared when the wrapper is built)."""
         return {"compressor": type(self).__qualname__}
+
+    def wire_fraction(self, shapes: Sequence[torch.Size], dtype: torch.dtype) -> float:
+        """About what share of the bytes of gradients of these shapes this compressor sends
+        (``pack_threshold="auto"`` sizes packs by it); the default, 1.0, assumes no saving."""
+        return 1.0
 
     def wire_dtype(self, dtype: torch.dtype) -> Optional[torch.dtype]:
         """For a plain cast: the dtype packs of ``dtype`` travel as, which the engine casts inline.

@@ -26,7 +26,7 @@ sum of the true values.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Iterator, Optional, Tuple
+from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor
@@ -115,6 +115,11 @@ class Quantize(Compressor):
 
     def codec(self, layout: PackLayout) -> Optional[Codec]:
         return _QuantizeCodec(self, layout) if layout.dtype in _FLOATS else None
+
+    def wire_fraction(self, shapes: Sequence[torch.Size], dtype: torch.dtype) -> float:
+        if dtype not in _FLOATS:
+            return 1.0
+        return (self.bits / 8 + 4 / self.block_size) / torch.empty(0, dtype=dtype).element_size()
 
     def state_dict(self) -> Dict[str, Any]:
         return {"residuals": {f"{'exchange' if k[0] else 'grad'}:{k[1]}": v.clone()

@@ -808,7 +808,11 @@ class DistributedOptimizer(InnerOptimizerSurface):
         total = sum(p.numel() * p.element_size() for p in params if p.requires_grad)
         device = params[0].device
         timing = measure_link(self._engine.channel.group, device)
-        chosen = torch.tensor([choose_threshold(timing, total)], dtype=torch.int64, device=device)
+        trainable = [p for p in params if p.requires_grad]
+        fraction = 1.0
+        if self.compressor is not None and trainable:
+            fraction = self.compressor.wire_fraction([p.shape for p in trainable], trainable[0].dtype)
+        chosen = torch.tensor([choose_threshold(timing, total, fraction)], dtype=torch.int64, device=device)
         collectives.broadcast(chosen, src=self.root_rank, group=self._engine.channel.group)
         return int(chosen.item())
 

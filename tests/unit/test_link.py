@@ -36,3 +36,19 @@ def test_the_choice_is_the_balance_of_latency_and_tail_within_bounds(latency, ba
         # the cost (total / s) * latency + s / bandwidth is least there: a neighbour costs no less
         cost = lambda s: total / s * latency + s / bandwidth
         assert cost(chosen) <= min(cost(chosen * 1.5), cost(chosen / 1.5)) * (1 + 1e-9)
+
+
+def test_compressed_packs_grow_by_one_over_the_root_of_the_share_sent():
+    link = LinkTiming(latency=300e-6, bandwidth=25e6)
+    plain = choose_threshold(link, 12 << 20)
+    assert choose_threshold(link, 12 << 20, wire_fraction=1 / 16) == pytest.approx(4 * plain, rel=1e-6)
+
+
+def test_each_compressor_estimates_the_share_it_sends():
+    import torch
+    from distopt.compression import Cast, PowerSGD, Quantize
+    shapes = [torch.Size([256, 256]), torch.Size([256])]
+    assert Cast(torch.float16).wire_fraction(shapes, torch.float32) == 0.5
+    assert Quantize(bits=8, block_size=256).wire_fraction(shapes, torch.float32) == pytest.approx((1 + 4 / 256) / 4)
+    assert PowerSGD(rank=4).wire_fraction(shapes, torch.float32) == pytest.approx((4 * 512 + 256) / (65536 + 256))
+    assert PowerSGD().wire_fraction(shapes, torch.int64) == 1.0

@@ -28,10 +28,12 @@ from torch import nn
 
 from ...wrapper.optimizer import DistributedOptimizer
 
-__all__ = ["PERIOD", "ContenderOptions", "Built", "Contender", "DistoptSpec", "DISTOPT_SPECS", "CONTENDERS"]
+__all__ = ["PERIOD", "STREAM_PERIOD", "ContenderOptions", "Built", "Contender", "DistoptSpec", "DISTOPT_SPECS", "CONTENDERS"]
 
 #: H of every periodic contender: distopt's local SGD and DiLoCo, and DDP's PostLocalSGD.
 PERIOD = 4
+#: H of DiLoCo and streaming DiLoCo, the period they are meant for (the issue's H >= 16).
+STREAM_PERIOD = 16
 
 
 @dataclass(frozen=True)
@@ -169,6 +171,8 @@ class DistoptSpec:
         diloco: an outer Nesterov SGD (lr 0.7, momentum 0.9) steps on the averaged change (DiLoCo).
         pack_threshold: ``pack_threshold=``; ``"auto"`` sizes packs from the measured link.
         baseline: the uncompressed contender its final loss is compared with.
+        more: further keyword arguments, as ``(name, value)`` pairs (streaming's
+            ``sync_fragments``, ``sync_overlap``, ``sync_mixing``).
     """
 
     name: str
@@ -177,6 +181,7 @@ class DistoptSpec:
     diloco: bool = False
     pack_threshold: Union[int, str] = "auto"
     baseline: Optional[str] = None
+    more: Tuple[Tuple[str, Any], ...] = ()
 
     def kwargs(self, options: ContenderOptions) -> Dict[str, Any]:
         """The ``DistributedOptimizer`` keyword arguments of this row."""
@@ -187,6 +192,7 @@ class DistoptSpec:
             kwargs["sync_every"] = self.sync_every
         if self.diloco:
             kwargs["outer_optimizer"] = _nesterov
+        kwargs.update(self.more)
         return kwargs
 
     def describe(self) -> str:
@@ -198,6 +204,7 @@ class DistoptSpec:
             parts.append(f"sync_every={self.sync_every}")
         if self.diloco:
             parts.append("outer_optimizer=Nesterov SGD lr 0.7")
+        parts += [f"{k}={v!r}" for k, v in self.more]
         return "DistributedOptimizer(" + ", ".join(parts) + ")"
 
     def contender(self) -> Contender:
@@ -222,6 +229,14 @@ DISTOPT_SPECS: Tuple[DistoptSpec, ...] = (
     *(DistoptSpec(f"distopt-local{PERIOD}-{name}", compression, sync_every=PERIOD, baseline=f"distopt-local{PERIOD}")
       for name, compression in _COMPRESSORS),
     DistoptSpec(f"diloco{PERIOD}", sync_every=PERIOD, diloco=True),
+    DistoptSpec("distopt-powersgd-10M", _powersgd, pack_threshold=10 << 20, baseline="distopt"),
+    DistoptSpec(f"diloco{STREAM_PERIOD}", sync_every=STREAM_PERIOD, diloco=True),
+    # Streaming DiLoCo (docs/modes.md): 4 fragments, each sync hidden behind 2 inner steps, in 4 bits.
+    DistoptSpec(f"stream{STREAM_PERIOD}-int4", "int4", sync_every=STREAM_PERIOD, diloco=True,
+                baseline=f"diloco{STREAM_PERIOD}",
+                more=(("sync_fragments", 4), ("sync_overlap", 2), ("sync_mixing", 0.5))),
+    DistoptSpec(f"stream{STREAM_PERIOD}", sync_every=STREAM_PERIOD, diloco=True, baseline=f"diloco{STREAM_PERIOD}",
+                more=(("sync_fragments", 4), ("sync_overlap", 2), ("sync_mixing", 0.5))),
 )
 
 #: Every contender, by name, in run order.
