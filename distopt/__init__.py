@@ -3,12 +3,13 @@
 The package is layered, from the ground up (no module imports a higher layer; the
 import-linter contract in ``setup.cfg`` keeps it so): :mod:`distopt.planning` (pure
 planning), :mod:`distopt.transport` (private groups, waits, the stall inspector),
-:mod:`distopt.collectives` and :mod:`distopt.launching`, :mod:`distopt.engine` (the
-reduction engine), :mod:`distopt.modes`, :mod:`distopt.wrapper` (the public
-:class:`DistributedOptimizer`), and the fronts :mod:`distopt.horovod` and
-:mod:`distopt.benchmark`.
+:mod:`distopt.collectives` and :mod:`distopt.launching`, :mod:`distopt.compression`
+(compressors: PowerSGD, int8/int4, casts), :mod:`distopt.engine` (the reduction
+engine), :mod:`distopt.modes`, :mod:`distopt.fault_tolerance` (torchft, optional),
+:mod:`distopt.wrapper` (the public :class:`DistributedOptimizer`), and the fronts
+:mod:`distopt.horovod` and :mod:`distopt.benchmark`.
 """
-from . import optim
+from . import compression, optim
 from .collectives import (
     all_gather,
     all_gather_object,
@@ -51,6 +52,7 @@ __all__ = [
     "join",
     "merge_state_dicts",
     "optim",
+    "compression",
     "get_rank",
     "get_world_size",
     "is_distributed",
