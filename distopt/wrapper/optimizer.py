@@ -1043,19 +1043,25 @@ def _watch(engine: GradientEngine, k: int, seq: int) -> None:
         raise stalls.stall_error(progress, seq, what)
 
 
-# Which wrapper each compressor serves: its state (residuals) is one wrapper's, so one object
-# cannot serve two live ones.
-_COMPRESSOR_OWNERS: "weakref.WeakKeyDictionary[Compressor, weakref.ReferenceType[DistributedOptimizer]]" = (
-    weakref.WeakKeyDictionary())
+# Which wrapper each compressor serves, by id (a user's compressor need not be hashable, e.g. a
+# dataclass): its state (residuals) is one wrapper's, so one object cannot serve two live ones.
+_COMPRESSOR_OWNERS: Dict[int, Tuple[Callable[[], Any], "weakref.ReferenceType[DistributedOptimizer]"]] = {}
 
 
 def _bind_compressor(compressor: Compressor, wrapper: DistributedOptimizer) -> None:
-    owner_ref = _COMPRESSOR_OWNERS.get(compressor)
-    owner = None if owner_ref is None else owner_ref()
+    for key, (held, owner_ref) in list(_COMPRESSOR_OWNERS.items()):  # forget the dead
+        if held() is None or owner_ref() is None:
+            del _COMPRESSOR_OWNERS[key]
+    entry = _COMPRESSOR_OWNERS.get(id(compressor))
+    owner = None if entry is None or entry[0]() is not compressor else entry[1]()
     if owner is not None and owner._retired_by is None:
         raise ValueError(
             f"compression={compressor!r} already serves another DistributedOptimizer, and its state (error "
             "feedback) is one wrapper's; give each wrapper a compressor of its own, e.g. "
             f"compression={type(compressor).__name__}(...) in each constructor call"
         )
-    _COMPRESSOR_OWNERS[compressor] = weakref.ref(wrapper)
+    try:
+        held: Callable[[], Any] = weakref.ref(compressor)
+    except TypeError:  # a class with __slots__ and no __weakref__: held for the wrapper's life
+        held = lambda: compressor  # noqa: E731
+    _COMPRESSOR_OWNERS[id(compressor)] = (held, weakref.ref(wrapper))

@@ -318,3 +318,19 @@ def test_in_one_process_a_compressor_changes_nothing():
             nn.functional.mse_loss(m(x), y).backward()
             o.step()
     assert torch.equal(flat(model), flat(ref))
+
+
+def test_a_users_unhashable_dataclass_compressor_is_accepted():
+    import dataclasses
+
+    from distopt.compression import Compressor
+
+    @dataclasses.dataclass
+    class Nothing(Compressor):
+        level: int = 1
+
+        def codec(self, layout):
+            return None
+
+    model = make_model()
+    DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), compression=Nothing())
