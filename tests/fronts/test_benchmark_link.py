@@ -367,8 +367,9 @@ def test_namespaces_of_killed_runs_are_swept() -> None:
     _root_with_ip()
     dead = 2**22 + 12345  # above the default pid_max, so no process has it
     name = f"{namespaces.NAMESPACE_PREFIX}-{dead}-a"
-    if subprocess.run(["ip", "netns", "add", name], capture_output=True).returncode != 0:
-        pytest.skip("cannot build network namespaces here")
+    made = subprocess.run(["ip", "netns", "add", name], capture_output=True, text=True)
+    if made.returncode != 0:  # a container without the privileges, say
+        pytest.skip(f"cannot build network namespaces here (ip netns add: {made.stderr.strip()})")
     try:
         assert name in namespaces.sweep_stale()
         assert name not in namespaces.list_namespaces()
