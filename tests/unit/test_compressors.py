@@ -112,6 +112,20 @@ def test_a_block_of_zeros_decodes_to_zeros_without_dividing_by_zero():
     assert torch.equal(dequantize_blocks(codes, scales, 8, 32, torch.empty(64)), torch.zeros(64))
 
 
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_block_of_subnormal_values_keeps_its_zeros_exact_and_its_error_feedback_finite(bits):
+    # The reciprocal of a subnormal block's scale overflows to inf, and a zero times inf is NaN: a
+    # quantiser that multiplies by it poisons the residual of a rank whose gradient has tiny entries.
+    values = torch.zeros(64)
+    values[3], values[40] = 1e-39, -3e-40  # subnormal in float32
+    residual = values.clone()
+    codes, scales = quantize_blocks(values, bits, 32, subtract_from=residual)
+    decoded = dequantize_blocks(codes, scales, bits, 32, torch.empty(64))
+    assert torch.isfinite(decoded).all() and torch.isfinite(residual).all()
+    assert torch.equal(decoded[values == 0], torch.zeros(62))
+    assert torch.equal(residual, values - decoded)
+
+
 # ---------------------------------------------------------------------------- codecs in a simulated world
 
 
