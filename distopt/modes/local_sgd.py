@@ -102,7 +102,6 @@ class LocalSGDMode(Mode):
         self._anchors: Dict[int, Tensor] = {}  # id(parameter) -> its value at the last sync
         self._seen = 0  # the wrapper's parameters looked at for anchors
         self._untracked: List[Tensor] = []  # parameters without an anchor, frozen when looked at
-        self._extra_bytes = 0
         # Fault tolerance (distopt.fault_tolerance): the commit vote of each sync, or None.
         self._commit: Optional[Callable[[], bool]] = None
         self._joined = False  # fault tolerance: this process has committed a sync
@@ -169,7 +168,11 @@ class LocalSGDMode(Mode):
         return lambda: self._finish(ctx)
 
     def extra_state_bytes(self, ctx: ModeContext) -> int:
-        return self._extra_bytes
+        # Counted when asked (opt.stats), not at every sync: it walks every anchor and outer state.
+        tensors = list(self._anchors.values())
+        if self.outer is not None:
+            tensors += [v for state in self.outer.state.values() for v in state.values() if torch.is_tensor(v)]
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def kept_identical(self, ctx: ModeContext, scheduled: bool) -> Optional[drift.Kept]:
         """Right after a sync: the parameters and the outer optimizer; between syncs, where each rank's
@@ -267,7 +270,6 @@ class LocalSGDMode(Mode):
                 anchor.grad = None  # the pack views are reused by the next exchange
         for p, anchor, _ in items:
             mix_(p, anchor, alpha)
-        self._count_bytes()
 
     # ------------------------------------------------------------------ checkpoints and taking one rank's state
 
@@ -340,7 +342,6 @@ class LocalSGDMode(Mode):
                 if rest:  # parameters without a last-sync copy in the checkpoint: the factory's defaults
                     self.outer.add_param_group({"params": rest})
         self._set_local(ctx, ctx.steps >= self.local_warmup)
-        self._count_bytes()
 
 
     def broadcast_state(self, ctx: ModeContext, src: int) -> None:
@@ -379,7 +380,6 @@ class LocalSGDMode(Mode):
         ctx.set_steps(int(theirs["steps"]))
         self.since_sync = int(theirs["since_sync"])
         self._set_local(ctx, ctx.steps >= self.local_warmup)
-        self._count_bytes()
 
 
     # ------------------------------------------------------------------ the outer optimizer's layout
@@ -483,7 +483,6 @@ class LocalSGDMode(Mode):
         self._new_anchors([p for p in params if p.requires_grad and id(p) not in self._anchors])
         self._untracked = [p for p in params if id(p) not in self._anchors]
         self._seen = len(params)
-        self._count_bytes()
 
     def _anchor_of(self, p: Tensor) -> Tensor:
         anchor = self._anchors.get(id(p))
@@ -508,12 +507,6 @@ class LocalSGDMode(Mode):
             self.outer = _build_outer(self._factory, anchors)
         else:  # a new param group, or a parameter unfrozen since
             self.outer.add_param_group({"params": anchors})
-
-    def _count_bytes(self) -> None:
-        tensors = list(self._anchors.values())
-        if self.outer is not None:
-            tensors += [v for state in self.outer.state.values() for v in state.values() if torch.is_tensor(v)]
-        self._extra_bytes = sum(t.numel() * t.element_size() for t in tensors)
 
 
 def _build_outer(factory: OuterFactory, anchors: List[Tensor]) -> Optimizer:
