@@ -196,6 +196,8 @@ class GradientEngine:
         # codec's Round.step: a healing replica's own count is not yet its peers').
         self.participating = True
         self.quorum_step: Optional[int] = None
+        # Whether every rank of world_size sends control flags (not under fault tolerance: see Totals.check).
+        self.flags_from_all = True
         # Streaming local SGD: the parameters are cut into this many fragments (distopt.planning.fragments),
         # each kept in packs of its own; fragment_packs[f] lists fragment f's packs, in plan order.
         self.fragments = 1
@@ -597,7 +599,7 @@ class GradientEngine:
             self.progress.phase = "after backward, before step()"
         if totals is None:
             return
-        totals.check(self.world_size)
+        totals.check(self.world_size if self.flags_from_all else None)
         if touched:
             raise RuntimeError(_TOUCHED_WHILE_PENDING.format(self._patience_used))
         self._settle(totals)
@@ -761,7 +763,7 @@ class GradientEngine:
             collectives.all_reduce(flags, op="sum", group=self.channel.group)
         self.state = RoundState.SETTLED
         totals = self._totals(flags.tolist())
-        totals.check(self.world_size)
+        totals.check(self.world_size if self.flags_from_all else None)
         if totals.unfrozen:
             self._adopt_unfrozen()
         if self.on_settled is not None:
@@ -944,7 +946,7 @@ class GradientEngine:
             totals = exchange.totals
             if totals is None:
                 return
-            totals.check(self.world_size)
+            totals.check(self.world_size if self.flags_from_all else None)
             self._settle(totals)
             if self.on_settled is not None:
                 self.on_settled()

@@ -678,6 +678,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
         )
         engine.gather_sum_limit = 0  # small sums as broadcasts: the manager only all-reduces
         engine.forbid_rows()  # rows as gathers: likewise
+        engine.flags_from_all = False  # a healing replica sends no flags; torchft's count may include it
         engine.round_failed = self.fault_tolerance.round_failed
         engine.on_round_open = self.fault_tolerance.enter_round
         return engine

@@ -173,6 +173,9 @@ def train_step():
 if "batches" in spec:  # uneven inputs: this replica's data ends at its own step count
     with opt.join():
         while manager.current_step() < spec["batches"]:
+            if kill and kill["where"] == "between" and armed():
+                log(dying="between", step=manager.current_step())
+                os.kill(os.getpid(), signal.SIGKILL)
             t0 = time.time()
             loss, ok = train_step()
             ft = opt.stats.fault_tolerance

@@ -66,3 +66,89 @@ def test_int8_a_kill_inside_the_all_to_all_and_a_replacement_that_heals(job: Any
     _kill_and_replace(j, "int8", 14)
     with capsys.disabled():
         print(f"\n  fault tolerance, int8: next commit {recovery(j, 'r1', 'r0'):.3f} s after a kill inside backward")
+
+
+@pytest.mark.timeout(60)
+def test_powersgd_a_kill_inside_backward_and_a_replacement_that_heals(job: Any) -> None:
+    """PowerSGD (rank 2, compressed from step 2): as for int8, and PowerSGD's warm-started Q, which is
+    part of every step's hash, is the same on every replica at every step, the replacement's too
+    (it keeps the Q its codecs built from the same sums in the step it healed in)."""
+    j = job(steps=12, until_world=3, streak=2, pace=0.02)
+    _kill_and_replace(j, "powersgd:2:2", 12)
+
+
+# ---------------------------------------------------------------------------------------------- join()
+
+def _expected_parameters(j: Job, names: List[str], width: int = 64, lr: float = 0.05) -> List[torch.Tensor]:
+    """SGD from the common initial parameters, each committed step on the mean gradient over the replicas
+    that contributed to it (from the replicas' logs: committed, and taking part), as one process would."""
+    contributors: Dict[int, List[int]] = {}
+    for name in names:
+        for e in j.steps(name):
+            if e["ok"] and e["part"]:
+                contributors.setdefault(e["step"], []).append(int(name[1]))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.Tanh(), torch.nn.Linear(width, width),
+                                torch.nn.Tanh(), torch.nn.Linear(width, 1))
+    target = torch.randn(16, generator=torch.Generator().manual_seed(7))
+    for step in range(1, max(contributors) + 1):
+        grads = []
+        for replica in sorted(contributors[step]):
+            g = torch.Generator().manual_seed(10_000 * (step - 1) + replica)
+            x = torch.randn(32, 16, generator=g)
+            model.zero_grad()
+            torch.nn.functional.mse_loss(model(x), torch.tanh(x @ target).unsqueeze(1)).backward()
+            grads.append([p.grad.clone() for p in model.parameters()])
+        with torch.no_grad():
+            for k, p in enumerate(model.parameters()):
+                p -= lr * sum(g[k] for g in grads) / len(grads)
+    return [p.detach() for p in model.parameters()]
+
+
+def _final(j: Job, name: str) -> List[torch.Tensor]:
+    return torch.load(j.tmp / f"{name}.jsonl.pt")
+
+
+@pytest.mark.timeout(60)
+def test_join_uneven_inputs_average_over_the_contributors_and_end_identical(job: Any) -> None:
+    """Three replicas with 4, 8 and 12 batches inside opt.join() (SGD, so a wrong denominator shows): each
+    committed step's update is the mean over the replicas that contributed to it (a replica that ran out
+    of data shadows the others, counted in no mean), and all three leave the block at once with the
+    parameters of the one that ran longest, bitwise; every process exits 0."""
+    j = job(optimizer="sgd", same_init=True, pace=0.02)
+    for replica, batches in enumerate((4, 8, 12)):
+        j.start(f"r{replica}", replica, batches=batches)
+    codes = j.finish(45)
+    assert codes == {"r0": 0, "r1": 0, "r2": 0}, j.tails()
+    j.check_identical()
+    finals = {name: next((e for e in j.log(name) if "final" in e), {}) for name in j.procs}
+    assert all(finals.values()), finals
+    assert len({f["final"] for f in finals.values()}) == 1, finals  # the same state after the block
+    assert {f["step"] for f in finals.values()} == {12} and {f["inner"] for f in finals.values()} == {12}, finals
+    assert finals["r0"]["shadowed"] >= 8 and finals["r1"]["shadowed"] >= 4, finals
+    expected = _expected_parameters(j, ["r0", "r1", "r2"])
+    for name in j.procs:
+        for got, want in zip(_final(j, name), expected):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.timeout(60)
+def test_join_a_replica_that_shadows_dies_then_a_contributor_dies(job: Any) -> None:
+    """Replica 0 runs out of data after 3 steps and shadows; it is SIGKILLed while it shadows, and nothing
+    breaks. Replica 2, still training, is SIGKILLed between steps: replica 1 goes on alone, its mean over
+    itself, and leaves the block when its data ends, with the parameters one process would have; it exits 0."""
+    j = job(optimizer="sgd", same_init=True, pace=0.02)
+    j.start("r0", 0, batches=3, kill={"where": "shadow", "after": 2})
+    j.start("r1", 1, batches=12)
+    j.start("r2", 2, batches=12, kill={"step": 8, "where": "between", "world": 2})
+    codes = j.finish(45)
+    assert codes == {"r0": -9, "r1": 0, "r2": -9}, j.tails()
+    j.check_identical()
+    assert [e for e in j.log("r0") if e.get("dying") == "shadow"], "replica 0 did not die while it shadowed"
+    steps = [e["step"] for e in j.steps("r1") if e["ok"]]
+    assert steps == list(range(steps[0], 13)), steps
+    assert next(e for e in j.log("r1") if "final" in e)["step"] == 12, j.log("r1")[-2:]
+    losses = [e["loss"] for e in j.steps("r1")]
+    assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, losses
+    for got, want in zip(_final(j, "r1"), _expected_parameters(j, ["r0", "r1", "r2"])):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
