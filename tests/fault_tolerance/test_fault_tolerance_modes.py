@@ -62,8 +62,8 @@ def test_int8_a_kill_inside_the_all_to_all_and_a_replacement_that_heals(job: Any
     backward with packs in flight. The survivors discard that step alike, their residuals go back
     to where they were (so they go on bitwise identical), the loss falls, and the replacement heals
     (residuals empty, the others' parameters and Adam state) and is bitwise equal at its first step."""
-    j = job(steps=14, until_world=3, streak=3, pace=0.02)
-    _kill_and_replace(j, "int8", 14)
+    j = job(steps=10, until_world=3, streak=2, pace=0.02)
+    _kill_and_replace(j, "int8", 10)
     with capsys.disabled():
         print(f"\n  fault tolerance, int8: next commit {recovery(j, 'r1', 'r0'):.3f} s after a kill inside backward")
 
@@ -73,8 +73,35 @@ def test_powersgd_a_kill_inside_backward_and_a_replacement_that_heals(job: Any) 
     """PowerSGD (rank 2, compressed from step 2): as for int8, and PowerSGD's warm-started Q, which is
     part of every step's hash, is the same on every replica at every step, the replacement's too
     (it keeps the Q its codecs built from the same sums in the step it healed in)."""
-    j = job(steps=12, until_world=3, streak=2, pace=0.02)
-    _kill_and_replace(j, "powersgd:2:2", 12)
+    j = job(steps=9, until_world=3, streak=2, pace=0.02)
+    _kill_and_replace(j, "powersgd:2:2", 9)
+
+
+@pytest.mark.timeout(60)
+def test_diloco_int4_pseudo_gradients_a_kill_inside_a_sync_and_a_replacement(job: Any) -> None:
+    """DiLoCo (sync_every=3, Nesterov outer SGD) with int4 pseudo-gradients, 3 replicas: one SIGKILLs
+    itself inside a sync's exchange. The survivors discard that sync alike (anchors, outer momentum and
+    residuals as before it), every committed sync hashes alike on every replica, and the replacement heals
+    at its first sync and is bitwise equal there; every other process exits 0."""
+    j = job(steps=7, until_world=3, streak=4, sync_every=3, outer=True, pace=0.01, compression="int4",
+            lighthouse={"join_timeout_ms": 1000})  # see the DiLoCo test in test_fault_tolerance.py
+    j.start("r0", 0)
+    j.start("r1", 1, kill={"step": 3, "where": "exchange", "world": 3})
+    j.start("r2", 2)
+    j.wait_for(lambda: j.procs["r1"].poll() is not None, 40, "replica 1 to die in an exchange")
+    j.start("r1b", 1)
+    codes = j.finish(45)
+    assert codes == {"r0": 0, "r1": -9, "r2": 0, "r1b": 0}, j.tails()
+    hashes = j.check_identical()
+    assert len(hashes) >= 6, hashes
+    for name in ("r0", "r2"):
+        syncs = [e["step"] for e in j.steps(name)]
+        assert syncs == sorted(syncs) and len(set(syncs)) == len(syncs), (name, syncs)
+        assert j.steps(name)[-1]["discarded"] >= 1, j.steps(name)[-1]
+    first = j.steps("r1b")[0]
+    assert first["digest"] == hashes[first["step"]]
+    losses = [e["loss"] for e in j.log("r0") if "loss" in e]
+    assert sum(losses[-6:]) / 6 < sum(losses[:3]) / 3, losses
 
 
 # ---------------------------------------------------------------------------------------------- join()
