@@ -113,8 +113,8 @@ class Totals:
             )
         if self._mixed(self.divide_by_world, world_size):
             raise RuntimeError(
-                f"{self.divide_by_world} of {world_size or 'the'} ranks called opt.join(divide_by_world=True) and the others "
-                "divide_by_world=False; pass the same value on every rank"
+                f"{self.divide_by_world} of {world_size or 'the'} ranks called opt.join(divide_by_world=True) and "
+                "the others divide_by_world=False; pass the same value on every rank"
             )
 
     def _mixed(self, count: int, world_size: Optional[int]) -> bool:

@@ -252,9 +252,9 @@ class DistributedOptimizer(InnerOptimizerSurface):
         # ---- fault tolerance (distopt.fault_tolerance): the replicas' world is the manager's, per step.
         self.fault_tolerance: Optional[ft.FaultTolerance] = None
         if fault_tolerance is not None:
-            ft.check_arguments(fault_tolerance, shard_state=self.shard_state, bcast_period=self.bcast_period, process_group_size=self.world_size,
-                               reduce_op=reduce_op, local_sgd=local, streaming=streaming,
-                               local_warmup=int(local_warmup))
+            ft.check_arguments(fault_tolerance, shard_state=self.shard_state, bcast_period=self.bcast_period,
+                               process_group_size=self.world_size, reduce_op=reduce_op, local_sgd=local,
+                               streaming=streaming, local_warmup=int(local_warmup))
             self.check_every = 0  # the drift check's all-gather has no place in the manager's all-reduces
             self._drift = DriftCheck(0, self.drift_atol, self.drift_rtol, self.on_drift)
             self.fault_tolerance = ft.FaultTolerance(
