@@ -23,6 +23,13 @@ import torch  # noqa: E402
 from _ft_jobs import Job, job, recovery  # noqa: E402,F401  (job is a fixture)
 
 
+# A quorum waits up to 1 s for a replica that beats but has not asked yet (200 ms in the harness): on a
+# loaded 2-core host (the CI runs two test files at once) a replica 200 ms late was left out and healed
+# at the next step. A dead replica stops beating and is dropped after the 300 ms heartbeat timeout all
+# the same.
+PATIENT = {"join_timeout_ms": 1000}
+
+
 def _kill_and_replace(j: Job, compression: str, steps: int) -> Dict[int, str]:
     """Three replicas; replica 1 SIGKILLs itself inside backward (packs in flight) once all three train
     together; a replacement starts as its agent would. Checks what every such run must show and
@@ -37,10 +44,17 @@ def _kill_and_replace(j: Job, compression: str, steps: int) -> Dict[int, str]:
     here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert j.log("r0")[0]["distopt"].startswith(os.path.join(here, "distopt")), j.log("r0")[0]  # this tree's distopt
     hashes = j.check_identical()  # parameters, Adam's state (and PowerSGD's Q) alike at every step
+    committed = set()
     for name in ("r0", "r2"):
-        steps_seen = [e["step"] for e in j.steps(name)]
+        entries = j.steps(name)
+        steps_seen = [e["step"] for e in entries]
         assert steps_seen == sorted(steps_seen), (name, steps_seen)  # no restart, never back
-        assert sorted(set(steps_seen)) == list(range(steps_seen[0], steps_seen[-1] + 1)), "a committed step is missing"
+        # A step skipped only where the survivor healed: on a loaded host a replica late for a quorum is
+        # left out of it and heals at the next (torchft's churn, not a failure).
+        jumps = [b for a, b in zip(entries, entries[1:]) if b["step"] > a["step"] + 1 and b["part"]]
+        assert not jumps, (name, jumps)
+        committed |= {e["step"] for e in entries if e["ok"]}
+    assert sorted(committed) == list(range(min(committed), max(committed) + 1)), "a committed step is lost"
     discarded = [e for e in j.steps("r0") if not e["ok"]]
     assert 1 <= j.steps("r0")[-1]["discarded"] <= 3 and discarded, j.steps("r0")[-1]  # the step the kill broke
     # The next quorum named the replica that was missing, in the stall inspector's words.
@@ -62,7 +76,7 @@ def test_int8_a_kill_inside_the_all_to_all_and_a_replacement_that_heals(job: Any
     backward with packs in flight. The survivors discard that step alike, their residuals go back
     to where they were (so they go on bitwise identical), the loss falls, and the replacement heals
     (residuals empty, the others' parameters and Adam state) and is bitwise equal at its first step."""
-    j = job(steps=10, until_world=3, streak=2, pace=0.02)
+    j = job(steps=10, until_world=3, streak=2, pace=0.02, lighthouse=PATIENT)
     _kill_and_replace(j, "int8", 10)
     with capsys.disabled():
         print(f"\n  fault tolerance, int8: next commit {recovery(j, 'r1', 'r0'):.3f} s after a kill inside backward")
@@ -73,7 +87,7 @@ def test_powersgd_a_kill_inside_backward_and_a_replacement_that_heals(job: Any) 
     """PowerSGD (rank 2, compressed from step 2): as for int8, and PowerSGD's warm-started Q, which is
     part of every step's hash, is the same on every replica at every step, the replacement's too
     (it keeps the Q its codecs built from the same sums in the step it healed in)."""
-    j = job(steps=9, until_world=3, streak=2, pace=0.02)
+    j = job(steps=9, until_world=3, streak=2, pace=0.02, lighthouse=PATIENT)
     _kill_and_replace(j, "powersgd:2:2", 9)
 
 
@@ -142,7 +156,7 @@ def test_join_uneven_inputs_average_over_the_contributors_and_end_identical(job:
     committed step's update is the mean over the replicas that contributed to it (a replica that ran out
     of data shadows the others, counted in no mean), and all three leave the block at once with the
     parameters of the one that ran longest, bitwise; every process exits 0."""
-    j = job(optimizer="sgd", same_init=True, pace=0.02)
+    j = job(optimizer="sgd", same_init=True, pace=0.02, lighthouse=PATIENT)
     for replica, batches in enumerate((4, 8, 12)):
         j.start(f"r{replica}", replica, batches=batches)
     codes = j.finish(45)
@@ -164,7 +178,7 @@ def test_join_a_replica_that_shadows_dies_then_a_contributor_dies(job: Any) -> N
     """Replica 0 runs out of data after 3 steps and shadows; it is SIGKILLed while it shadows, and nothing
     breaks. Replica 2, still training, is SIGKILLed between steps: replica 1 goes on alone, its mean over
     itself, and leaves the block when its data ends, with the parameters one process would have; it exits 0."""
-    j = job(optimizer="sgd", same_init=True, pace=0.02)
+    j = job(optimizer="sgd", same_init=True, pace=0.02, lighthouse=PATIENT)
     j.start("r0", 0, batches=3, kill={"where": "shadow", "after": 2})
     j.start("r1", 1, batches=12)
     j.start("r2", 2, batches=12, kill={"step": 8, "where": "between", "world": 2})
