@@ -65,6 +65,7 @@ class PowerSGD(Compressor):
     """
 
     name = "powersgd"
+    per_rank_keys = ("residuals",)  # Q is the same on every rank: it is made of sums
 
     def __init__(self, rank: int = 4, start_step: int = 0, min_compression_rate: float = 2.0, seed: int = 0,
                  error_feedback: bool = True, warm_start: bool = True) -> None:
@@ -217,7 +218,7 @@ class _PowerSGDCodec(Codec):
                 if finite:
                     # The residual: this rank's M less its share of the sum's approximation P Qᵀ, so
                     # that the ranks' residuals add up to what the approximation left out.
-                    m_.addmm_(p, qt, alpha=-1.0 / round.world_size)
+                    m_.addmm_(p, qt, alpha=-1.0 / (round.contributors or round.world_size))
                 else:
                     m_.zero_()
             torch.mm(p, qt, out=value)

@@ -71,13 +71,21 @@ class Round:
     """What a codec knows of the round it reduces in.
 
     Attributes:
-        rank: this rank within the wrapper's group.
-        world_size: ranks in the group.
-        step: the optimizer steps taken so far.
-        contributing: False on a rank that has joined (``join()``): its values are zeros,
-            and it must add nothing of its own state (error feedback) to the sum.
+        rank: this rank within the group the collectives span.
+        world_size: ranks in that group (every one of them issues every collective).
+        step: the optimizer steps taken so far, the same on every rank of the round (under
+            fault tolerance: the committed steps the quorum agrees on, so that a replica
+            that heals in this round issues the same collectives; in local SGD, the syncs).
+        contributing: False on a rank that has joined (``join()``), or on a replica that
+            heals under fault tolerance: its values are zeros, and it must add nothing of
+            its own state (error feedback) to the sum. It still issues every collective,
+            and its part of any later stage (e.g. its chunk of a sum) as any rank does.
         exchange: the values are a mode's exchange (local SGD's pseudo-gradients), not
             gradients; state such as residuals is kept apart for the two.
+        contributors: ranks whose values the sum is meant to hold, as known before the
+            round: the mean's count (``world_size``, but under fault tolerance the replicas
+            taking part, without those that heal). None: ``world_size``. Ranks that join
+            are learned only after the round, from its flags.
     """
 
     rank: int
@@ -85,6 +93,7 @@ class Round:
     step: int
     contributing: bool = True
     exchange: bool = False
+    contributors: Optional[int] = None
 
 
 @dataclass
@@ -141,6 +150,12 @@ class Compressor(abc.ABC):
 
     #: What ``compression=`` names it (``"powersgd"``, ``"int8"``, ...), for messages.
     name: str = "custom"
+    #: Keys of :meth:`state_dict` that hold this rank's own state (error feedback's residuals),
+    #: rather than state that is the same on every rank (PowerSGD's warm-started ``Q``). Under
+    #: fault tolerance a replica that heals from a live peer starts these empty instead of
+    #: taking the peer's: a residual is what one replica still owes the sum, and a copy would
+    #: be paid twice (docs/fault-tolerance.md).
+    per_rank_keys: Tuple[str, ...] = ()
 
     @abc.abstractmethod
     def codec(self, layout: PackLayout) -> Optional[Codec]:

@@ -115,6 +115,8 @@ class Quantize(Compressor):
         ...                                    sync_every=16, compression=distopt.compression.Quantize(bits=4))
     """
 
+    per_rank_keys = ("residuals",)
+
     def __init__(self, bits: int = 8, block_size: int = 256) -> None:
         if bits not in (4, 8) or isinstance(bits, bool):
             raise ValueError(f"Quantize(bits=) must be 8 or 4, got {bits!r}")
@@ -170,14 +172,16 @@ class _QuantizeCodec(Codec):
 
     def _residual(self, exchange: bool, padded: int, device: torch.device) -> Tensor:
         """The pack's residual, padded; its members' residuals are views of it (and taken over from
-        earlier packs or a loaded state, so a re-plan or a resume keeps them)."""
+        earlier packs, a loaded state, or this pack's buffer for another number of ranks, so a
+        re-plan, a resume or a change of the world under fault tolerance keeps them)."""
         owner = self.owner
         if self.loads != owner.loads:
             self.buffers.clear()
             self.loads = owner.loads
         buffer = self.buffers.get(exchange)
-        if buffer is not None:
+        if buffer is not None and buffer.numel() == padded:
             return buffer
+        # The padding's share is dropped with a buffer of another size: it holds errors of values no rank reads.
         buffer = self.buffers[exchange] = torch.zeros(padded, dtype=torch.float32, device=device)
         for index, shape, offset in zip(self.layout.members, self.layout.shapes, self.layout.offsets):
             view = buffer[offset:offset + shape.numel()].view(shape)

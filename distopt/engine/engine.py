@@ -58,6 +58,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import AllgatherOptions  # not re-exported by torch.distributed
 from torch import Tensor
 from torch.autograd import Variable
 
@@ -190,6 +191,13 @@ class GradientEngine:
         # pass, or a round launched outside backward), before anything is scaled into a pack: the
         # controller waits for the step's quorum there and sets world_size and scale.
         self.on_round_open: Optional[Callable[[], None]] = None
+        # Fault tolerance, set as the round opens: False while this replica heals (it sends zeros and
+        # its codecs add nothing of their own state), and the step count the quorum agrees on (a
+        # codec's Round.step: a healing replica's own count is not yet its peers').
+        self.participating = True
+        self.quorum_step: Optional[int] = None
+        # Whether every rank of world_size sends control flags (not under fault tolerance: see Totals.check).
+        self.flags_from_all = True
         # Streaming local SGD: the parameters are cut into this many fragments (distopt.planning.fragments),
         # each kept in packs of its own; fragment_packs[f] lists fragment f's packs, in plan order.
         self.fragments = 1
@@ -447,9 +455,15 @@ class GradientEngine:
                 self._send(pack.flags, pack, index, carries_flags=True)
             elif pack.codec is not None:  # the flags exactly, the values as the codec sends them
                 self._send(pack.flags, pack, index, carries_flags=True)
+                contributing = not self.joined and self.participating
+                if not contributing:
+                    pack.data.zero_()  # what Round.contributing=False promises the codec
+                group = self.channel.group
                 codec = pack.codec.reduce(pack.data, Round(
-                    rank=self.channel.group.rank(), world_size=self.world_size, step=self.steps,
-                    contributing=not self.joined, exchange=self.exchange_fill is not None))
+                    rank=group.rank(), world_size=group.size(),
+                    step=self.steps if self.quorum_step is None else self.quorum_step,
+                    contributing=contributing, exchange=self.exchange_fill is not None,
+                    contributors=self.world_size))
                 self._resume_codec(codec, pack, index)
             else:
                 self._send(pack.buffer if pack.wire is None else pack.wire, pack, index, carries_flags=True)
@@ -489,7 +503,7 @@ class GradientEngine:
             work = group.allreduce([sent], options)
         elif isinstance(collective, AllGather):
             sent = collective.tensor
-            work = group.allgather([list(collective.out.view(self.world_size, -1))], [sent])
+            work = group.allgather([list(collective.out.view(group.size(), -1))], [sent], AllgatherOptions())
         elif isinstance(collective, AllToAll):
             sent = collective.tensor
             work = group.alltoall_base(collective.out, sent, [], [], dist.AllToAllOptions())
@@ -590,7 +604,7 @@ class GradientEngine:
             self.progress.phase = "after backward, before step()"
         if totals is None:
             return
-        totals.check(self.world_size)
+        totals.check(self.world_size if self.flags_from_all else None)
         if touched:
             raise RuntimeError(_TOUCHED_WHILE_PENDING.format(self._patience_used))
         self._settle(totals)
@@ -678,6 +692,12 @@ class GradientEngine:
         if not codecs:
             return False
         self.inflight = [sent for sent in self.inflight if sent.codec is None]
+        if self.round_failed is not None and self.round_failed():
+            # Fault tolerance: what came back is garbage and the step is discarded; a codec resumed
+            # would compute on it and issue collectives that cannot pair up any more.
+            for sent in codecs:
+                sent.codec.close()
+            return False
         for sent in codecs:
             self._resume_codec(sent.codec, sent.pack, sent.index)
         return True
@@ -748,7 +768,7 @@ class GradientEngine:
             collectives.all_reduce(flags, op="sum", group=self.channel.group)
         self.state = RoundState.SETTLED
         totals = self._totals(flags.tolist())
-        totals.check(self.world_size)
+        totals.check(self.world_size if self.flags_from_all else None)
         if totals.unfrozen:
             self._adopt_unfrozen()
         if self.on_settled is not None:
@@ -931,7 +951,7 @@ class GradientEngine:
             totals = exchange.totals
             if totals is None:
                 return
-            totals.check(self.world_size)
+            totals.check(self.world_size if self.flags_from_all else None)
             self._settle(totals)
             if self.on_settled is not None:
                 self.on_settled()
@@ -943,6 +963,8 @@ class GradientEngine:
         with self.lock:
             self.stats = StepStats()
             self.joined = True
+            if self.on_round_open is not None:  # fault tolerance: the shadow round's quorum
+                self.on_round_open()
             if not self.packs:  # nothing trainable: only the control flags travel, at once
                 self.control_round()
                 return

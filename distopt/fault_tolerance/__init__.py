@@ -10,7 +10,8 @@ sync instead, between the exchange and applying it. A step
 whose collectives failed because a peer went away is discarded; the survivors go
 on at the next step with the mean over the replicas that remain; a restarted
 replica heals from a live peer at a step boundary (parameters, optimizer state,
-the step count and the mode's state: :mod:`distopt.fault_tolerance.healing`).
+the step count and the mode's state: :mod:`distopt.fault_tolerance.healing`). Compression and
+``join()`` work here too (docs/fault-tolerance.md).
 
 What lives here, one concept per module:
 
@@ -18,6 +19,7 @@ What lives here, one concept per module:
 - :mod:`.controller`: :class:`FaultTolerance`, a wrapper's quorum, commit and membership;
 - :mod:`.membership`: :class:`MembershipEvent`, who left or joined, when, at which step;
 - :mod:`.healing`: the state a replacement receives from a live peer;
+- :mod:`.compressor_state`: a compressor's state across a step: kept, put back, or what a healer takes;
 - :mod:`.sockets`: cutting a failed gloo group's connections, so that no peer waits out a timeout;
 - :mod:`.process_group`: torchft's gloo group with that cut (imports torchft when called);
 - :mod:`.manager`: :func:`make_manager`, a Manager with the timeouts this needs (imports torchft when called);

@@ -1,19 +1,29 @@
 """The engine's channel over a torchft ``Manager``: every pack's all-reduce goes through it.
 
-The engine talks to a *channel* whose ``group`` has ``allreduce(tensors, options)`` and
-``rank()``. Here that group sends each pack's sum on the manager's reconfigurable process
-group, after the step's quorum, with zeros from a replica that is healing, and returns a
-work whose ``wait()`` never raises: a failed collective is reported to the manager and to
-the :class:`~distopt.fault_tolerance.FaultTolerance` controller, which cuts the group's
-connections and has the step discarded. Only
-all-reduces travel here; the wrapper switches off every other collective of the engine
-(small sums as broadcasts, rows as gathers, the plan's broadcast) under fault tolerance.
+The engine talks to a *channel* whose ``group`` has ``allreduce(tensors, options)``,
+``rank()`` and ``size()``, and, for the compressors' codecs (:mod:`distopt.compression`),
+``allgather`` and ``alltoall_base``. Here that group issues each of them on the manager's
+reconfigurable process group, after the step's quorum, and returns a work whose ``wait()``
+never raises: a failed collective is reported to the manager and to the
+:class:`~distopt.fault_tolerance.FaultTolerance` controller, which cuts the group's
+connections and has the step discarded, on every replica alike (the path an all-reduce's
+failure takes). An all-reduce from a replica that heals carries zeros (its flags too, so
+that the mean is over the others, exactly); an all-gather or all-to-all travels as the
+codec made it, since a codec told ``Round.contributing=False`` sends zeros of its own
+encoding and must still send its share of a later stage (its chunk of a sum). The
+wrapper switches off the engine's other collectives (small sums as broadcasts, rows as
+gathers, the plan's broadcast) under fault tolerance.
+
+``rank()`` and ``size()`` are the process group's: every replica of the quorum is in it,
+those that heal too, and issues every collective.
 """
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, List, Optional, Protocol
+from typing import Any, Callable, List, Optional, Protocol
 
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import AllgatherOptions  # not re-exported by torch.distributed
 from torch import Tensor
 
 __all__ = ["ManagedChannel", "ManagedGroup", "ManagedWork", "Listener"]
@@ -35,9 +45,11 @@ class Listener(Protocol):
     def process_group(self) -> Any:
         """The manager's reconfigurable process group, or None to go through ``manager.allreduce``."""
 
-    @property
-    def rank(self) -> int:
-        """This replica's rank among the participants (0 while it heals)."""
+    def group_rank(self) -> int:
+        """This replica's rank in the manager's process group (healing replicas are in it too)."""
+
+    def group_size(self) -> int:
+        """Replicas in the manager's process group: the quorum, healing replicas included."""
 
 
 class ManagedWork:
@@ -108,14 +120,49 @@ class ManagedGroup:
             return ManagedWork(None, listener)
         return ManagedWork(work, listener)
 
+    def allgather(self, outputs: List[List[Tensor]], inputs: List[Tensor],
+                  options: Optional[Any] = None) -> ManagedWork:
+        """Every replica's ``inputs[0]`` into ``outputs[0]``, in process-group rank order (a codec's stage)."""
+        return self._issue("an all-gather", lambda group: group.allgather(
+            outputs, inputs, AllgatherOptions() if options is None else options))
+
+    def alltoall_base(self, output: Tensor, input: Tensor, output_splits: List[int], input_splits: List[int],
+                      options: Optional[Any] = None) -> ManagedWork:
+        """Chunk ``j`` of ``input`` to replica ``j``, chunk ``i`` of ``output`` from replica ``i`` (a codec's stage)."""
+        return self._issue("an all-to-all", lambda group: group.alltoall_base(
+            output, input, output_splits, input_splits, dist.AllToAllOptions() if options is None else options))
+
+    def _issue(self, what: str, call: Callable[[Any], Any]) -> ManagedWork:
+        listener = self.listener
+        listener.enter_round()
+        if listener.manager.errored() is not None:
+            return ManagedWork(None, listener)  # the step is lost already: send nothing more
+        group = listener.process_group()
+        if group is None:
+            raise RuntimeError(
+                f"the compressor's codec issues {what}, which under fault_tolerance travels on the torchft Manager's "
+                "process group (manager._pg), and this manager has none that distopt can reach; build it with "
+                "distopt.fault_tolerance.manager.make_manager(), or use a compressor that only all-reduces "
+                "(compression='fp16', 'bf16' or 'powersgd')"
+            )
+        try:
+            work = call(group)
+        except Exception as error:
+            listener.failed(error)
+            return ManagedWork(None, listener)
+        return ManagedWork(work, listener)
+
     def rank(self) -> int:
-        return self.listener.rank
+        return self.listener.group_rank()
+
+    def size(self) -> int:
+        return self.listener.group_size()
 
     def __getattr__(self, name: str) -> Any:
         raise RuntimeError(
-            f"under fault_tolerance the optimizer's collectives go through the torchft Manager, which only "
-            f"all-reduces; this path needs {name!r} (unfreezing parameters mid-training, or a compressor that "
-            "gathers, is not supported with fault_tolerance)"
+            f"under fault_tolerance the optimizer's collectives go through the torchft Manager's process group, "
+            f"in its commit protocol; this path needs {name!r}, which is not carried there (unfreezing parameters "
+            "mid-training is not supported with fault_tolerance)"
         )
 
 

@@ -13,7 +13,18 @@ Per step, with torchft's ``Manager`` (used duck-typed: this module never imports
    group's connections at once, so that every survivor still waiting on it fails too
    instead of waiting out gloo's timeout (:mod:`.sockets`).
 4. ``commit()``: ``manager.should_commit()``; False discards the step (the inner optimizer
-   does not step). A replacement that heals loads a live peer's state inside it.
+   does not step, and a compressor's state goes back to what it was before the round:
+   :mod:`.compressor_state`). A replacement that heals loads a live peer's state inside it.
+5. The next quorum says who was missing: a replica in the quorum of a discarded step and not
+   in the next one is named in ``last_failure`` and the log, as the stall inspector names a
+   rank that stopped answering.
+
+A replica inside ``join()`` that has run out of data *shadows* the others' steps
+(:meth:`FaultTolerance.commit` with ``joined=True``): it takes part in each quorum and
+collective with zeros and votes not to commit, so that it stays one step behind and heals
+from a replica that trained at the next quorum. It thus never serves a stale state to a
+replica that heals, and every replica leaves the block with the state of one that trained
+the longest.
 """
 from __future__ import annotations
 
@@ -23,8 +34,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from torch import Tensor
 
+from ..compression import Compressor
 from . import healing
 from .channel import ManagedChannel
+from .compressor_state import CompressorState
 from .membership import MembershipEvent, Record, diff
 
 __all__ = ["FaultTolerance", "check_arguments", "WorldCallback"]
@@ -37,7 +50,7 @@ WorldCallback = Callable[[MembershipEvent], None]
 _keys = [0]
 
 
-def check_arguments(manager: Any, *, shard_state: bool, compression: Any, bcast_period: int,
+def check_arguments(manager: Any, *, shard_state: bool, bcast_period: int,
                     process_group_size: int, reduce_op: str, local_sgd: bool = False, streaming: bool = False,
                     local_warmup: int = 0) -> None:
     """Refuse what fault tolerance cannot do, with the reason.
@@ -59,14 +72,6 @@ def check_arguments(manager: Any, *, shard_state: bool, compression: Any, bcast_
             "of the optimizer state, so a replica that dies takes that shard with it and a replacement has no live "
             "peer to heal it from. Use shard_state=False (every replica keeps the whole state, as torchft's own "
             "replica groups do)"
-        )
-    if compression is not None:
-        raise ValueError(
-            "compression is not supported with fault_tolerance yet. The quantisers (int8, int4) sum by an "
-            "all-to-all and an all-gather, which a torchft Manager's reconfigurable group does not carry through "
-            "its commit protocol; PowerSGD and the casts only all-reduce and could travel, but a heal would have "
-            "to carry the warm-started Q and the residuals taken before the round the healer already joined, "
-            "and that is not built or tested. Use compression=None"
         )
     if bcast_period > 0:
         raise ValueError(
@@ -111,12 +116,17 @@ class FaultTolerance:
         get_steps: the committed step count.
         set_steps: sets it (a replica that heals takes its peer's).
         on_world_change: called with each :class:`MembershipEvent` (inside ``step()``), or None.
+        compressor: the wrapper's compressor, whose state a discarded step puts back, or None.
+        compression_key: where ``state_dict`` holds the compressor's state.
     """
 
     def __init__(self, manager: Any, *, params: List[Tensor], state_dict: Callable[[], Dict[str, Any]],
                  load_state_dict: Callable[[Dict[str, Any]], None], get_steps: Callable[[], int],
-                 set_steps: Callable[[int], None], on_world_change: Optional[WorldCallback] = None) -> None:
+                 set_steps: Callable[[int], None], on_world_change: Optional[WorldCallback] = None,
+                 compressor: Optional[Compressor] = None, compression_key: str = "distopt_compression") -> None:
         self.manager = manager
+        self.compression = None if compressor is None else CompressorState(compressor)
+        self.compression_key = compression_key
         self.params = params
         self.on_world_change = on_world_change
         self.record = Record()
@@ -129,6 +139,7 @@ class FaultTolerance:
         self._sized = False  # the engine knows this step's world size
         self._failed = False
         self._healed = False
+        self._healed_now = False  # a peer's state was loaded inside this step's should_commit()
         self.participating = True
         # A quorum and a commit vote every step (synchronous training); False in local SGD, where the
         # mode asks for both at each sync.
@@ -137,6 +148,14 @@ class FaultTolerance:
         self._members: Tuple[int, ...] = ()
         self.world_size = 0
         self._rank: Optional[int] = None
+        # The manager's process group this step: this replica's rank in it and its size (healing
+        # replicas are members too), and the committed step count the quorum agrees on.
+        self._group: Tuple[int, int] = (0, 1)
+        self.quorum_step = 0
+        # Join: this replica has run out of data and shadows the others' steps (see the module).
+        self.joined = False
+        # The members of the quorum of the last discarded step, until the next quorum says who left.
+        self._unexplained: Optional[Tuple[int, ...]] = None
         _keys[0] += 1
         self.key = f"distopt_{_keys[0]}"
         manager.register_state_dict_fn(self.key, self._load, self._save)
@@ -182,7 +201,54 @@ class FaultTolerance:
             self.world_size = world
             self._rank = manager.participating_rank()
             self.participating = bool(manager.is_participating())
+            self.quorum_step = int(manager.current_step())  # a healing replica's is the quorum's already
+            self._group = self._group_place(world)
+            self._explain_failure()
+            if self.compression is not None:
+                self.compression.before_round()
             self._set_world(max(world, 1))
+
+    def _group_place(self, world: int) -> Tuple[int, int]:
+        """This replica's rank in the manager's process group and the group's size (every replica of the
+        quorum, healing ones included); without a group to ask, the participants'."""
+        group = self.process_group()
+        report = getattr(group, "members", None)  # distopt's cuttable group says what its last configure was
+        if report is not None:
+            return int(report[1]), int(report[2])
+        parent = getattr(group, "parent", None)  # torchft's reconfigurable groups wrap a torch group
+        if parent is not None and callable(getattr(parent, "size", None)):
+            return int(parent.rank()), int(parent.size())
+        return self._rank or 0, max(world, 1)
+
+    def group_rank(self) -> int:
+        """This replica's rank in the manager's process group this step."""
+        return self._group[0]
+
+    def group_size(self) -> int:
+        """Replicas in the manager's process group this step (the quorum, healing replicas included)."""
+        return self._group[1]
+
+    def _explain_failure(self) -> None:
+        """The quorum after a discarded step: name the replicas of the failed step that are not in it.
+
+        They stopped heartbeating to the lighthouse (killed, frozen, unreachable, or ended), which is
+        why the step's collectives failed or waited out the timeout: the stall inspector's question
+        ("who is missing?"), answered by the lighthouse.
+        """
+        before, self._unexplained = self._unexplained, None
+        report = getattr(self.process_group(), "members", None)
+        if before is None or report is None:
+            return
+        left, _ = diff(before, tuple(report[3]))
+        if not left:
+            return
+        who = (f"replica {left[0]} stopped answering" if len(left) == 1
+               else f"replicas {', '.join(map(str, left))} stopped answering")
+        cause = (f"{who}: {'it' if len(left) == 1 else 'they'} left the quorum after the discarded step (no "
+                 "heartbeat reached the lighthouse in time): killed, frozen, unreachable or ended")
+        self.record.last_failure = f"{self.record.last_failure}; {cause}" if self.record.last_failure else cause
+        self.record.missing = tuple(left)
+        logger.warning("distopt: the step discarded after step %d: %s", self.quorum_step, cause)
 
     def process_group(self) -> Any:
         """The manager's process group, reached directly (None: go through ``manager.allreduce``)."""
@@ -206,25 +272,49 @@ class FaultTolerance:
         """Whether this step's collectives failed (the engine reads nothing back then)."""
         return self._failed or self.manager.errored() is not None
 
-    def commit(self) -> bool:
+    def commit(self, joined: bool = False) -> bool:
         """``manager.should_commit()``: True if the inner optimizer may step (a healing replica has
-        taken its peer's state by then). Records the step and any change of membership."""
+        taken its peer's state by then). Records the step and any change of membership.
+
+        Args:
+            joined: this replica has run out of data (``join()``) and shadows the others' step: it
+                votes not to commit, so that it stays one step behind and heals from a replica that
+                trained at the next quorum (it never steps, so it must never be a replica that
+                another heals from).
+        """
         self.start()
         if not self._sized:
             self.enter_round()  # a step without a collective still takes part in the quorum
+        failed = self.round_failed()
         error = self.manager.errored()
+        self.joined = joined
+        if joined and error is None:
+            self.manager.report_error(RuntimeError(
+                "distopt: this replica has run out of data (join()) and shadows the others' steps"))
+        self._healed_now = False
         ok = bool(self.manager.should_commit())
         self._started = False
-        if ok:
+        if self.compression is not None:
+            self.compression.settle(committed=ok, healed=self._healed_now)
+        if joined:
+            self.record.shadowed += 1
+        elif ok:
             self.record.committed += 1
         else:
             self.record.discarded += 1
             self.record.last_failure = str(error).splitlines()[0] if error is not None else (
                 "too few replicas for min_replica_size, or a peer of this replica group failed")
+            self.record.missing = ()
             logger.warning("distopt: step %d discarded on this replica (%s)", self._get_steps() + 1,
                            self.record.last_failure)
+        if (failed or error is not None) and not (joined and error is None):
+            self._unexplained = self._members_now()
         self._observe()
         return ok
+
+    def _members_now(self) -> Tuple[int, ...]:
+        report = getattr(self.process_group(), "members", None)
+        return tuple(report[3]) if report is not None else ()
 
     def _observe(self) -> None:
         """Record a change of quorum (from the process group's report, else the world size and rank)."""
@@ -253,15 +343,23 @@ class FaultTolerance:
         return healing.snapshot(self.params, self._state_dict, self._get_steps())
 
     def _load(self, state: Dict[str, Any]) -> None:
+        optimizer = state.get("optimizer")
+        if self.compression is not None and isinstance(optimizer, dict):
+            # Not loaded as it came: commit() decides what of it a healing replica takes (compressor_state).
+            optimizer = dict(optimizer)
+            self.compression.take_peer(optimizer.pop(self.compression_key, None))
+            state = dict(state, optimizer=optimizer)
         healing.restore(state, self.params, self._load_state_dict, self._set_steps)
-        self._healed = True
-        self.record.heals += 1
+        self._healed_now = True
+        if not self.joined:  # a replica that shadows takes a peer's state at every step: no event for it
+            self._healed = True
+            self.record.heals += 1
 
     def stats(self) -> Dict[str, Any]:
         """What ``opt.stats.fault_tolerance`` shows."""
         last = self.record.events[-1] if self.record.events else None
         return {
             "world_size": self.world_size, "rank": self._rank, "committed": self.record.committed,
-            "discarded": self.record.discarded, "heals": self.record.heals,
-            "last_failure": self.record.last_failure, "last_event": last,
+            "discarded": self.record.discarded, "heals": self.record.heals, "shadowed": self.record.shadowed,
+            "last_failure": self.record.last_failure, "missing": self.record.missing, "last_event": last,
         }

@@ -7,7 +7,8 @@ state as everyone, and is bitwise identical after its first step.
 
 The state is the wrapper's whole: the parameters it tracks, ``opt.state_dict()`` (the
 inner optimizer's state; in local SGD the anchors, the steps since the last sync and the
-outer optimizer; a compressor's state), and the step count.
+outer optimizer; a compressor's state, of which the controller decides what the healer
+takes: :mod:`distopt.fault_tolerance.compressor_state`), and the step count.
 """
 from __future__ import annotations
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional, Tuple
 
-__all__ = ["MembershipEvent", "diff"]
+__all__ = ["MembershipEvent", "Record", "diff"]
 
 
 @dataclass(frozen=True)
@@ -65,8 +65,13 @@ class Record:
         events: every membership change seen, oldest first.
         committed: steps committed.
         discarded: steps discarded (a collective failed, or too few replicas).
-        heals: times this replica received a peer's state.
-        last_failure: the error of the last discarded step, in words ("" if none).
+        heals: times this replica received a peer's state to train on (not counted: the state a
+            replica that shadows after ``join()`` takes at each step).
+        last_failure: the error of the last discarded step, in words ("" if none), and, once the
+            next quorum is known, which replicas of that step stopped answering.
+        missing: those replicas (torchft's replica numbers), or empty.
+        shadowed: steps this replica shadowed after it ran out of data (``join()``), not counted
+            as committed or discarded.
     """
 
     events: List[MembershipEvent] = field(default_factory=list)
@@ -74,3 +79,5 @@ class Record:
     discarded: int = 0
     heals: int = 0
     last_failure: str = ""
+    missing: Tuple[int, ...] = ()
+    shadowed: int = 0

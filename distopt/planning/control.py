@@ -19,7 +19,7 @@ of their own:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List
+from typing import Any, List, Optional
 
 import torch
 from torch import Tensor
@@ -78,8 +78,15 @@ class Totals:
         """
         return cls(*(int(round(v.real * world_size if averaged else v.real)) for v in flags))
 
-    def check(self, world_size: int) -> None:
+    def check(self, world_size: Optional[int]) -> None:
         """Raise the same error on every rank if the ranks are not in step with each other.
+
+        Args:
+            world_size: ranks whose flags are in the sums, or None where that is not known (under
+                fault tolerance a replica that heals sends no flags, and at a job's first step torchft
+                counts the replicas that take the primary's state among the participants). Unknown,
+                a mix is caught only where it shows in the sums: fewer ranks in a join block than
+                contributing ones (a replica that has joined is always inside one).
 
         Raises:
             RuntimeError: some ranks reduced during backward and others only inside ``step()``,
@@ -88,10 +95,11 @@ class Totals:
         """
         if self.during_backward and self.inside_step:
             raise RuntimeError(_MIXED_ROUND)
-        if self.in_join not in (0, world_size):
+        if self._mixed(self.in_join, world_size):
             # Said to ranks inside a block too, so it names what differs rather than asking for a block.
+            of = f"{world_size} ranks" if world_size is not None else "the replicas"
             raise RuntimeError(
-                f"{self.in_join} of {world_size} ranks are inside a join block of this optimizer and the others are "
+                f"{self.in_join} of {of} are inside a join block of this optimizer and the others are "
                 f"not (they are outside any block, or in a block over other optimizers): {SAME_JOIN_BLOCK}"
             )
         if self.odd_steps not in (0, self.counts_steps):
@@ -103,11 +111,17 @@ class Totals:
                 "did not (a synchronize() before backward() on some ranks only); call step() once per batch, and "
                 "synchronize() alike, on every rank"
             )
-        if self.divide_by_world not in (0, world_size):
+        if self._mixed(self.divide_by_world, world_size):
             raise RuntimeError(
-                f"{self.divide_by_world} of {world_size} ranks called opt.join(divide_by_world=True) and the others "
-                "divide_by_world=False; pass the same value on every rank"
+                f"{self.divide_by_world} of {world_size or 'the'} ranks called opt.join(divide_by_world=True) and "
+                "the others divide_by_world=False; pass the same value on every rank"
             )
+
+    def _mixed(self, count: int, world_size: Optional[int]) -> bool:
+        """Whether some of the ranks raised a flag and others did not (see :meth:`check`)."""
+        if world_size is None:
+            return 0 < count < self.contributing
+        return count not in (0, world_size)
 
     def rescale(self, world_size: int, mean: bool) -> float:
         """Factor that turns a mean over the world into a mean over the contributing ranks (1: none)."""

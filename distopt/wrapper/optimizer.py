@@ -252,15 +252,15 @@ class DistributedOptimizer(InnerOptimizerSurface):
         # ---- fault tolerance (distopt.fault_tolerance): the replicas' world is the manager's, per step.
         self.fault_tolerance: Optional[ft.FaultTolerance] = None
         if fault_tolerance is not None:
-            ft.check_arguments(fault_tolerance, shard_state=self.shard_state, compression=self.compressor,
-                               bcast_period=self.bcast_period, process_group_size=self.world_size,
-                               reduce_op=reduce_op, local_sgd=local, streaming=streaming,
-                               local_warmup=int(local_warmup))
+            ft.check_arguments(fault_tolerance, shard_state=self.shard_state, bcast_period=self.bcast_period,
+                               process_group_size=self.world_size, reduce_op=reduce_op, local_sgd=local,
+                               streaming=streaming, local_warmup=int(local_warmup))
             self.check_every = 0  # the drift check's all-gather has no place in the manager's all-reduces
             self._drift = DriftCheck(0, self.drift_atol, self.drift_rtol, self.on_drift)
             self.fault_tolerance = ft.FaultTolerance(
                 fault_tolerance, params=[], state_dict=self.state_dict, load_state_dict=self.load_state_dict,
-                get_steps=lambda: self._engine.steps, set_steps=lambda n: self._context.set_steps(n))
+                get_steps=lambda: self._engine.steps, set_steps=lambda n: self._context.set_steps(n),
+                compressor=self.compressor, compression_key=COMPRESSION_KEY)
         # ----
         if isinstance(root_rank, bool) or not isinstance(root_rank, int) or not 0 <= root_rank < self.world_size:
             raise ValueError(
@@ -673,21 +673,27 @@ class DistributedOptimizer(InnerOptimizerSurface):
             channel=self.fault_tolerance.channel(), scale=1.0 if mean else None,  # type: ignore[arg-type]
             op=dist.ReduceOp.SUM,
             pack_threshold=DEFAULT_PACK_THRESHOLD if self.pack_threshold == "auto" else self.pack_threshold,
-            compressor=None, sparse_as_dense=self.sparse_as_dense, backward_passes_per_step=backward_passes_per_step,
-            root_rank=0, world_size=1, mean=mean, progress=None,
+            compressor=self.compressor, sparse_as_dense=self.sparse_as_dense,
+            backward_passes_per_step=backward_passes_per_step, root_rank=0, world_size=1, mean=mean, progress=None,
         )
         engine.gather_sum_limit = 0  # small sums as broadcasts: the manager only all-reduces
         engine.forbid_rows()  # rows as gathers: likewise
+        engine.flags_from_all = False  # a healing replica sends no flags; torchft's count may include it
         engine.round_failed = self.fault_tolerance.round_failed
         engine.on_round_open = self.fault_tolerance.enter_round
         return engine
 
     def _set_world(self, world: int) -> None:
         """Fault tolerance: ``world`` replicas take part in this step (before its first collective)."""
+        assert self.fault_tolerance is not None
+        engine = self._engine
         self.world_size = world
-        self._engine.world_size = world
+        engine.world_size = world
         if self.reduce_op == "mean":
-            self._engine.scale = 1.0 / world
+            engine.scale = 1.0 / world
+        # A codec's round: whether this replica contributes (not while it heals) and the quorum's step count.
+        engine.participating = self.fault_tolerance.participating
+        engine.quorum_step = self.fault_tolerance.quorum_step
         self._context.world_size = world
 
     def _commit_or_discard(self, closure: Optional[Callable[[], Any]]) -> bool:
@@ -858,13 +864,22 @@ class DistributedOptimizer(InnerOptimizerSurface):
 
     def _shadow_alone(self, final: Optional[Callable[[], None]]) -> None:
         """Shadow the others' rounds until every rank has joined (one optimizer)."""
-        engine = self._engine
+        engine, ft = self._engine, self.fault_tolerance
         while True:
             if final is None:
                 engine.shadow_launch()
-            if not engine.shadow_finish(final):
-                break
+            contributors = engine.shadow_finish(final)
             final = None
+            if ft is not None:
+                # Each shadow round is a step of the quorum: vote it down (this replica then heals from one
+                # that trained, at the next quorum). A round whose collectives failed read no flags: who
+                # still contributes is unknown, so shadow the next one.
+                failed = ft.round_failed()
+                ft.commit(joined=True)
+                if failed:
+                    continue
+            if not contributors:
+                break
             self._follow_shadow_round()
 
     def _shadow_poll(self, final: Optional[Callable[[], None]]) -> Optional[bool]:
@@ -904,6 +919,13 @@ class DistributedOptimizer(InnerOptimizerSurface):
         meet in one final exchange, and all of them then contributed to it, whatever their counts.
         """
         engine, ctx = self._engine, self._context
+        if self.fault_tolerance is not None:
+            # Nothing to exchange: every replica took the state of one that trained the longest in the last
+            # shadow round's heal (they all voted it down, so none moved past it).
+            engine.contributors = self.world_size
+            engine.contributed_last = True
+            engine.reset_round()
+            return self.fault_tolerance.rank
         mine = torch.tensor([int(engine.contributed_last), engine.steps], dtype=torch.int64)
         with stalls.inspected(engine.progress, "the exchange at the end of the join block"):
             everyone: List[Tensor] = collectives.all_gather(mine, group=ctx.group)
@@ -958,10 +980,7 @@ def join(*optimizers: DistributedOptimizer, divide_by_world: bool = False) -> It
         )
     for opt in optimizers:
         if opt.fault_tolerance is not None:
-            raise RuntimeError(
-                "join() is not available with fault_tolerance: a replica that runs out of data simply leaves (it "
-                "calls manager.shutdown() and exits) and the others go on without it from their next quorum; "
-                "uneven inputs need no shadow rounds there")
+            _check_fault_tolerant_join(opt, len(optimizers), divide_by_world)
     previous = [opt._enter_join(divide_by_world) for opt in optimizers]
     _in_blocks.update(id(opt) for opt in optimizers)
     try:
@@ -983,7 +1002,8 @@ def join_and_wait(optimizers: Sequence[DistributedOptimizer]) -> int:
         that contributed to the last round with contributors (the last to join), the one
         that took the most steps, the highest of those.
     """
-    optimizers = [opt for opt in optimizers if opt.world_size > 1]
+    # Under fault tolerance the world is the quorum's, step by step: a replica shadows whatever it is now.
+    optimizers = [opt for opt in optimizers if opt.world_size > 1 or opt.fault_tolerance is not None]
     if not optimizers:
         return 0
     finals = [opt._start_joined() for opt in optimizers]
@@ -996,6 +1016,31 @@ def join_and_wait(optimizers: Sequence[DistributedOptimizer]) -> int:
         for opt in optimizers:
             opt._engine.joined = False
     return [opt._settle_join() for opt in optimizers][0]
+
+
+def _check_fault_tolerant_join(opt: DistributedOptimizer, count: int, divide_by_world: bool) -> None:
+    """Refuse what join() cannot do under fault tolerance, with the reason.
+
+    Raises:
+        ValueError: ``divide_by_world=True``.
+        RuntimeError: several optimizers in one block, or local SGD.
+    """
+    if divide_by_world:
+        raise ValueError(
+            "join(divide_by_world=True) cannot be combined with fault_tolerance: the world there is the quorum of "
+            "each step, and a replica that has joined heals at every step instead of taking part, so it is not "
+            "counted in it; use join() (the mean over the replicas that contributed to the step)")
+    if count > 1:
+        raise RuntimeError(
+            "join() over several optimizers is not supported with fault_tolerance: each optimizer's steps are "
+            "quorums and commit votes of its own manager, and a replica that has joined shadows one of them at a "
+            "time; join one fault-tolerant optimizer per block")
+    if opt.fault_tolerance is not None and not opt.fault_tolerance.per_step:  # a quorum per sync, not per step
+        raise RuntimeError(
+            "join() is not supported with fault_tolerance in local SGD or DiLoCo: between two syncs the others ask "
+            "for no quorum, so replicas that have joined and ask for one at once could form a quorum of their own, "
+            "see no contributor and leave the block before the others' last sync. A replica that runs out of data "
+            "can leave instead (manager.shutdown() and exit): the others go on without it from their next sync")
 
 
 def _shadow_together(optimizers: Sequence[DistributedOptimizer], finals: List[Optional[Callable[[], None]]]) -> None:

@@ -9,6 +9,15 @@ makes the process SIGKILL itself at a step, inside backward (after its first pac
 or between steps, once ``world`` replicas (default 1) train together: replicas start at
 different times on a loaded host, and a kill meant to land in a step of three must not
 land in a step that a late starter has not joined yet.
+
+Modes (tests/fault_tolerance/test_fault_tolerance_modes.py): ``compression`` (a name, or
+``"powersgd:R:S"`` for PowerSGD of rank R from step S; the hash then covers PowerSGD's Q,
+which must be the same on every replica), ``optimizer`` (``"sgd"``), ``same_init`` (every
+replica draws the same initial parameters) and ``batches`` (the replica has that many
+batches: it trains inside ``opt.join()`` while the committed step count is below it, then
+shadows the others; after the block it logs ``final`` with the hash and saves its parameters
+to ``<out>.pt``). A ``kill`` with ``"where": "shadow"`` SIGKILLs a replica that has joined
+after it shadowed ``after`` steps.
 """
 import hashlib
 import json
@@ -38,6 +47,10 @@ def digest(model, opt):
     h = hashlib.sha256()
     for p in model.parameters():
         h.update(p.detach().numpy().tobytes())
+    if compressor is not None and compressor.name == "powersgd":  # Q is the same on every replica
+        qs = compressor.state_dict()["qs"]
+        for key in sorted(qs):
+            h.update(qs[key].detach().numpy().tobytes())
     if local:
         mine = opt.state_dict()["distopt_local_sgd"]
         tensors = list(mine["anchors"]) + ([v for st in mine["outer"]["state"].values() for v in st.values()]
@@ -56,7 +69,8 @@ manager = make_manager(
     store_port=store.port, hostname="127.0.0.1", timeout=spec.get("timeout", 3.0), rank=0, world_size=1,
     quorum_timeout=spec.get("quorum_timeout", 30.0),
 )
-torch.manual_seed(spec.get("seed", 0) + 1000 * spec["replica"])  # different inits: init_sync heals them
+# Different inits (init_sync heals them), or the same one where a test computes the expected parameters.
+torch.manual_seed(spec.get("seed", 0) + (0 if spec.get("same_init") else 1000 * spec["replica"]))
 width = spec.get("width", 64)
 model = torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.Tanh(), torch.nn.Linear(width, width), torch.nn.Tanh(),
                             torch.nn.Linear(width, 1))
@@ -66,8 +80,17 @@ if local:
     extra["sync_every"] = spec["sync_every"]
     if spec.get("outer"):
         extra["outer_optimizer"] = lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.5, nesterov=True)
-opt = distopt.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=spec.get("lr", 1e-2)),
-                                   pack_threshold=spec.get("pack_threshold", 4096), fault_tolerance=manager, **extra)
+compressor = None
+if spec.get("compression"):
+    name, *args = spec["compression"].split(":")
+    compressor = (distopt.compression.PowerSGD(rank=int(args[0]), start_step=int(args[1])) if name == "powersgd" and args
+                  else distopt.compression.resolve(name))
+    extra["compression"] = compressor
+inner = (torch.optim.SGD(model.parameters(), lr=spec.get("lr", 0.05)) if spec.get("optimizer") == "sgd"
+         else torch.optim.Adam(model.parameters(), lr=spec.get("lr", 1e-2)))
+opt = distopt.DistributedOptimizer(inner, pack_threshold=spec.get("pack_threshold", 4096), fault_tolerance=manager,
+                                   **extra)
+log(distopt=distopt.__file__)
 kill = spec.get("kill")  # {"step": n, "where": "backward" | "between", "world": m} or {"where": "heal"}
 
 
@@ -120,26 +143,66 @@ if kill and kill["where"] == "exchange":  # local SGD: die inside a sync's excha
 
     opt._engine._send = send_then_die
 
+if kill and kill["where"] == "shadow":  # a replica that has joined dies while it shadows the others
+    commit = opt.fault_tolerance.commit
+
+    def commit_then_die(joined=False):
+        if joined and opt.fault_tolerance.record.shadowed >= kill.get("after", 1):
+            log(dying="shadow", step=manager.current_step())
+            os.kill(os.getpid(), signal.SIGKILL)
+        return commit(joined)
+
+    opt.fault_tolerance.commit = commit_then_die
+
 pace = spec.get("pace", 0.0)
 until_world, streak = spec.get("until_world"), 0
 last_committed = 0
-while True:
-    if kill and kill["where"] == "between" and armed():
-        log(dying="between", step=manager.current_step())
-        os.kill(os.getpid(), signal.SIGKILL)
-    t0 = time.time()
+
+
+def train_step():
+    """One step; returns the loss and whether the step committed."""
+    before = opt.fault_tolerance.record.committed
     opt.zero_grad()
     x, y = batch(manager.current_step())
     loss = torch.nn.functional.mse_loss(model(x), y)
     loss.backward()
     opt.step()
+    return loss, opt.fault_tolerance.record.committed > before
+
+
+if "batches" in spec:  # uneven inputs: this replica's data ends at its own step count
+    with opt.join():
+        while manager.current_step() < spec["batches"]:
+            if kill and kill["where"] == "between" and armed():
+                log(dying="between", step=manager.current_step())
+                os.kill(os.getpid(), signal.SIGKILL)
+            t0 = time.time()
+            loss, ok = train_step()
+            ft = opt.stats.fault_tolerance
+            log(step=manager.current_step(), committed=ft["committed"], discarded=ft["discarded"], loss=loss.item(),
+                world=ft["world_size"], part=opt.fault_tolerance.participating, ok=ok, t0=t0,
+                inner=opt._engine.steps, digest=digest(model, opt))
+            if pace:
+                time.sleep(pace)
+    ft = opt.stats.fault_tolerance
+    torch.save([p.detach() for p in model.parameters()], spec["out"] + ".pt")
+    log(final=digest(model, opt), step=manager.current_step(), inner=opt._engine.steps, shadowed=ft["shadowed"])
+    spec["steps"] = 0  # done: the loop below is not entered
+
+while "batches" not in spec:
+    if kill and kill["where"] == "between" and armed():
+        log(dying="between", step=manager.current_step())
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.time()
+    loss, ok = train_step()
     dt = time.time() - t0
     ft = opt.stats.fault_tolerance
     synced = not local or ft["committed"] != last_committed  # local SGD: hashes compared right after a sync
     last_committed = ft["committed"]
     fields = dict(digest=digest(model, opt)) if synced and spec.get("digest", True) else {}
     log(step=manager.current_step(), committed=ft["committed"], discarded=ft["discarded"], loss=loss.item(),
-        world=ft["world_size"], t0=t0, dt=dt, inner=opt._engine.steps, **fields)
+        world=ft["world_size"], t0=t0, dt=dt, inner=opt._engine.steps, part=opt.fault_tolerance.participating, ok=ok,
+        last_failure=ft["last_failure"], missing=list(ft["missing"]), **fields)
     if pace:
         time.sleep(pace)
     streak = streak + 1 if ft["world_size"] == until_world else 0

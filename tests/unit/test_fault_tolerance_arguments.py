@@ -44,9 +44,7 @@ def test_a_non_manager_is_refused_with_what_it_lacks() -> None:
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"shard_state": True}, "shard_state=True cannot be combined with fault_tolerance: each rank holds the only copy"),
-    ({"compression": "fp16"}, "compression is not supported with fault_tolerance"),
     ({"bcast_period": 5}, "bcast_period > 0 cannot be combined"),
-    ({"compression": "int8"}, "all-to-all and an all-gather"),
     ({"sync_every": 4, "sync_fragments": 2}, "streaming local SGD .* is not supported with fault_tolerance"),
     ({"sync_every": 4, "local_warmup": 2}, "local_warmup > 0 cannot be combined with fault_tolerance"),
 ])
@@ -60,13 +58,33 @@ def test_local_sgd_is_accepted_and_votes_per_sync_not_per_step() -> None:
     assert opt.fault_tolerance.per_step is False  # the quorum and the vote belong to each sync
 
 
-def test_join_check_drift_and_closures_are_refused() -> None:
+@pytest.mark.parametrize("compression", ["fp16", "bf16", "int8", "int4", "powersgd"])
+def test_every_compressor_is_accepted(compression: str) -> None:
+    opt = distopt.DistributedOptimizer(_opt(), fault_tolerance=RecordingManager(), compression=compression)
+    assert opt.fault_tolerance.compression is not None and opt._engine.compressor is opt.compressor
+
+
+def test_what_join_cannot_do_is_refused_with_the_reason() -> None:
+    opt = distopt.DistributedOptimizer(_opt(), fault_tolerance=RecordingManager())
+    with pytest.raises(ValueError, match="divide_by_world=True\\) cannot be combined with fault_tolerance"):
+        with opt.join(divide_by_world=True):
+            pass
+    other = distopt.DistributedOptimizer(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1),
+                                         fault_tolerance=RecordingManager())
+    with pytest.raises(RuntimeError, match="join\\(\\) over several optimizers is not supported"):
+        with distopt.join(opt, other):
+            pass
+    local = distopt.DistributedOptimizer(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1),
+                                         fault_tolerance=RecordingManager(), sync_every=4)
+    with pytest.raises(RuntimeError, match="join\\(\\) is not supported with fault_tolerance in local SGD"):
+        with local.join():
+            pass
+
+
+def test_check_drift_and_closures_are_refused() -> None:
     manager = RecordingManager()
     opt = distopt.DistributedOptimizer(_opt(), fault_tolerance=manager)
     assert len(manager.registered) == 1  # the state a replacement heals from
-    with pytest.raises(RuntimeError, match="join\\(\\) is not available with fault_tolerance"):
-        with opt.join():
-            pass
     with pytest.raises(RuntimeError, match="check_drift\\(\\) is not available"):
         opt.check_drift()
     with pytest.raises(RuntimeError, match="closure"):
