@@ -237,6 +237,11 @@ DISTOPT_SPECS: Tuple[DistoptSpec, ...] = (
                 more=(("sync_fragments", 4), ("sync_overlap", 2), ("sync_mixing", 0.5))),
     DistoptSpec(f"stream{STREAM_PERIOD}", sync_every=STREAM_PERIOD, diloco=True, baseline=f"diloco{STREAM_PERIOD}",
                 more=(("sync_fragments", 4), ("sync_overlap", 2), ("sync_mixing", 0.5))),
+    # Twice the period: half the fragments' arithmetic per step, for models whose step is short (the mlp).
+    DistoptSpec(f"diloco{2 * STREAM_PERIOD}", sync_every=2 * STREAM_PERIOD, diloco=True),
+    DistoptSpec(f"stream{2 * STREAM_PERIOD}-int4", "int4", sync_every=2 * STREAM_PERIOD, diloco=True,
+                baseline=f"diloco{2 * STREAM_PERIOD}",
+                more=(("sync_fragments", 4), ("sync_overlap", 2), ("sync_mixing", 0.5))),
 )
 
 #: Every contender, by name, in run order.
