@@ -36,6 +36,7 @@ import copy
 import hashlib
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -74,7 +75,8 @@ def worker(spec: Dict[str, Any]) -> None:
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     manager = make_manager(
         replica_id=f"replica_{replica}", lighthouse=spec["lighthouse"], store_addr="127.0.0.1", store_port=store.port,
-        hostname="127.0.0.1", timeout=30.0, quorum_timeout=120.0, rank=0, world_size=1, min_replicas=replicas,
+        hostname="127.0.0.1", timeout=30.0, quorum_timeout=120.0, rank=0, world_size=1,
+        min_replicas=spec["min_replicas"],
         # The same seed on every replica: no replica needs the primary's parameters at step 0.
         init_sync=False,
         # torchft's DiLoCo refuses an asynchronous quorum; distopt runs with the Manager's default.
@@ -87,7 +89,12 @@ def worker(spec: Dict[str, Any]) -> None:
     def counted(tensors: List[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
         calls[0] += 1
         sent[0] += sum(t.numel() * t.element_size() for t in tensors)
-        return allreduce(tensors, *args, **kwargs)
+        work = allreduce(tensors, *args, **kwargs)
+        if spec["kill"] and manager.current_step() >= 1:  # inside the second sync, its first all-reduce under way
+            out.write(json.dumps(dict(dying=manager.current_step(), t=time.time())) + "\n")
+            out.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return work
 
     group.allreduce = counted  # both contenders' pseudo-gradients go through the manager's group
     should_commit = manager.should_commit
@@ -125,6 +132,15 @@ def worker(spec: Dict[str, Any]) -> None:
                                                outer_optimizer=outer_factory)
         context = contextlib.nullcontext()
 
+    # Start together: the lighthouse admits a replica it has heard from (heartbeats) into a quorum within its
+    # join timeout, but one still importing torch may be left out of the first sync.
+    ready = [Path(spec["dir"]) / f"{contender}{r}.ready" for r in range(replicas)]
+    ready[replica].touch()
+    deadline = time.time() + 120
+    while not all(path.exists() for path in ready):
+        if time.time() > deadline:
+            raise TimeoutError("the other replicas did not start within 120 s")
+        time.sleep(0.01)
     losses: List[float] = []
     with context:
         for step in range(spec["steps"]):
@@ -141,7 +157,7 @@ def worker(spec: Dict[str, Any]) -> None:
             out.write(json.dumps(dict(step=step, loss=losses[-1], total=t2 - t0, step_s=t2 - t1,
                                       calls=calls[0] - before[0], bytes=sent[0] - before[1],
                                       vote=voting[0] - before[2],
-                                      committed=manager.current_step())) + "\n")
+                                      committed=manager.current_step(), t=time.time())) + "\n")
 
     # The global model: the parameters at the last sync, and the outer optimizer's momentum.
     if contender.startswith("torchft"):
@@ -170,18 +186,25 @@ def worker(spec: Dict[str, Any]) -> None:
 # ---------------------------------------------------------------------------------------------- the job
 
 
-def run_job(contender: str, replicas: int, sync_every: int, steps: int, tmp: Path) -> List[List[Dict[str, Any]]]:
-    """Start a lighthouse and the replicas, wait for them; each replica's JSON lines."""
+def run_job(contender: str, replicas: int, sync_every: int, steps: int, tmp: Path,
+            kill: bool = False) -> List[List[Dict[str, Any]]]:
+    """Start a lighthouse and the replicas, wait for them; each replica's JSON lines.
+
+    With ``kill``, the last replica SIGKILLs itself inside the second sync and the others go on.
+    """
     from torchft._torchft import LighthouseServer
 
-    # min_replicas = all of them: a replica that starts late must not find a quorum formed without it.
-    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=replicas, join_timeout_ms=1000, quorum_tick_ms=10,
-                                  heartbeat_timeout_ms=5000)
+    # Without a kill, min_replicas = all of them: no quorum can form without a replica that starts late.
+    # With one, the survivors must form quorums alone; the dead replica is dropped 300 ms after its last
+    # heartbeat (the timeouts of docs/fault-tolerance.md).
+    lighthouse = LighthouseServer(bind="[::]:0", min_replicas=1 if kill else replicas, join_timeout_ms=1000,
+                                  quorum_tick_ms=10, heartbeat_timeout_ms=300 if kill else 5000)
     procs: List[subprocess.Popen] = []
     try:
         for r in range(replicas):
             spec = dict(contender=contender, replica=r, replicas=replicas, sync_every=sync_every, steps=steps,
-                        lighthouse=lighthouse.address(), out=str(tmp / f"{contender}{r}.jsonl"))
+                        kill=kill and r == replicas - 1, min_replicas=1 if kill else replicas,
+                        lighthouse=lighthouse.address(), out=str(tmp / f"{contender}{r}.jsonl"), dir=str(tmp))
             procs.append(subprocess.Popen([sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
                                           env=ENV, stdout=subprocess.DEVNULL, stderr=open(tmp / f"{contender}{r}.err", "w")))
         for p in procs:
@@ -196,6 +219,9 @@ def run_job(contender: str, replicas: int, sync_every: int, steps: int, tmp: Pat
     for r, p in enumerate(procs):
         path = tmp / f"{contender}{r}.jsonl"
         lines = [json.loads(s) for s in path.read_text().splitlines()] if path.exists() else []
+        if kill and r == replicas - 1 and p.returncode == -signal.SIGKILL and any("dying" in e for e in lines):
+            logs.append(lines)
+            continue
         if p.returncode != 0 or not lines or not lines[-1].get("final"):
             err = (tmp / f"{contender}{r}.err").read_text()[-3000:]
             raise RuntimeError(f"{contender} replica {r} exited {p.returncode}:\n{err}")
@@ -227,6 +253,22 @@ def summarize(logs: List[List[Dict[str, Any]]], sync_every: int) -> Dict[str, An
     )
 
 
+def summarize_kill(logs: List[List[Dict[str, Any]]]) -> Dict[str, Any]:
+    """A run with a kill: the survivors' failed sync, and the time from the death to their next committed sync."""
+    death = next(e for e in logs[-1] if "dying" in e)
+    out: Dict[str, Any] = dict(failed=[], next=[], local_steps=[], committed=[], identical=True)
+    for log in logs[:-1]:
+        steps = [e for e in log if "step" in e]
+        failed = next(e for e in steps if e["calls"] > 0 and e["t"] > death["t"])  # the sync it died in
+        nxt = next(e for e in steps if e["committed"] > death["dying"])
+        out["failed"].append(failed["step_s"])
+        out["next"].append(nxt["t"] - death["t"])
+        out["local_steps"].append(nxt["step"] - failed["step"] - 1)
+        out["committed"].append(log[-1]["committed"])
+    out["identical"] = len({log[-1]["digest"] for log in logs[:-1]}) == 1
+    return out
+
+
 def uptime() -> str:
     try:
         return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
@@ -243,6 +285,8 @@ def main() -> None:
     parser.add_argument("--sync-every", type=int, default=16)
     parser.add_argument("--syncs", type=int, default=4, help="inner steps = syncs * sync_every")
     parser.add_argument("--rounds", type=int, default=3, help="runs per contender, alternating")
+    parser.add_argument("--kill-trials", type=int, default=2,
+                        help="runs per contender where a replica dies inside the second sync")
     parser.add_argument("--contenders", default=",".join(CONTENDERS), help=f"a subset of {','.join(CONTENDERS)}")
     args = parser.parse_args()
     contenders = tuple(c for c in CONTENDERS if c in args.contenders.split(","))
@@ -264,6 +308,19 @@ def main() -> None:
                   f"(first {s['first_sync'] * 1e3:.0f} ms, commit vote {s['vote'] * 1e3:.1f} ms), {s['calls']:.0f} all-reduces / {s['bytes'] / 2**20:.2f} MiB "
                   f"per sync at steps {s['sync_steps']}, {s['committed']} committed, train loss {s['train_loss']:.4f}, "
                   f"val loss {s['val_loss']:.4f}, replicas identical: {s['identical']}", flush=True)
+    if args.kill_trials:
+        print(f"a replica SIGKILLed inside the second sync (its first all-reduce issued), "
+              f"{args.kill_trials} trials per contender, alternating:")
+    kills: Dict[str, List[Dict[str, Any]]] = {c: [] for c in contenders}
+    for k in range(args.kill_trials):
+        for contender in (contenders if k % 2 == 0 else contenders[::-1]):
+            with tempfile.TemporaryDirectory() as d:
+                s = summarize_kill(run_job(contender, args.replicas, args.sync_every, steps, Path(d), kill=True))
+            kills[contender].append(s)
+            print(f"  trial {k + 1} {contender:8s}: the survivors' failed sync step() "
+                  f"{', '.join(f'{x * 1e3:.0f}' for x in s['failed'])} ms; next committed sync "
+                  f"{', '.join(f'{x:.2f}' for x in s['next'])} s after the death, {s['local_steps'][0]} local steps "
+                  f"later; syncs committed at the end {s['committed']}", flush=True)
     print(f"at end: {uptime()}")
     print("\nmedians over rounds (min-max):")
     print("| contender | local step, ms | its step(), ms | sync step(), ms | of which commit vote, ms | all-reduces / MiB per sync "
@@ -274,7 +331,7 @@ def main() -> None:
         xs = [r[key] * scale for r in runs]
         return f"{statistics.median(xs):{fmt}} ({min(xs):{fmt}}-{max(xs):{fmt}})"
 
-    for c, runs in results.items():
+    for c, runs in ((c, runs) for c, runs in results.items() if runs):
         print(f"| {c} | {cell(runs, 'local_total')} | {cell(runs, 'local_step', fmt='.2f')} | {cell(runs, 'sync_step')} | {cell(runs, 'vote')} "
               f"| {runs[0]['calls']:.0f} / {runs[0]['bytes'] / 2**20:.2f} | {runs[0]['committed']} "
               f"| {cell(runs, 'train_loss', 1, '.4f')} | {cell(runs, 'val_loss', 1, '.4f')} "
