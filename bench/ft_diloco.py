@@ -1,6 +1,7 @@
 """DiLoCo under fault tolerance, measured: torchft's own ``DiLoCo`` against distopt's.
 
     RUST_LOG=warn PYTHONPATH=. python bench/ft_diloco.py [--replicas 2] [--sync-every 16] [--syncs 4] [--rounds 3]
+        [--kill-trials 2] [--contenders torchft,torchft-bucketized,distopt]
 
 Needs torchft (``pip install -e ".[ft]"``; measured with torchft 0.2.0). Both contenders train
 the same thing on loopback: ``--replicas`` replica processes (one each, gloo, distopt's
@@ -27,6 +28,12 @@ group); the all-reduce calls and bytes handed to the process group per sync (cou
 wrapping ``manager._pg.allreduce``, which both go through); the training loss averaged over the
 last H steps and replicas; the validation loss of the global model (the parameters at the last
 sync) after the run; whether every replica's global model and outer momentum end bitwise alike.
+
+Then ``--kill-trials`` runs per contender where the last replica SIGKILLs itself inside the
+second sync (right after issuing its first all-reduce) and the others go on alone (the
+lighthouse then forms quorums of one and drops the dead replica 300 ms after its last
+heartbeat): the survivors' failed sync ``step()`` and the seconds from the death to their
+next committed sync (H - 1 local steps later for both). Results: docs/fault-tolerance.md.
 """
 from __future__ import annotations
 
@@ -43,7 +50,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Dict, List
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTENDERS = ("torchft", "torchft-bucketized", "distopt")
