@@ -75,7 +75,8 @@ def _start_context(start_method: Optional[str] = None) -> Any:
     """How workers start: by default from a fork server that imported torch once, where the platform has one.
 
     A spawned worker imports torch anew (1.5 s of CPU on the development machines, per
-    worker and launch); one forked from the server starts in milliseconds, and is as
+    worker and launch, and 1.2 s more for torch._dynamo when it builds its first torch.optim
+    optimizer); one forked from the server starts in milliseconds, and is as
     clean as a spawned one: the server is a fresh single-threaded interpreter that has
     only imported modules (nothing runs at import in distopt), never touched CUDA or a
     process group. The server outlives a launch and ends with this process. Where
@@ -84,7 +85,10 @@ def _start_context(start_method: Optional[str] = None) -> Any:
     if start_method == "spawn" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload([worker_main.__module__])  # torch, torch.distributed and the worker
+    # torch, torch.distributed and the worker; and torch._dynamo, which the first torch.optim optimizer
+    # imports (1.2 s of CPU in each worker otherwise, more than the rest of a small test's work). Only
+    # modules: it starts no thread. A module that fails to import here is skipped by multiprocessing.
+    ctx.set_forkserver_preload([worker_main.__module__, "torch._dynamo"])
     return ctx
 
 

@@ -1,0 +1,125 @@
+"""``python -m distopt.fault_tolerance.launch`` as documented, with a worker SIGKILLed mid-training.
+
+The launcher starts a lighthouse and one torchrun agent per replica; the test kills one
+replica's worker from outside, as a user or the kernel would, and reads the replicas' step
+logs (``tests/_scripts/ft_launched.py``). Skipped, with the reason, where torchft is not
+installed (``pip install -e ".[ft]"``).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Dict, List
+
+import pytest
+
+pytest.importorskip("torchft", reason="torchft is not installed: pip install -e '.[ft]' (torchft==0.2.0)")
+psutil = pytest.importorskip("psutil")
+
+from distopt._testing import kill_tree  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tests" / "_scripts" / "ft_launched.py"
+REPLICAS, KILLED, STEPS = 3, 1, 20
+DEADLINE = 90  # seconds for the whole launch; it takes ~10-20 s
+
+
+def _logs(out: Path) -> Dict[str, List[Dict[str, Any]]]:
+    """``replica<R>-<pid>`` -> its lines, for every worker process that has started."""
+    return {path.stem: [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
+            for path in sorted(out.glob("replica*.jsonl"))}
+
+
+def _steps(lines: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    return [line for line in lines if "digest" in line]
+
+
+@pytest.mark.timeout(DEADLINE + 30)
+def test_the_launcher_restarts_a_killed_worker_which_heals_while_the_others_go_on(tmp_path: Path) -> None:
+    out = tmp_path / "logs"
+    out.mkdir()
+    env = dict(os.environ, RUST_LOG="warn", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT),
+                                                                                      os.environ.get("PYTHONPATH")])))
+    command = [sys.executable, "-m", "distopt.fault_tolerance.launch", "--replicas", str(REPLICAS),
+               "--max-restarts", "1", str(SCRIPT), str(out), str(STEPS)]
+    launcher = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+    seen: Dict[int, Any] = {}  # every process the launch started: none may outlive it
+
+    def look() -> None:
+        try:
+            for child in psutil.Process(launcher.pid).children(recursive=True):
+                seen.setdefault(child.pid, child)
+        except psutil.NoSuchProcess:
+            pass
+
+    victim, killed_at = None, None
+    try:
+        deadline = time.monotonic() + DEADLINE
+        while launcher.poll() is None and time.monotonic() < deadline:
+            look()
+            if victim is None:
+                logs = _logs(out)
+                mine = next((lines for name, lines in logs.items() if name.startswith(f"replica{KILLED}-")), [])
+                # all three in the step: a kill that lands before the others joined would test nothing
+                if sum(1 for line in _steps(mine) if line["world"] == REPLICAS) >= 3:
+                    victim = psutil.Process(mine[0]["pid"])
+                    assert str(SCRIPT) in " ".join(victim.cmdline()), victim.cmdline()
+                    victim.send_signal(signal.SIGKILL)
+                    killed_at = time.time()
+            time.sleep(0.02)
+        finished = launcher.poll() is not None
+    finally:
+        if launcher.poll() is None:
+            kill_tree(launcher.pid)
+        output = launcher.communicate()[0]
+    logs = _logs(out)
+    summary = f"launcher output:\n{output[-3000:]}\nlogs: {json.dumps({n: l[-2:] for n, l in logs.items()})}"
+    assert finished, f"the launch did not finish within {DEADLINE} s\n{summary}"
+    assert victim is not None, f"replica {KILLED} never trained with all {REPLICAS} replicas\n{summary}"
+    assert launcher.returncode == 0, summary  # the first non-zero agent's code: every agent exited 0
+
+    by_replica: Dict[int, List[str]] = {}
+    for name in logs:
+        by_replica.setdefault(int(name.split("-")[0][len("replica"):]), []).append(name)
+    for name, lines in logs.items():
+        assert lines[0]["distopt"].startswith(str(ROOT)), lines[0]  # this checkout's distopt, not an install
+        assert not any(line.get("gave_up") for line in lines), (name, lines[-3:])
+    # the survivors: one process each, never restarted, committing on through the death
+    for replica in set(range(REPLICAS)) - {KILLED}:
+        (name,) = by_replica[replica]
+        lines = logs[name]
+        assert lines[0]["restart"] == 0 and lines[-1].get("done"), (name, lines[-3:])
+        steps = [line["step"] for line in _steps(lines)]
+        # a step the kill broke is discarded and taken again under the same count: never back, none missing
+        assert steps == sorted(steps) and sorted(set(steps)) == list(range(steps[0], steps[-1] + 1)), (name, steps)
+        assert any(line["world"] == REPLICAS - 1 for line in _steps(lines) if line["t"] > killed_at), (name, lines)
+    # the killed one: its agent started it again (restart 1), and it healed from a live peer
+    first, again = sorted(by_replica[KILLED], key=lambda n: logs[n][0]["restart"])
+    assert logs[first][0]["pid"] == victim.pid and not logs[first][-1].get("done"), logs[first][-3:]
+    assert logs[again][0]["restart"] == 1, logs[again][0]
+    done = logs[again][-1]
+    assert done.get("done") and done["heals"] >= 1, done
+    # bitwise equal to the survivors from its first step on, and all end together
+    digests: Dict[int, set] = {}
+    for lines in logs.values():
+        for line in _steps(lines):
+            digests.setdefault(line["step"], set()).add(line["digest"])
+    assert all(len(d) == 1 for d in digests.values()), {s: d for s, d in digests.items() if len(d) > 1}
+    first_step = _steps(logs[again])[0]["step"]
+    assert len([n for n in logs if any(line["step"] == first_step for line in _steps(logs[n]))]) == REPLICAS
+    assert len({logs[n][-1]["step"] for n in logs if n != first}) == 1, {n: logs[n][-1] for n in logs}
+    # nothing left behind: not the lighthouse, not an agent, not a worker
+    left = []
+    for process in seen.values():
+        try:
+            if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
+                left.append(f"pid {process.pid}: {' '.join(process.cmdline())[:150]}")
+        except psutil.NoSuchProcess:
+            pass
+    assert not left, left
