@@ -4,28 +4,94 @@
 ``tests/_scripts/ft_worker.py`` (one replica each: its own TCPStore, a torchft Manager from
 ``distopt.fault_tolerance.manager.make_manager``, ``DistributedOptimizer(fault_tolerance=manager)``),
 and reads their step logs. Import it only after ``pytest.importorskip("torchft")``.
+
+Replicas are forked from a multiprocessing fork server that imported torch, torchft and
+distopt once, and run the script as ``__main__`` there: a fresh interpreter would spend about
+3 s of CPU importing them, per replica, and these tests start about 40 replicas on a 2-core
+machine. The server is single-threaded and has only imported modules, so each replica is as
+fresh as a spawned one: its own process, its own TCPStore, Manager and lighthouse client.
 """
 from __future__ import annotations
 
 import json
+import multiprocessing
+import multiprocessing.forkserver
 import os
+import runpy
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import psutil
 import pytest
 from torchft._torchft import LighthouseServer
 
-__all__ = ["Job", "recovery", "job", "LIGHTHOUSE"]
+__all__ = ["Job", "Replica", "recovery", "job", "LIGHTHOUSE"]
 
 WORKER = Path(__file__).resolve().parent / "_scripts" / "ft_worker.py"
 ROOT = Path(__file__).resolve().parents[1]
 # Short lighthouse timeouts: a dead replica is dropped 0.3 s after its last heartbeat (it beats every 0.05 s).
 LIGHTHOUSE = dict(min_replicas=1, join_timeout_ms=200, quorum_tick_ms=10, heartbeat_timeout_ms=300)
+
+
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torchft", "distopt", "distopt.fault_tolerance.manager"]
+
+
+def _context() -> Any:
+    """The fork server's context, the server started (so that it is not taken for a replica left behind)."""
+    # torchft's Rust side reads its log level as it loads: set before the server imports it.
+    os.environ.setdefault("RUST_LOG", "warn")
+    ctx = multiprocessing.get_context("forkserver")
+    # A server already started (by distopt.launch in an earlier test of this process) keeps its own
+    # preload, which has torch and torch._dynamo: the replicas then import torchft themselves.
+    ctx.set_forkserver_preload(_PRELOAD)
+    multiprocessing.forkserver.ensure_running()
+    return ctx
+
+
+#: Seconds a forked replica waits before it starts, as a restarted process takes to come up: the tests'
+#: replacements start once a death was seen and dropped (as an agent restarts a worker), never within
+#: the same quorum, whatever the CPU (a fresh interpreter's imports took 2-4 s here).
+START_DELAY = 1.5
+
+
+def _replica_main(spec: str, err_path: str) -> None:
+    """A replica, in the forked process: ft_worker.py as ``__main__``, its stderr to ``err_path``."""
+    time.sleep(START_DELAY)
+    os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+    os.dup2(os.open(err_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), 2)
+    os.environ["RUST_LOG"] = "warn"
+    sys.argv = [str(WORKER), spec]
+    runpy.run_path(str(WORKER), run_name="__main__")
+
+
+class Replica:
+    """A replica's process, with the part of ``subprocess.Popen``'s interface the tests use."""
+
+    def __init__(self, process: Any) -> None:
+        self.process = process
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def poll(self) -> Optional[int]:
+        return None if self.process.is_alive() else self.process.exitcode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired(str(WORKER), timeout or 0.0)
+        return self.process.exitcode
+
+    def kill(self) -> None:
+        self.process.kill()
+
+    def send_signal(self, sig: int) -> None:
+        os.kill(self.process.pid, sig)
 
 
 class Job:
@@ -35,13 +101,14 @@ class Job:
         self.tmp = tmp
         self.lighthouse = LighthouseServer(bind="[::]:0", **dict(LIGHTHOUSE, **(lighthouse or {})))
         self.spec = dict(dict(lighthouse=self.lighthouse.address(), pace=0.05), **spec)
-        self.procs: Dict[str, subprocess.Popen] = {}
+        self.procs: Dict[str, Replica] = {}
 
     def start(self, name: str, replica: int, **extra: Any) -> None:
         spec = dict(self.spec, replica=replica, out=str(self.tmp / f"{name}.jsonl"), **extra)
-        env = dict(os.environ, RUST_LOG="warn", PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-        self.procs[name] = subprocess.Popen([sys.executable, str(WORKER), json.dumps(spec)], env=env,
-                                            stdout=subprocess.DEVNULL, stderr=open(self.tmp / f"{name}.err", "w"))
+        process = _context().Process(target=_replica_main, args=(json.dumps(spec), str(self.tmp / f"{name}.err")),
+                                     daemon=True, name=f"ft-{name}")
+        process.start()
+        self.procs[name] = Replica(process)
 
     def log(self, name: str) -> List[Dict[str, Any]]:
         path = self.tmp / f"{name}.jsonl"
@@ -107,6 +174,7 @@ def job(tmp_path: Path):
         made.append(Job(tmp_path, **spec))
         return made[-1]
 
+    _context()  # the fork server outlives the test: started before the processes are counted
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     yield make
     for j in made:

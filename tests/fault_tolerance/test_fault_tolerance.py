@@ -44,7 +44,13 @@ def test_deaths_of_the_root_and_another_replica_then_replacements_that_heal(job:
     survivor = j.steps("r2")
     steps = [e["step"] for e in survivor]  # it may have joined late and healed at its first step
     assert steps == sorted(steps), "the survivor restarted or went back"
-    assert sorted(set(steps)) == list(range(steps[0], steps[-1] + 1)), "a committed step is missing"
+    # A step skipped only where the survivor healed: a replica late for a quorum (at start-up, replicas
+    # come up within ms of each other) is left out of it and heals at the next, which is torchft's churn,
+    # not a lost step; no step any replica committed is missing.
+    jumps = [b for a, b in zip(survivor, survivor[1:]) if b["step"] > a["step"] + 1 and b["part"]]
+    assert not jumps, jumps
+    committed = {e["step"] for name in j.procs for e in j.steps(name) if e["ok"]}
+    assert sorted(committed) == list(range(min(committed), max(committed) + 1)), "a committed step is missing"
     assert 1 <= survivor[-1]["discarded"] <= 3, survivor[-1]  # the step the kill inside backward broke
     losses = [e["loss"] for e in survivor]
     assert sum(losses[-5:]) / 5 < 0.5 * sum(losses[:5]) / 5, losses

@@ -38,6 +38,9 @@ def _kill_and_replace(j: Job, compression: str, steps: int) -> Dict[int, str]:
     j.start("r1", 1, compression=compression, kill={"step": 5, "where": "backward", "world": 3})
     j.start("r2", 2, compression=compression)
     j.wait_for(lambda: j.procs["r1"].poll() is not None, 30, "replica 1 to die inside backward")
+    # An agent restarts a worker after its death: the replacement starts once the survivors' quorum has
+    # named replica 1 missing (forked from the server it starts in ms, and could rejoin before that quorum).
+    j.wait_for(lambda: any(e["missing"] for e in j.steps("r0")), 30, "the survivors to name replica 1 missing")
     j.start("r1b", 1, compression=compression)
     codes = j.finish(40)
     assert codes == {"r0": 0, "r1": -9, "r2": 0, "r1b": 0}, j.tails()
