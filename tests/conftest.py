@@ -8,10 +8,10 @@ from distopt._testing import assert_no_children, live_children
 # other worker runs out of files (xdist's own order, by number of tests, started two of the
 # slowest files last). Seconds under the full suite on a 2-core host, as a guide when adding to this list:
 SLOWEST_FIRST = [
-    "fault_tolerance/test_fault_tolerance_modes.py",  # ~100 (its author's estimate)
+    "fault_tolerance/test_fault_tolerance_modes.py",  # ~100 with fresh interpreters; ~20 since replicas fork
     "multiprocess/test_peer_gone.py",  # ~70
     "fronts/test_benchmark.py",  # ~70, nearly all of it CPU
-    "fault_tolerance/test_fault_tolerance.py",  # ~55
+    "fault_tolerance/test_fault_tolerance.py",  # ~55 with fresh interpreters; ~25 since replicas fork
     "fronts/test_examples.py",  # ~50
     "launching/test_launcher.py",  # ~45
     "launching/test_two_hosts.py",  # ~45
