@@ -29,7 +29,7 @@ import psutil
 import pytest
 from torchft._torchft import LighthouseServer
 
-__all__ = ["Job", "Replica", "recovery", "job", "LIGHTHOUSE"]
+__all__ = ["Job", "Replica", "recovery", "diloco_kill_and_replace", "job", "LIGHTHOUSE"]
 
 WORKER = Path(__file__).resolve().parent / "_scripts" / "ft_worker.py"
 ROOT = Path(__file__).resolve().parents[1]
@@ -164,6 +164,32 @@ def recovery(job: Job, dead: str, survivor: str) -> float:
     death = next(entry for entry in job.log(dead) if "dying" in entry)
     after = next(entry for entry in job.steps(survivor) if entry["t"] > death["t"] and entry["step"] > death["step"])
     return after["t"] - death["t"]
+
+
+def diloco_kill_and_replace(j: Job, *, sync_every: int, kill_step: int, min_syncs: int, **spec: Any) -> Dict[int, str]:
+    """DiLoCo, 3 replicas: replica 1 SIGKILLs itself inside a sync's exchange (packs in flight) once all
+    three train together; a replacement starts as its agent would. Checks what every such run must show
+    (exit codes, every committed sync hashed alike, no survivor restarted or took a sync twice, each
+    discarded the broken sync, the replacement bitwise equal at its first sync, the loss below the first
+    period's) and returns sync -> hash. ``spec``: the worker's further settings (``compression``, ...)."""
+    j.start("r0", 0, **spec)
+    j.start("r1", 1, kill={"step": kill_step, "where": "exchange", "world": 3}, **spec)
+    j.start("r2", 2, **spec)
+    j.wait_for(lambda: j.procs["r1"].poll() is not None, 40, "replica 1 to die in an exchange")
+    j.start("r1b", 1, **spec)
+    codes = j.finish(45)
+    assert codes == {"r0": 0, "r1": -9, "r2": 0, "r1b": 0}, j.tails()
+    hashes = j.check_identical()
+    assert len(hashes) >= min_syncs, hashes
+    for name in ("r0", "r2"):
+        syncs = [e["step"] for e in j.steps(name)]
+        assert syncs == sorted(syncs) and len(set(syncs)) == len(syncs), (name, syncs)  # no restart, none twice
+        assert j.steps(name)[-1]["discarded"] >= 1, j.steps(name)[-1]  # the sync the kill broke
+    first = j.steps("r1b")[0]
+    assert first["digest"] == hashes[first["step"]]  # bitwise equal at its first sync
+    losses = [e["loss"] for e in j.log("r0") if "loss" in e]
+    assert sum(losses[-2 * sync_every:]) / (2 * sync_every) < sum(losses[:sync_every]) / sync_every, losses
+    return hashes
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ torchft = pytest.importorskip("torchft", reason="torchft is not installed: pip i
 psutil = pytest.importorskip("psutil")
 import torch  # noqa: E402
 
-from _ft_jobs import Job, job, recovery  # noqa: E402,F401  (job is a fixture)
+from _ft_jobs import Job, diloco_kill_and_replace, job, recovery  # noqa: E402,F401  (job is a fixture)
 
 
 # A quorum waits up to 1 s for a replica that beats but has not asked yet (200 ms in the harness): on a
@@ -102,23 +102,7 @@ def test_diloco_int4_pseudo_gradients_a_kill_inside_a_sync_and_a_replacement(job
     at its first sync and is bitwise equal there; every other process exits 0."""
     j = job(steps=7, until_world=3, streak=4, sync_every=3, outer=True, pace=0.01, compression="int4",
             lighthouse={"join_timeout_ms": 1000})  # see the DiLoCo test in test_fault_tolerance.py
-    j.start("r0", 0)
-    j.start("r1", 1, kill={"step": 3, "where": "exchange", "world": 3})
-    j.start("r2", 2)
-    j.wait_for(lambda: j.procs["r1"].poll() is not None, 40, "replica 1 to die in an exchange")
-    j.start("r1b", 1)
-    codes = j.finish(45)
-    assert codes == {"r0": 0, "r1": -9, "r2": 0, "r1b": 0}, j.tails()
-    hashes = j.check_identical()
-    assert len(hashes) >= 6, hashes
-    for name in ("r0", "r2"):
-        syncs = [e["step"] for e in j.steps(name)]
-        assert syncs == sorted(syncs) and len(set(syncs)) == len(syncs), (name, syncs)
-        assert j.steps(name)[-1]["discarded"] >= 1, j.steps(name)[-1]
-    first = j.steps("r1b")[0]
-    assert first["digest"] == hashes[first["step"]]
-    losses = [e["loss"] for e in j.log("r0") if "loss" in e]
-    assert sum(losses[-6:]) / 6 < sum(losses[:3]) / 3, losses
+    diloco_kill_and_replace(j, sync_every=3, kill_step=3, min_syncs=6)
 
 
 # ---------------------------------------------------------------------------------------------- join()
