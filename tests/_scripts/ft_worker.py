@@ -13,7 +13,8 @@ land in a step that a late starter has not joined yet.
 Modes (tests/fault_tolerance/test_fault_tolerance_modes.py): ``compression`` (a name, or
 ``"powersgd:R:S"`` for PowerSGD of rank R from step S; the hash then covers PowerSGD's Q,
 which must be the same on every replica), ``optimizer`` (``"sgd"``), ``same_init`` (every
-replica draws the same initial parameters) and ``batches`` (the replica has that many
+replica draws the same initial parameters) and ``start_together`` (wait until that many replicas are up before
+the first step) and ``batches`` (the replica has that many
 batches: it trains inside ``opt.join()`` while the committed step count is below it, then
 shadows the others; after the block it logs ``final`` with the hash and saves its parameters
 to ``<out>.pt``). A ``kill`` with ``"where": "shadow"`` SIGKILLs a replica that has joined
@@ -153,6 +154,17 @@ if kill and kill["where"] == "shadow":  # a replica that has joined dies while i
         return commit(joined)
 
     opt.fault_tolerance.commit = commit_then_die
+
+if spec.get("start_together"):
+    # A test whose replicas must all train from the first step (join's uneven inputs: one that trains alone
+    # while the others start up uses its batches up alone): wait until that many replicas are ready here.
+    mark = spec["out"] + ".ready"
+    open(mark, "w").close()
+    deadline = time.time() + 60
+    while sum(name.endswith(".ready") for name in os.listdir(os.path.dirname(mark))) < spec["start_together"]:
+        if time.time() > deadline:
+            raise SystemExit(f"only some of the {spec['start_together']} replicas started within 60 s")
+        time.sleep(0.01)
 
 pace = spec.get("pace", 0.0)
 until_world, streak = spec.get("until_world"), 0

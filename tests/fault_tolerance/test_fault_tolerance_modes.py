@@ -143,7 +143,7 @@ def test_join_uneven_inputs_average_over_the_contributors_and_end_identical(job:
     committed step's update is the mean over the replicas that contributed to it (a replica that ran out
     of data shadows the others, counted in no mean), and all three leave the block at once with the
     parameters of the one that ran longest, bitwise; every process exits 0."""
-    j = job(optimizer="sgd", same_init=True, pace=0.02, lighthouse=PATIENT)
+    j = job(optimizer="sgd", same_init=True, pace=0.02, lighthouse=PATIENT, start_together=3)
     for replica, batches in enumerate((4, 8, 12)):
         j.start(f"r{replica}", replica, batches=batches)
     codes = j.finish(45)
@@ -165,7 +165,7 @@ def test_join_a_replica_that_shadows_dies_then_a_contributor_dies(job: Any) -> N
     """Replica 0 runs out of data after 3 steps and shadows; it is SIGKILLed while it shadows, and nothing
     breaks. Replica 2, still training, is SIGKILLed between steps: replica 1 goes on alone, its mean over
     itself, and leaves the block when its data ends, with the parameters one process would have; it exits 0."""
-    j = job(optimizer="sgd", same_init=True, pace=0.02, lighthouse=PATIENT)
+    j = job(optimizer="sgd", same_init=True, pace=0.02, lighthouse=PATIENT, start_together=3)
     j.start("r0", 0, batches=3, kill={"where": "shadow", "after": 2})
     j.start("r1", 1, batches=12)
     j.start("r2", 2, batches=12, kill={"step": 8, "where": "between", "world": 2})
