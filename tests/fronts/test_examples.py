@@ -160,10 +160,15 @@ def test_a_worker_killed_mid_training_restarts_and_resumes_to_the_same_result(tm
         for line in proc.stdout:
             out.append(line)
             if not killed and line.startswith("epoch   2/4"):
-                # rank 1, somewhere after its epoch-2 checkpoint: in the save, the test, or epoch 3
+                # Rank 1, once both ranks' epoch-2 checkpoints are on disk, in epoch 3. Rank 0 prints the
+                # epoch before the ranks save it: a kill at the print alone once landed before the saves
+                # under a loaded host, and the job resumed after epoch 1.
                 worker = next(p for p in psutil.Process(proc.pid).children(recursive=True)
                               if "train_digits.py" in " ".join(p.cmdline()) and p.environ().get("RANK") == "1")
-                time.sleep(0.05)
+                saved = [ckpt / f"epoch0002-rank{rank}.pt" for rank in (0, 1)]
+                deadline = time.monotonic() + 30
+                while not all(path.exists() for path in saved) and time.monotonic() < deadline:
+                    time.sleep(0.005)
                 worker.send_signal(signal.SIGKILL)
                 killed = True
         proc.wait(timeout=TIMEOUT)
