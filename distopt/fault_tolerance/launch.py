@@ -1,4 +1,4 @@
-"""``python -m distopt.fault_tolerance.launch``: a lighthouse and one torchrun agent per replica, on one machine.
+"""``python -m distopt.fault_tolerance.launch``: a lighthouse and one torchrun agent per replica.
 
     RUST_LOG=warn python -m distopt.fault_tolerance.launch --replicas 3 --max-restarts 10 train.py [args...]
 
@@ -9,6 +9,17 @@ with one agent per replica; the lighthouse (torchft's) coordinates them. Each ag
 script's :func:`distopt.fault_tolerance.manager.make_manager` needs no argument. A worker
 that dies is restarted by its agent and heals from a live peer. The launcher exits with the
 first non-zero agent's code, or 0; Ctrl-C stops everything.
+
+**Several hosts.** One host starts the lighthouse and its share of the replicas; the
+others start theirs and name that lighthouse. ``--hostname`` is the address the other
+hosts reach this one by::
+
+    # host A (10.0.0.1): the lighthouse on port 29510, replicas 0 and 1 of 4
+    python -m distopt.fault_tolerance.launch --replicas 4 --replica-ids 0,1 --port 29510 \
+        --hostname 10.0.0.1 train.py
+    # host B (10.0.0.2): replicas 2 and 3
+    python -m distopt.fault_tolerance.launch --replicas 4 --replica-ids 2,3 \
+        --lighthouse http://10.0.0.1:29510 --hostname 10.0.0.2 train.py
 """
 from __future__ import annotations
 
@@ -22,7 +33,7 @@ import sys
 import time
 from typing import List, Optional, Sequence
 
-__all__ = ["main", "lighthouse_command", "agent_command"]
+__all__ = ["main", "lighthouse_command", "agent_command", "replica_ids"]
 
 
 def lighthouse_command(port: int, *, min_replicas: int, heartbeat_timeout_ms: int, join_timeout_ms: int,
@@ -34,40 +45,79 @@ def lighthouse_command(port: int, *, min_replicas: int, heartbeat_timeout_ms: in
             str(quorum_tick_ms)]
 
 
-def agent_command(script: str, args: Sequence[str], max_restarts: int) -> List[str]:
-    """One replica's torchrun agent (one process, its own rendezvous)."""
+def agent_command(script: str, args: Sequence[str], max_restarts: int, local_addr: Optional[str] = None) -> List[str]:
+    """One replica's torchrun agent (one process, its own rendezvous).
+
+    ``local_addr``: the address torchrun advertises for this node instead of looking up the
+    host's name (which need not resolve), and so its workers' ``MASTER_ADDR``.
+    """
+    where = ["--local-addr", local_addr] if local_addr else []
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "1",
-            "--max-restarts", str(max_restarts), script, *args]
+            *where, "--max-restarts", str(max_restarts), script, *args]
+
+
+def replica_ids(text: Optional[str], replicas: int) -> List[int]:
+    """The replicas this host starts: ``"0,2"`` -> ``[0, 2]``; None -> all of them.
+
+    Raises:
+        ValueError: a number is not a replica (``0 <= i < replicas``), or is given twice.
+    """
+    if text is None:
+        return list(range(replicas))
+    try:
+        ids = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"--replica-ids takes replica numbers separated by commas, e.g. 0,1; got {text!r}") from None
+    bad = [i for i in ids if not 0 <= i < replicas]
+    if not ids or bad or len(set(ids)) != len(ids):
+        raise ValueError(f"--replica-ids must name distinct replicas in 0..{replicas - 1} (--replicas {replicas}); "
+                         f"got {text!r}")
+    return ids
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m distopt.fault_tolerance.launch",
                                      description="A torchft lighthouse and one torchrun agent per replica.")
-    parser.add_argument("--replicas", type=int, required=True, help="replicas to start (one process each)")
+    parser.add_argument("--replicas", type=int, required=True, help="replicas in the job, on all hosts (one process each)")
+    parser.add_argument("--replica-ids", metavar="I,J", help="the replicas this host starts (default: all)")
+    parser.add_argument("--lighthouse", metavar="URL",
+                        help="a lighthouse another host started (http://HOST:PORT); none is started here")
     parser.add_argument("--max-restarts", type=int, default=10, help="restarts per replica (torchrun's)")
     parser.add_argument("--min-replicas", type=int, default=1, help="a step commits with at least this many")
     parser.add_argument("--port", type=int, default=0, help="the lighthouse's port (default: a free one)")
     parser.add_argument("--heartbeat-timeout-ms", type=int, default=300)
     parser.add_argument("--join-timeout-ms", type=int, default=200)
     parser.add_argument("--quorum-tick-ms", type=int, default=10)
-    parser.add_argument("--hostname", default="localhost", help="the name replicas advertise (must resolve)")
+    parser.add_argument("--hostname", default="localhost",
+                        help="the name or address other hosts reach this one by (default: localhost, one host)")
     parser.add_argument("script")
     parser.add_argument("args", nargs=argparse.REMAINDER)
     options = parser.parse_args(argv)
-    port = options.port or _free_port()
-    lighthouse = subprocess.Popen(lighthouse_command(
-        port, min_replicas=options.min_replicas, heartbeat_timeout_ms=options.heartbeat_timeout_ms,
-        join_timeout_ms=options.join_timeout_ms, quorum_tick_ms=options.quorum_tick_ms))
+    try:
+        here = replica_ids(options.replica_ids, options.replicas)
+    except ValueError as exc:
+        parser.error(str(exc))
+    lighthouse: Optional[subprocess.Popen] = None
+    address = options.lighthouse
+    if address is None:
+        port = options.port or _free_port()
+        lighthouse = subprocess.Popen(lighthouse_command(
+            port, min_replicas=options.min_replicas, heartbeat_timeout_ms=options.heartbeat_timeout_ms,
+            join_timeout_ms=options.join_timeout_ms, quorum_tick_ms=options.quorum_tick_ms))
+        address = f"http://{'[%s]' % options.hostname if ':' in options.hostname else options.hostname}:{port}"
+        print(f"distopt.fault_tolerance.launch: lighthouse at {address}", file=sys.stderr, flush=True)
     agents: List[subprocess.Popen] = []
     code = 0
     try:
-        for replica in range(options.replicas):
+        for replica in here:
             env = dict(os.environ, REPLICA_GROUP_ID=str(replica), NUM_REPLICA_GROUPS=str(options.replicas),
-                       TORCHFT_LIGHTHOUSE=f"http://{options.hostname}:{port}", DISTOPT_FT_HOSTNAME=options.hostname)
+                       TORCHFT_LIGHTHOUSE=address, DISTOPT_FT_HOSTNAME=options.hostname)
             env.setdefault("RUST_LOG", "warn")
-            agents.append(subprocess.Popen(agent_command(options.script, options.args, options.max_restarts), env=env))
+            local_addr = None if options.hostname == "localhost" else options.hostname
+            agents.append(subprocess.Popen(agent_command(options.script, options.args, options.max_restarts, local_addr),
+                                           env=env))
         while any(a.poll() is None for a in agents):
-            if lighthouse.poll() is not None:
+            if lighthouse is not None and lighthouse.poll() is not None:
                 print("distopt.fault_tolerance.launch: the lighthouse exited", file=sys.stderr)
                 code = 1
                 break
@@ -76,10 +126,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         code = 130
     finally:
-        for process in agents + [lighthouse]:
+        processes = agents + ([lighthouse] if lighthouse is not None else [])
+        for process in processes:
             if process.poll() is None:
                 process.send_signal(signal.SIGTERM)
-        for process in agents + [lighthouse]:
+        for process in processes:
             try:
                 process.wait(timeout=10)
             except subprocess.TimeoutExpired:

@@ -1,17 +1,27 @@
-"""A torchft ``Manager`` set up for distopt: the cuttable gloo group and short timeouts.
+"""A torchft ``Manager`` set up for distopt: the cuttable gloo group, short timeouts, one advertised host.
+
+A replica tells its peers three addresses: its manager server's, its replica group's
+TCPStore's (the peers' gloo group meets there) and its checkpoint server's (a healer
+fetches the live state there). torchft advertises the first by the ``hostname`` it is
+given, the second by ``MASTER_ADDR`` (``localhost`` under ``torchrun --standalone``) and
+the third by ``socket.gethostname()``. Across hosts all three must be reachable from the
+others, so :func:`make_manager` advertises the same host for all three.
 
 This module imports torchft, and only when :func:`make_manager` is called.
 """
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 from datetime import timedelta
 from typing import Any, Optional
+from urllib.parse import urlsplit, urlunsplit
 
+from ..launching.interface import pick_owning_interface
 from .process_group import process_group
 
-__all__ = ["make_manager", "HEARTBEAT_INTERVAL", "COLLECTIVE_TIMEOUT"]
+__all__ = ["make_manager", "advertised_url", "HEARTBEAT_INTERVAL", "COLLECTIVE_TIMEOUT"]
 
 #: Seconds between two heartbeats of a replica to the lighthouse (torchft's default: 0.1).
 HEARTBEAT_INTERVAL = 0.05
@@ -40,10 +50,15 @@ def make_manager(*, min_replicas: int = 1, timeout: float = COLLECTIVE_TIMEOUT, 
         replica_id: this replica's id (default: ``replica_$REPLICA_GROUP_ID``); the number at its
             end is its global rank in membership events.
         lighthouse: the lighthouse's address (default: ``$TORCHFT_LIGHTHOUSE``).
-        store_addr: this replica group's TCPStore host (default: ``$MASTER_ADDR``).
+        store_addr: this replica group's TCPStore host, as the other replicas reach it (default:
+            ``$MASTER_ADDR``; where that is a loopback name and ``hostname`` is given,
+            ``hostname``: torchrun's store listens on every interface).
         store_port: its port (default: ``$MASTER_PORT``).
-        hostname: the name peers reach this replica by (default: ``$DISTOPT_FT_HOSTNAME``, else
-            this host's name); it must resolve on every host.
+        hostname: the name or address peers reach this replica by: its manager server, store and
+            checkpoint server are advertised under it (default: ``$DISTOPT_FT_HOSTNAME``, else
+            this host's name, which must then resolve on every host). Where it is an address of
+            one of this host's interfaces, gloo binds to that interface unless
+            ``GLOO_SOCKET_IFNAME`` is set.
         **kwargs: passed on to ``torchft.Manager``.
 
     Returns:
@@ -53,13 +68,52 @@ def make_manager(*, min_replicas: int = 1, timeout: float = COLLECTIVE_TIMEOUT, 
 
     if replica_id is None:
         replica_id = f"replica_{os.environ.get('REPLICA_GROUP_ID', '0')}"
+    chosen = hostname or os.environ.get("DISTOPT_FT_HOSTNAME")
+    if store_addr is None and chosen and _is_loopback(os.environ.get("MASTER_ADDR", "")):
+        store_addr = chosen
+    if chosen:
+        # gloo finds its own address by the host's name; where that does not resolve it falls back
+        # to 127.0.0.1, which it then tells the peers on other hosts. Bind it to the advertised address.
+        pick_owning_interface(chosen, announce=int(os.environ.get("RANK", "0")) == 0)
     seconds = timedelta(seconds=timeout)
+    if "checkpoint_transport" not in kwargs and chosen:
+        kwargs["checkpoint_transport"] = _http_transport(chosen, seconds)
     return Manager(
         pg=process_group(seconds), load_state_dict=None, state_dict=None, min_replica_size=min_replicas,
         timeout=seconds, quorum_timeout=timedelta(seconds=quorum_timeout),
         connect_timeout=timedelta(seconds=connect_timeout), heartbeat_interval=timedelta(seconds=heartbeat_interval),
         replica_id=replica_id, lighthouse_addr=lighthouse, store_addr=store_addr, store_port=store_port,
-        hostname=hostname or os.environ.get("DISTOPT_FT_HOSTNAME") or socket.gethostname(),
+        hostname=chosen or socket.gethostname(),
         rank=kwargs.pop("rank", int(os.environ.get("RANK", "0"))),
         world_size=kwargs.pop("world_size", int(os.environ.get("WORLD_SIZE", "1"))), **kwargs,
     )
+
+
+def advertised_url(url: str, host: str) -> str:
+    """``url`` with its host replaced by ``host`` (an IPv6 address gets its brackets), the port kept."""
+    parts = urlsplit(url)
+    netloc = f"[{host}]" if ":" in host else host
+    if parts.port is not None:
+        netloc = f"{netloc}:{parts.port}"
+    return urlunsplit(parts._replace(netloc=netloc))
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _http_transport(host: str, timeout: timedelta) -> Any:
+    """torchft's HTTP checkpoint transport, advertising ``host`` instead of ``socket.gethostname()``."""
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class AdvertisedHTTPTransport(HTTPTransport):
+        def address(self) -> str:
+            return advertised_url(super().address(), host)
+
+    # num_chunks=0: the whole state in one request, as the Manager's own default transport
+    return AdvertisedHTTPTransport(timeout=timeout, num_chunks=0)

@@ -18,7 +18,7 @@ import struct
 import sys
 from typing import Optional, Tuple
 
-__all__ = ["route_interface", "pick_interface"]
+__all__ = ["route_interface", "owning_interface", "pick_interface", "pick_owning_interface"]
 
 _SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
 _VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
@@ -47,6 +47,25 @@ def route_interface(master_addr: str) -> Optional[Tuple[str, str]]:
     for _, name in socket.if_nameindex():
         if local in _addresses(name, family):
             return name, local
+    return None
+
+
+def owning_interface(host: str) -> Optional[Tuple[str, str]]:
+    """``(interface, address)`` of the local interface that holds ``host``'s address.
+
+    Returns:
+        None when ``host`` does not resolve, is a loopback address, or no local interface
+        holds its address (a name for another machine, say).
+    """
+    try:
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]
+    except OSError:
+        return None
+    if ipaddress.ip_address(sockaddr[0]).is_loopback:
+        return None
+    for _, name in socket.if_nameindex():
+        if sockaddr[0] in _addresses(name, family):
+            return name, sockaddr[0]
     return None
 
 
@@ -85,14 +104,35 @@ def pick_interface(master_addr: str, announce: bool = True) -> Optional[str]:
     """
     if any(name in os.environ for name in _VARIABLES):
         return None  # the user's choice always wins
-    found = route_interface(master_addr)
+    return _use(route_interface(master_addr), f"the one that routes to master_addr {master_addr}", announce)
+
+
+def pick_owning_interface(host: str, announce: bool = True) -> Optional[str]:
+    """Point gloo and NCCL at the interface that holds ``host``'s address, unless the user chose one.
+
+    For a process that advertises ``host`` to its peers (a fault-tolerant replica): its
+    gloo connections must come from that address too, not from the loopback address
+    that an unresolvable host name makes gloo fall back to.
+
+    Args:
+        host: the name or address this process's peers reach it by.
+        announce: print the choice in one line.
+
+    Returns:
+        The interface picked, or None (the user's setting stands, or nothing to pick).
+    """
+    if any(name in os.environ for name in _VARIABLES):
+        return None
+    return _use(owning_interface(host), f"the one that holds the advertised address {host}", announce)
+
+
+def _use(found: Optional[Tuple[str, str]], why: str, announce: bool) -> Optional[str]:
     if found is None:
         return None
     name, local = found
     for variable in _VARIABLES:
         os.environ[variable] = name
     if announce:
-        print(f"distopt: gloo and NCCL use interface {name} ({local}), the one that routes to master_addr "
-              f"{master_addr}; set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to choose another", file=sys.stderr,
-              flush=True)
+        print(f"distopt: gloo and NCCL use interface {name} ({local}), {why}; "
+              f"set GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to choose another", file=sys.stderr, flush=True)
     return name

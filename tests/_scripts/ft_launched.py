@@ -6,9 +6,12 @@
 Each process appends JSON lines to ``OUT_DIR/replica<R>-<pid>.jsonl``: first who it is (pid,
 torchrun's restart count, where distopt was imported from), then one line per step (the
 committed step count, the world, the loss, a hash of the parameters and Adam's state), then
-``done``. It trains until ``STEPS`` committed steps and then until every replica has trained
-together for 3 steps in a row, so that a restarted replica is back in before anyone stops;
-all replicas stop at the same step, since they see the same quorums.
+``done``. The test kills one replica once all have trained together. Every replica trains
+until ``STEPS`` committed steps, and on until the killed one is back and all have trained
+together for 3 steps in a row: a survivor knows it is back once it saw the world shrink
+after it was whole, the replacement by being a restart. All replicas stop at the same step,
+since they see the same quorums; however late a replica starts (on another host, say), no
+one stops before the kill.
 """
 import hashlib
 import json
@@ -50,6 +53,8 @@ opt = distopt.DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2)
                                    fault_tolerance=manager)
 target = torch.randn(16, generator=torch.Generator().manual_seed(7))
 streak = 0
+whole = False  # all replicas trained together
+back = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0  # the killed replica is back in
 try:
     while True:
         opt.zero_grad()
@@ -62,7 +67,9 @@ try:
         log(step=manager.current_step(), world=ft["world_size"], loss=loss.item(), digest=digest(model, opt))
         time.sleep(0.02)  # a pace the test can kill into; a step alone takes a few ms
         streak = streak + 1 if ft["world_size"] == replicas else 0
-        if manager.current_step() >= steps and streak >= 3:
+        back = back or (whole and ft["world_size"] < replicas)
+        whole = whole or ft["world_size"] == replicas
+        if manager.current_step() >= steps and streak >= 3 and back:
             break
         if manager.current_step() >= 50 * steps:
             log(gave_up=True)

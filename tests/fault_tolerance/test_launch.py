@@ -14,7 +14,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Tuple
 
 import pytest
 
@@ -23,9 +23,11 @@ psutil = pytest.importorskip("psutil")
 
 from distopt._testing import kill_tree  # noqa: E402
 
+from _hosts import start_on, two_hosts  # noqa: E402,F401  (two_hosts is a fixture)
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "_scripts" / "ft_launched.py"
-REPLICAS, KILLED, STEPS = 3, 1, 20
+REPLICAS, KILLED, STEPS = 3, 2, 20
 DEADLINE = 90  # seconds for the whole launch; it takes ~10-20 s
 
 
@@ -39,29 +41,26 @@ def _steps(lines: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     return [line for line in lines if "digest" in line]
 
 
-@pytest.mark.timeout(DEADLINE + 30)
-def test_the_launcher_restarts_a_killed_worker_which_heals_while_the_others_go_on(tmp_path: Path) -> None:
-    out = tmp_path / "logs"
-    out.mkdir()
-    env = dict(os.environ, RUST_LOG="warn", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT),
-                                                                                      os.environ.get("PYTHONPATH")])))
-    command = [sys.executable, "-m", "distopt.fault_tolerance.launch", "--replicas", str(REPLICAS),
-               "--max-restarts", "1", str(SCRIPT), str(out), str(STEPS)]
-    launcher = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
+def _launch_and_kill(launchers: List[subprocess.Popen], out: Path) -> Tuple[Any, float, List[str], List[Any]]:
+    """Wait for the launch(es) to end, SIGKILLing replica KILLED's worker once all replicas trained together.
+
+    Returns ``(victim, killed_at, outputs, processes)``: the killed process (None if never), when,
+    each launcher's output, and every process the launchers started.
+    """
     seen: Dict[int, Any] = {}  # every process the launch started: none may outlive it
 
     def look() -> None:
-        try:
-            for child in psutil.Process(launcher.pid).children(recursive=True):
-                seen.setdefault(child.pid, child)
-        except psutil.NoSuchProcess:
-            pass
+        for launcher in launchers:
+            try:
+                for child in psutil.Process(launcher.pid).children(recursive=True):
+                    seen.setdefault(child.pid, child)
+            except psutil.NoSuchProcess:
+                pass
 
-    victim, killed_at = None, None
+    victim, killed_at = None, 0.0
     try:
         deadline = time.monotonic() + DEADLINE
-        while launcher.poll() is None and time.monotonic() < deadline:
+        while any(launcher.poll() is None for launcher in launchers) and time.monotonic() < deadline:
             look()
             if victim is None:
                 logs = _logs(out)
@@ -73,16 +72,24 @@ def test_the_launcher_restarts_a_killed_worker_which_heals_while_the_others_go_o
                     victim.send_signal(signal.SIGKILL)
                     killed_at = time.time()
             time.sleep(0.02)
-        finished = launcher.poll() is not None
     finally:
-        if launcher.poll() is None:
-            kill_tree(launcher.pid)
-        output = launcher.communicate()[0]
+        for launcher in launchers:
+            if launcher.poll() is None:
+                kill_tree(launcher.pid)
+        outputs = [launcher.communicate()[0] for launcher in launchers]
+    return victim, killed_at, outputs, list(seen.values())
+
+
+def _check_killed_and_healed(launchers: List[subprocess.Popen], out: Path) -> None:
+    """The launch ended by itself, every agent exited 0, the survivors went on, the killed one healed."""
+    victim, killed_at, outputs, processes = _launch_and_kill(launchers, out)
     logs = _logs(out)
-    summary = f"launcher output:\n{output[-3000:]}\nlogs: {json.dumps({n: l[-2:] for n, l in logs.items()})}"
-    assert finished, f"the launch did not finish within {DEADLINE} s\n{summary}"
+    summary = "".join(f"launcher output:\n{output[-3000:]}\n" for output in outputs)
+    summary += f"logs: {json.dumps({n: l[-2:] for n, l in logs.items()})}"
+    assert all(launcher.returncode is not None for launcher in launchers), summary
     assert victim is not None, f"replica {KILLED} never trained with all {REPLICAS} replicas\n{summary}"
-    assert launcher.returncode == 0, summary  # the first non-zero agent's code: every agent exited 0
+    # the first non-zero agent's code: every agent exited 0 (and no launch was killed at the deadline)
+    assert all(launcher.returncode == 0 for launcher in launchers), summary
 
     by_replica: Dict[int, List[str]] = {}
     for name in logs:
@@ -116,10 +123,49 @@ def test_the_launcher_restarts_a_killed_worker_which_heals_while_the_others_go_o
     assert len({logs[n][-1]["step"] for n in logs if n != first}) == 1, {n: logs[n][-1] for n in logs}
     # nothing left behind: not the lighthouse, not an agent, not a worker
     left = []
-    for process in seen.values():
+    for process in processes:
         try:
             if process.is_running() and process.status() != psutil.STATUS_ZOMBIE:
                 left.append(f"pid {process.pid}: {' '.join(process.cmdline())[:150]}")
         except psutil.NoSuchProcess:
             pass
     assert not left, left
+
+
+def _launch_args(out: Path) -> List[str]:
+    return ["-m", "distopt.fault_tolerance.launch", "--replicas", str(REPLICAS), "--max-restarts", "1"]
+
+
+@pytest.mark.timeout(DEADLINE + 30)
+def test_the_launcher_restarts_a_killed_worker_which_heals_while_the_others_go_on(tmp_path: Path) -> None:
+    out = tmp_path / "logs"
+    out.mkdir()
+    env = dict(os.environ, RUST_LOG="warn", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT),
+                                                                                      os.environ.get("PYTHONPATH")])))
+    command = [sys.executable, *_launch_args(out), str(SCRIPT), str(out), str(STEPS)]
+    launcher = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True, start_new_session=True)
+    _check_killed_and_healed([launcher], out)
+
+
+@pytest.mark.timeout(DEADLINE + 30)
+@pytest.mark.usefixtures("no_leftover_processes")
+def test_across_two_hosts_a_killed_worker_heals_from_a_peer_on_the_other_host(two_hosts, tmp_path: Path) -> None:
+    """Host A runs the lighthouse and replicas 0 and 1, host B replica 2, which is killed and heals across the link.
+
+    The hosts' names resolve nowhere, so this also checks that every address a replica
+    advertises (manager, store, checkpoint server) is the ``--hostname`` given.
+    """
+    (ns_a, host_a, addr_a), (ns_b, host_b, addr_b) = two_hosts
+    assert KILLED == REPLICAS - 1  # the one on host B: its heal crosses the link
+    out = tmp_path / "logs"
+    out.mkdir()
+    env = dict(os.environ, RUST_LOG="warn")
+    port = 29617
+    launchers = [
+        start_on(ns_a, host_a, *_launch_args(out), "--replica-ids", ",".join(map(str, range(REPLICAS - 1))),
+                 "--port", port, "--hostname", addr_a, SCRIPT, out, STEPS, env=env),
+        start_on(ns_b, host_b, *_launch_args(out), "--replica-ids", KILLED, "--lighthouse", f"http://{addr_a}:{port}",
+                 "--hostname", addr_b, SCRIPT, out, STEPS, env=env),
+    ]
+    _check_killed_and_healed(launchers, out)

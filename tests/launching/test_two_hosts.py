@@ -1,92 +1,21 @@
-"""Two real network hosts on one box: network namespaces joined by a veth pair, each with its own
-address and its own host name (a UTS namespace), and no /etc/hosts entry for either name.
-
-The fixture builds them and removes them afterwards, also when a test fails; where they
-cannot be built (not root, no ``ip``), the tests skip and say why.
-"""
+"""distopt's launcher, torchrun and a dead link across two real network hosts (``tests/_hosts.py`` builds them)."""
 import json
 import os
-import shutil
-import subprocess
 import sys
 import time
-import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from distopt._testing import kill_tree, run_command
+from distopt._testing import run_command
+
+from _hosts import finish, ip, start_on, two_hosts  # noqa: F401  (two_hosts is a fixture)
 
 pytestmark = [pytest.mark.usefixtures("no_leftover_processes"), pytest.mark.timeout(240)]
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "_scripts" / "two_hosts.py"
-SUBNET = "10.231.77"
-
-
-def _ip(*args, check=True):
-    return subprocess.run(["ip", *args], check=check, capture_output=True, text=True, timeout=30)
-
-
-@pytest.fixture
-def two_hosts():
-    """``[(namespace, host name, address)] * 2``; removed afterwards whatever happens."""
-    if shutil.which("ip") is None or shutil.which("unshare") is None:
-        pytest.skip("needs the `ip` and `unshare` commands to build network namespaces")
-    if os.geteuid() != 0:
-        pytest.skip("needs root to build network namespaces")
-    tag = uuid.uuid4().hex[:6]
-    hosts = [(f"distopt-{tag}-a", f"host-a-{tag}", f"{SUBNET}.1"), (f"distopt-{tag}-b", f"host-b-{tag}", f"{SUBNET}.2")]
-    veths = (f"dva{tag}", f"dvb{tag}")
-    made = []
-    try:
-        try:
-            for ns, _, _ in hosts:
-                _ip("netns", "add", ns)
-                made.append(ns)
-            _ip("link", "add", veths[0], "type", "veth", "peer", "name", veths[1])
-            for (ns, _, address), veth in zip(hosts, veths):
-                _ip("link", "set", veth, "netns", ns)
-                _ip("-n", ns, "addr", "add", f"{address}/24", "dev", veth)
-                _ip("-n", ns, "link", "set", veth, "up")
-                _ip("-n", ns, "link", "set", "lo", "up")
-            # each host gets its own name through a UTS namespace: check that one can be made here
-            _ip("netns", "exec", hosts[0][0], "unshare", "--uts", "true")
-        except subprocess.CalledProcessError as exc:  # a container without the privileges, say
-            pytest.skip(f"cannot build network namespaces here ({' '.join(exc.cmd)}: {exc.stderr.strip()})")
-        yield hosts
-    finally:
-        for ns in made:  # deleting a namespace removes its end of the veth pair, and so the pair
-            _ip("netns", "del", ns, check=False)
-
-
-def _start(ns, host, *args, env=None):
-    env = dict(env if env is not None else os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    command = f"hostname {host} && exec {sys.executable} " + " ".join(str(a) for a in args)
-    return subprocess.Popen(["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c", command], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
-
-
-def _finish(procs, timeout=150):
-    outs = []
-    try:
-        for proc in procs:
-            try:
-                outs.append(proc.communicate(timeout=timeout)[0])
-            except subprocess.TimeoutExpired:
-                if timeout > 1:
-                    raise
-                outs.append("")  # not waited for: killed below
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                kill_tree(proc.pid)  # torchrun's workers run in sessions of their own
-                proc.wait()
-    return outs
 
 
 def _result(out):
@@ -98,8 +27,8 @@ def _result(out):
 def test_launch_across_two_hosts_picks_the_routed_interface_and_trains_identically(two_hosts):
     (ns_a, host_a, addr_a), (ns_b, host_b, _) = two_hosts
     port = 29613
-    procs = [_start(ns_a, host_a, SCRIPT, 0, addr_a, port), _start(ns_b, host_b, SCRIPT, 1, addr_a, port)]
-    out_a, out_b = _finish(procs)
+    procs = [start_on(ns_a, host_a, SCRIPT, 0, addr_a, port), start_on(ns_b, host_b, SCRIPT, 1, addr_a, port)]
+    out_a, out_b = finish(procs)
     assert procs[0].returncode == 0 and procs[1].returncode == 0, out_a + out_b
     (a,), (b,) = _result(out_a), _result(out_b)
     assert (a["host"], b["host"]) == (host_a, host_b)
@@ -116,9 +45,9 @@ def test_the_users_interface_setting_wins(two_hosts):
     (ns_a, host_a, addr_a), (ns_b, host_b, _) = two_hosts
     procs = []
     for (ns, host, _), node in zip(two_hosts, (0, 1)):
-        veth = _ip("-n", ns, "-o", "link", "show", "type", "veth").stdout.split(":")[1].strip().split("@")[0]
-        procs.append(_start(ns, host, SCRIPT, node, addr_a, 29614, env=dict(os.environ, GLOO_SOCKET_IFNAME=veth)))
-    outs = _finish(procs)
+        veth = ip("-n", ns, "-o", "link", "show", "type", "veth").stdout.split(":")[1].strip().split("@")[0]
+        procs.append(start_on(ns, host, SCRIPT, node, addr_a, 29614, env=dict(os.environ, GLOO_SOCKET_IFNAME=veth)))
+    outs = finish(procs)
     assert all(proc.returncode == 0 for proc in procs), outs
     assert not any("distopt: gloo and NCCL use interface" in out for out in outs), outs
 
@@ -153,10 +82,10 @@ def test_torchrun_with_c10d_rendezvous_across_two_hosts_matches_one_host(two_hos
             "--rdzv-endpoint", f"{addr_a}:29615", "--rdzv-id", "two-hosts"]
     # torchrun itself needs these where host names do not resolve: it advertises node 0's store by
     # name (--local-addr gives the address instead) and asks the resolver whether it is the host.
-    procs = [_start(ns_a, host_a, *rdzv, "--rdzv-conf", "is_host=true", "--local-addr", addr_a, *args),
-             _start(ns_b, host_b, *rdzv, "--rdzv-conf", "is_host=false", "--local-addr", addr_b, *args)]
+    procs = [start_on(ns_a, host_a, *rdzv, "--rdzv-conf", "is_host=true", "--local-addr", addr_a, *args),
+             start_on(ns_b, host_b, *rdzv, "--rdzv-conf", "is_host=false", "--local-addr", addr_b, *args)]
     try:
-        outs = _finish(procs)
+        outs = finish(procs)
     finally:
         one_host.shutdown()  # it ends by its own timeout at the latest, its tree killed
     code, out, err = baseline.result()
@@ -171,18 +100,18 @@ def test_torchrun_with_c10d_rendezvous_across_two_hosts_matches_one_host(two_hos
 def test_a_link_going_down_is_a_clear_error_within_the_collective_timeout(two_hosts, tmp_path):
     (ns_a, host_a, addr_a), (ns_b, host_b, _) = two_hosts
     marker = tmp_path / "training"
-    procs = [_start(ns_a, host_a, SCRIPT, 0, addr_a, 29616, "link", marker),
-             _start(ns_b, host_b, SCRIPT, 1, addr_a, 29616, "link", marker)]
+    procs = [start_on(ns_a, host_a, SCRIPT, 0, addr_a, 29616, "link", marker),
+             start_on(ns_b, host_b, SCRIPT, 1, addr_a, 29616, "link", marker)]
     try:
         deadline = time.monotonic() + 60
         while not marker.exists() and time.monotonic() < deadline and procs[0].poll() is None:
             time.sleep(0.2)
         assert marker.exists(), "training never started"
-        veth = _ip("-n", ns_b, "-o", "link", "show", "type", "veth").stdout.split(":")[1].strip().split("@")[0]
-        _ip("-n", ns_b, "link", "set", veth, "down")
+        veth = ip("-n", ns_b, "-o", "link", "show", "type", "veth").stdout.split(":")[1].strip().split("@")[0]
+        ip("-n", ns_b, "link", "set", veth, "down")
         out_a = procs[0].communicate(timeout=120)[0]
     finally:
-        _finish(procs[1:], timeout=0.1) if procs[0].poll() is not None else _finish(procs, timeout=0.1)
+        finish(procs[1:], timeout=0.1) if procs[0].poll() is not None else finish(procs, timeout=0.1)
     (a,) = _result(out_a)
     # host A's rank names the rank it lost, within the 5 s collective timeout plus a margin
     assert a["error"] and "rank 1" in a["error"], a

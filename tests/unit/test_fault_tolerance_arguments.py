@@ -6,6 +6,7 @@ real gloo is in tests/fault_tolerance/.
 """
 from __future__ import annotations
 
+import os
 from typing import Any, Callable, Dict, List
 
 import pytest
@@ -113,3 +114,32 @@ def test_the_cut_picks_connected_sockets_only() -> None:
     finally:
         for s in (client, server, listener):
             s.close()
+
+
+def test_the_launchers_replica_ids_name_distinct_replicas_of_the_job() -> None:
+    from distopt.fault_tolerance.launch import replica_ids
+
+    assert replica_ids(None, 3) == [0, 1, 2]
+    assert replica_ids("2,0", 3) == [2, 0]
+    for bad in ("3", "0,0", "", "-1"):
+        with pytest.raises(ValueError, match=r"--replica-ids must name distinct replicas in 0\.\.2"):
+            replica_ids(bad, 3)
+    with pytest.raises(ValueError, match="separated by commas"):
+        replica_ids("0;1", 3)
+
+
+def test_an_advertised_url_keeps_its_port_and_brackets_an_ipv6_host() -> None:
+    from distopt.fault_tolerance.manager import advertised_url
+
+    assert advertised_url("http://somehost:8123/checkpoint", "10.0.0.2") == "http://10.0.0.2:8123/checkpoint"
+    assert advertised_url("http://[::1]:8123", "fe80::2") == "http://[fe80::2]:8123"
+
+
+def test_no_interface_owns_a_loopback_or_foreign_address_and_the_users_choice_wins(monkeypatch) -> None:
+    from distopt.launching.interface import owning_interface, pick_owning_interface
+
+    assert owning_interface("127.0.0.1") is None
+    assert owning_interface("192.0.2.77") is None  # TEST-NET-1: no host here holds it
+    monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "ib0")
+    assert pick_owning_interface("192.0.2.77") is None and os.environ["GLOO_SOCKET_IFNAME"] == "ib0"
