@@ -15,10 +15,10 @@ SLOWEST_FIRST = [
     "fronts/test_examples.py",  # ~50
     "launching/test_launcher.py",  # ~45
     "launching/test_two_hosts.py",  # ~45
+    "fault_tolerance/test_launch.py",  # ~40: one host, then two namespaced hosts
     "horovod/test_horovod.py",  # ~25
     "multiprocess/test_stalls.py",  # ~25
     "multiprocess/test_agreement.py",  # ~20
-    "fault_tolerance/test_launch.py",  # ~20
     "launching/test_clean_exit.py",  # ~15
     "fronts/test_benchmark_link.py",  # ~15
     "multiprocess/test_sharded.py",  # ~12

@@ -35,6 +35,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from torch import Tensor
 
 from ..compression import Compressor
+from ..planning.schedule import StreamSchedule
 from . import healing
 from .channel import ManagedChannel
 from .compressor_state import CompressorState
@@ -51,8 +52,8 @@ _keys = [0]
 
 
 def check_arguments(manager: Any, *, shard_state: bool, bcast_period: int,
-                    process_group_size: int, reduce_op: str, local_sgd: bool = False, streaming: bool = False,
-                    local_warmup: int = 0) -> None:
+                    process_group_size: int, reduce_op: str, local_sgd: bool = False,
+                    streaming: Optional[StreamSchedule] = None, local_warmup: int = 0) -> None:
     """Refuse what fault tolerance cannot do, with the reason.
 
     Raises:
@@ -85,12 +86,13 @@ def check_arguments(manager: Any, *, shard_state: bool, bcast_period: int,
             "replica (python -m distopt.fault_tolerance.launch --replicas N), or leave process_group unset in a "
             "job without a default group of more than one"
         )
-    if streaming:
+    if streaming is not None and streaming.overlap > streaming.gap():
         raise ValueError(
-            "streaming local SGD (sync_fragments, sync_overlap, sync_mixing) is not supported with fault_tolerance: "
-            "its fragments' syncs travel across several steps, so a commit vote would have to discard (and a heal "
-            "to carry) exchanges still in flight. Use plain local SGD or DiLoCo (sync_every, outer_optimizer), "
-            "which fault tolerance supports: a quorum and a commit vote per sync"
+            f"with fault_tolerance, streaming local SGD keeps one fragment's sync in flight at a time (each sync is "
+            f"a quorum and a commit vote, and torchft's Manager holds one quorum at a time), so sync_overlap must "
+            f"be at most the {streaming.gap()} local steps between two launches (sync_every={streaming.every}, "
+            f"sync_fragments={streaming.fragments}); got sync_overlap={streaming.overlap}. Lower sync_overlap or "
+            "sync_fragments, or raise sync_every"
         )
     if local_sgd and local_warmup:
         raise ValueError(
@@ -175,6 +177,11 @@ class FaultTolerance:
     def rank(self) -> int:
         """This replica's rank among the replicas averaged this step (0 while it heals)."""
         return self._rank or 0
+
+    @property
+    def healed_now(self) -> bool:
+        """Whether the last :meth:`commit` loaded a live peer's state into this replica."""
+        return self._healed_now
 
     @property
     def events(self) -> List[MembershipEvent]:

@@ -39,7 +39,7 @@ it keeps identical on every rank, and when). The defaults do what synchronous tr
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Protocol
 
 import torch
 from torch import Tensor
@@ -52,10 +52,32 @@ from ..planning import drift
 from ..transport import stalls
 from . import shards
 
-__all__ = ["Mode", "ModeContext", "ModeArguments", "OuterFactory"]
+__all__ = ["Mode", "ModeContext", "ModeArguments", "OuterFactory", "SyncVote"]
 
 #: Builds DiLoCo's outer optimizer from the tensors it steps (the parameters at the last sync).
 OuterFactory = Callable[[List[Tensor]], Optimizer]
+
+
+class SyncVote(Protocol):
+    """What a mode that syncs on its own schedule (local SGD) sees of fault tolerance.
+
+    :class:`distopt.fault_tolerance.FaultTolerance` is one: each sync is a quorum of the
+    replicas (opened by the sync's first collective, or by :meth:`enter_round`) and a
+    commit vote before its result is applied.
+    """
+
+    #: The committed step count the quorum agreed on (after :meth:`enter_round`): the same on every replica.
+    quorum_step: int
+
+    def enter_round(self) -> None:
+        """Start this sync's quorum and wait for it (once per sync)."""
+
+    def commit(self, joined: bool = False) -> bool:
+        """Vote: True if the sync's result may be applied. A replica behind loads a live peer's state here."""
+
+    @property
+    def healed_now(self) -> bool:
+        """Whether the last :meth:`commit` loaded a live peer's state into this replica."""
 
 
 @dataclass(frozen=True)

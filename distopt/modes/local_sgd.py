@@ -59,7 +59,7 @@ from ..planning.mixing import mix_
 from ..planning.stats import StepStats
 from ..transport import stalls
 from . import amp, shards
-from .base import Mode, ModeArguments, ModeContext, OuterFactory
+from .base import Mode, ModeArguments, ModeContext, OuterFactory, SyncVote
 from .synchronous import SynchronousMode
 
 __all__ = ["LocalSGDMode", "STATE_KEY", "LAYOUT_KEY"]
@@ -103,17 +103,17 @@ class LocalSGDMode(Mode):
         self._seen = 0  # the wrapper's parameters looked at for anchors
         self._untracked: List[Tensor] = []  # parameters without an anchor, frozen when looked at
         # Fault tolerance (distopt.fault_tolerance): the commit vote of each sync, or None.
-        self._commit: Optional[Callable[[], bool]] = None
+        self._vote: Optional[SyncVote] = None
         self._joined = False  # fault tolerance: this process has committed a sync
 
-    def fault_tolerant(self, commit: Callable[[], bool]) -> None:
-        """Sync under a torchft Manager: every sync is a quorum (the exchange opens it), ``commit()``
+    def fault_tolerant(self, vote: SyncVote) -> None:
+        """Sync under a torchft Manager: every sync is a quorum (the exchange opens it), ``vote.commit()``
         (``should_commit``) is voted between the exchange and applying its result, and a process's
         first step ends with a sync (where a fresh job's replicas take the primary's state and a
         replacement heals from a live peer: parameters, anchors, outer optimizer, steps since the
         sync). A sync voted down moves nothing: the anchors and the outer optimizer stay, and the
         parameters go back to the anchors, alike on every replica that discarded it."""
-        self._commit = commit
+        self._vote = vote
 
     # ------------------------------------------------------------------ the seam
 
@@ -156,7 +156,7 @@ class LocalSGDMode(Mode):
     def _after_local_step(self, ctx: ModeContext) -> None:
         """After a local step (the inner step taken or skipped): sync when the period is over."""
         self.since_sync += 1
-        if self.since_sync >= self.sync_every or (self._commit is not None and not self._joined):
+        if self.since_sync >= self.sync_every or (self._vote is not None and not self._joined):
             self._sync(ctx)
 
     def leaving(self, ctx: ModeContext) -> Optional[Callable[[], None]]:
@@ -210,7 +210,7 @@ class LocalSGDMode(Mode):
         self.since_sync = 0
         if not self._needs_anchors(ctx):  # plain averaging over one rank changes nothing
             return
-        if ctx.world_size > 1 or self._commit is not None:
+        if ctx.world_size > 1 or self._vote is not None:
             self._launch(ctx)
             self._finish(ctx)
             return
@@ -242,11 +242,11 @@ class LocalSGDMode(Mode):
         engine = ctx.engine
         with torch.no_grad():
             engine.finish_exchange()
-            if self._commit is not None and not self._commit():  # may heal: the items are taken after it
+            if self._vote is not None and not self._vote.commit():  # may heal: the items are taken after it
                 for p, anchor in self._pairs(ctx):
                     p.copy_(anchor)
                 return
-            self._joined = self._joined or self._commit is not None
+            self._joined = self._joined or self._vote is not None
             self._apply([(p, self._anchor_of(p), view)
                          for pack in engine.packs for p, view in zip(pack.params, pack.views)])
 
@@ -464,7 +464,7 @@ class LocalSGDMode(Mode):
     # ------------------------------------------------------------------ anchors
 
     def _needs_anchors(self, ctx: ModeContext) -> bool:
-        return ctx.world_size > 1 or self._factory is not None or self._commit is not None
+        return ctx.world_size > 1 or self._factory is not None or self._vote is not None
 
     def _set_local(self, ctx: ModeContext, local: bool) -> None:
         self.reduces_in_backward = not local

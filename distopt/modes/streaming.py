@@ -32,6 +32,22 @@ in the order the schedule launches them); then it shadows the others'
 exchanges, fragment by fragment, with zeros. These last exchanges take the
 global values whatever ``sync_mixing`` is: the end of a join block is a full sync.
 
+**Fault tolerance** (``fault_tolerance=manager``, :mod:`distopt.fault_tolerance`). Each
+fragment's sync is a quorum of the replicas and a commit vote, as a whole-model sync is
+in plain local SGD, and one sync is in flight at a time (``sync_overlap`` at most the
+steps between two launches: torchft's Manager holds one quorum at a time). The quorum
+is waited for as the sync launches, and the fragment it sends is chosen by the quorum's
+committed step count (``quorum_step % F``), not by the local step: a replacement that
+joins knows nothing of the others' schedule, but learns the count from the quorum, and so
+sends the same fragment as they do. A process's first local step launches a sync (where a
+fresh job's replicas take the primary's state, and a replacement heals from a live peer);
+the commit vote comes when the sync is merged, ``sync_overlap`` steps later, and a replica
+that heals there takes its peer's state as it was at the quorum, with the step count moved
+on by the steps since. A sync voted down moves no anchor: the fragment's parameters are
+mixed back towards their anchors (``sync_mixing``; all the way with 0), alike on every
+replica, as torchft's streaming DiLoCo does, and its fragment is sent again at the next
+launch.
+
 **Checkpoints.** ``state_dict()`` waits for the exchanges in flight (their
 communication only: nothing is merged early) and saves each one's mean
 pseudo-gradient and the step it was sent at; a load puts them back, to be merged
@@ -50,9 +66,10 @@ from .. import collectives
 from ..engine.partial import PartialExchange
 from ..planning import drift
 from ..planning.fragments import split_fragments
+from ..planning.mixing import mix_
 from ..planning.schedule import StreamSchedule
 from ..transport import stalls
-from .base import ModeArguments, ModeContext, OuterFactory
+from .base import ModeArguments, ModeContext, OuterFactory, SyncVote
 from .local_sgd import STATE_KEY, LocalSGDMode
 
 __all__ = ["StreamingMode", "STREAMING_KEY"]
@@ -133,6 +150,9 @@ class StreamingMode(LocalSGDMode):
         self.since_sync += 1
         if not self._needs_anchors(ctx):  # plain averaging over one rank changes nothing
             return
+        if self._vote is not None:
+            self._after_replicated_step(ctx, self._vote)
+            return
         step = self.local_step(ctx)
         schedule = self.schedule(ctx)
         # The syncs sent tau steps ago (schedule.merges(step), and any loaded from a checkpoint).
@@ -151,12 +171,34 @@ class StreamingMode(LocalSGDMode):
             if not self.overlap:
                 self._merge(ctx, f)
 
+    def _after_replicated_step(self, ctx: ModeContext, vote: SyncVote) -> None:
+        """Fault tolerance: merge the sync in flight when its overlap is over, then launch the next one
+        at a launch step (or at once, before this process's first sync), its fragment the quorum's."""
+        for f in self._in_flight():
+            if self._pending[f].launched + self.overlap <= self.local_step(ctx):
+                self._merge(ctx, f)
+        for f in self._in_flight():
+            exchange = self._pending[f].exchange
+            if exchange is not None:
+                ctx.engine.advance_partial(exchange)
+        step = self.local_step(ctx)  # a heal in the merge moved it on
+        schedule = self.schedule(ctx)
+        if self._pending or not (schedule.launches(step) or not self._joined):
+            return
+        self._follow_plan(ctx)
+        vote.enter_round()  # the quorum: who takes part, and the committed count that picks the fragment
+        fragment = vote.quorum_step % schedule.fragments
+        self._send(ctx, fragment, step)
+        self.since_sync = 0
+        if not self.overlap:
+            self._merge(ctx, fragment)
+
     # ------------------------------------------------------------------ fragments and their syncs
 
     def _fragments(self, ctx: ModeContext) -> List[List[Tensor]]:
         """Each fragment's parameters: read from the engine's packs (a world of one: cut here alike)."""
         engine = ctx.engine
-        if ctx.world_size > 1:
+        if self._exchanges(ctx):
             return [[p for k in packs for p in engine.packs[k].params] for packs in engine.fragment_packs]
         params = [p for p, _ in self._pairs(ctx)]
         runs = split_fragments([p.numel() * p.element_size() for p in params], self.fragments)
@@ -172,7 +214,7 @@ class StreamingMode(LocalSGDMode):
 
     def _send(self, ctx: ModeContext, fragment: int, step: int) -> None:
         """Send ``fragment``'s pseudo-gradient; it stays in flight until merged."""
-        if ctx.world_size == 1:  # DiLoCo in one process: the mean is this rank's own
+        if not self._exchanges(ctx):  # DiLoCo in one process: the mean is this rank's own
             with torch.no_grad():
                 values = [(p, self._anchor_of(p) - p) for p in self._fragments(ctx)[fragment]]
             self._pending[fragment] = _Sync(step, None, values)
@@ -195,9 +237,24 @@ class StreamingMode(LocalSGDMode):
             if ctx.engine.progress is not None:
                 ctx.engine.progress.phase = f"inside step() (streaming local SGD: merging fragment {fragment})"
             ctx.engine.finish_partial(sync.exchange)
+        alpha = 0.0 if final else self.mixing
+        if self._vote is not None:
+            since = self.local_step(ctx) - sync.launched
+            committed = self._vote.commit()  # may heal: the anchors are read after it
+            if self._vote.healed_now:  # the peer's state is the one it had at the quorum, `since` steps ago
+                ctx.set_steps(ctx.steps + since)
+            if not committed:
+                with torch.no_grad():
+                    for p, _ in sync.arrived():
+                        mix_(p, self._anchor_of(p), alpha)
+                return
+            self._joined = True
         with torch.no_grad():
-            self._apply([(p, self._anchor_of(p), mean) for p, mean in sync.arrived()],
-                        0.0 if final else self.mixing)
+            self._apply([(p, self._anchor_of(p), mean) for p, mean in sync.arrived()], alpha)
+
+    def _exchanges(self, ctx: ModeContext) -> bool:
+        """Whether syncs travel (more than one rank, or replicas under fault tolerance, however many)."""
+        return ctx.world_size > 1 or self._vote is not None
 
     def _complete_stages(self, ctx: ModeContext) -> None:
         """Before another exchange is sent: every compressor stage of those in flight, issued and back.

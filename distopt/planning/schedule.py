@@ -82,6 +82,12 @@ class StreamSchedule:
                     for s in [self.last_launch(f, step)] if s is not None and s + self.overlap > step]
         return [f for _, f in sorted(launched)]
 
+    def gap(self) -> int:
+        """The fewest local steps between two launches (of any fragments): at most ``overlap`` of them
+        keeps one sync in flight at a time."""
+        offsets = [self.offset(f) for f in range(self.fragments)]
+        return min(b - a for a, b in zip(offsets, offsets[1:] + [offsets[0] + self.every]))
+
     def order_after(self, step: int) -> List[int]:
         """Every fragment, in the order they next launch after local step ``step``."""
         return sorted(range(self.fragments), key=lambda f: (self.offset(f) - step - 1) % self.every)

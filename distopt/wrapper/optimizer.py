@@ -54,6 +54,7 @@ from ..modes.synchronous import shadow_closure_loss
 from ..planning.drift import DriftReport
 from ..planning.stats import StepStats
 from ..planning.link import choose_threshold
+from ..planning.schedule import StreamSchedule
 from ..transport import private_groups, stalls
 from ..transport.link import measure_link
 from ..transport.stalls import Progress
@@ -252,9 +253,11 @@ class DistributedOptimizer(InnerOptimizerSurface):
         # ---- fault tolerance (distopt.fault_tolerance): the replicas' world is the manager's, per step.
         self.fault_tolerance: Optional[ft.FaultTolerance] = None
         if fault_tolerance is not None:
+            schedule = (StreamSchedule(int(sync_every), int(sync_fragments or 1), int(sync_overlap or 0))
+                        if streaming else None)
             ft.check_arguments(fault_tolerance, shard_state=self.shard_state, bcast_period=self.bcast_period,
                                process_group_size=self.world_size, reduce_op=reduce_op, local_sgd=local,
-                               streaming=streaming, local_warmup=int(local_warmup))
+                               streaming=schedule, local_warmup=int(local_warmup))
             self.check_every = 0  # the drift check's all-gather has no place in the manager's all-reduces
             self._drift = DriftCheck(0, self.drift_atol, self.drift_rtol, self.on_drift)
             self.fault_tolerance = ft.FaultTolerance(
@@ -289,7 +292,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
             self.fault_tolerance.attach(self._set_world)
             if local:  # a quorum and a commit vote per sync, not per step (the mode asks for them)
                 self.fault_tolerance.per_step = False
-                self._mode.fault_tolerant(self.fault_tolerance.commit)
+                self._mode.fault_tolerant(self.fault_tolerance)
         self._track_new_params()
         self._mode.attach(self._context)
         self._ddp_watched = self.world_size > 1  # a model left in DDP shows at its first forward

@@ -10,7 +10,9 @@ or between steps, once ``world`` replicas (default 1) train together: replicas s
 different times on a loaded host, and a kill meant to land in a step of three must not
 land in a step that a late starter has not joined yet.
 
-Modes (tests/fault_tolerance/test_fault_tolerance_modes.py): ``compression`` (a name, or
+Modes (tests/fault_tolerance/test_fault_tolerance_modes.py): ``stream`` (streaming local SGD:
+``{"fragments": F, "overlap": tau, "mixing": alpha}`` beside ``sync_every``; the hash then leaves
+the parameters out, which hold each replica's own progress), ``compression`` (a name, or
 ``"powersgd:R:S"`` for PowerSGD of rank R from step S; the hash then covers PowerSGD's Q,
 which must be the same on every replica), ``optimizer`` (``"sgd"``), ``same_init`` (every
 replica draws the same initial parameters) and ``start_together`` (wait until that many replicas are up before
@@ -52,6 +54,8 @@ def digest(model, opt):
         qs = compressor.state_dict()["qs"]
         for key in sorted(qs):
             h.update(qs[key].detach().numpy().tobytes())
+    if stream:  # the parameters are each replica's own: the anchors, the outer optimizer and the steps are not
+        h = hashlib.sha256(str(opt._engine.steps).encode())
     if local:
         mine = opt.state_dict()["distopt_local_sgd"]
         tensors = list(mine["anchors"]) + ([v for st in mine["outer"]["state"].values() for v in st.values()]
@@ -76,9 +80,12 @@ width = spec.get("width", 64)
 model = torch.nn.Sequential(torch.nn.Linear(16, width), torch.nn.Tanh(), torch.nn.Linear(width, width), torch.nn.Tanh(),
                             torch.nn.Linear(width, 1))
 local = spec.get("sync_every", 1) > 1  # local SGD (DiLoCo with "outer"): a quorum and a commit vote per sync
+stream = spec.get("stream")
 extra = {}
 if local:
     extra["sync_every"] = spec["sync_every"]
+if stream:
+    extra.update(sync_fragments=stream["fragments"], sync_overlap=stream["overlap"], sync_mixing=stream.get("mixing", 0.0))
     if spec.get("outer"):
         extra["outer_optimizer"] = lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.5, nesterov=True)
 compressor = None

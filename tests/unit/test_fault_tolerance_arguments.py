@@ -46,7 +46,9 @@ def test_a_non_manager_is_refused_with_what_it_lacks() -> None:
 @pytest.mark.parametrize("kwargs, match", [
     ({"shard_state": True}, "shard_state=True cannot be combined with fault_tolerance: each rank holds the only copy"),
     ({"bcast_period": 5}, "bcast_period > 0 cannot be combined"),
-    ({"sync_every": 4, "sync_fragments": 2}, "streaming local SGD .* is not supported with fault_tolerance"),
+    ({"sync_every": 8, "sync_fragments": 4, "sync_overlap": 3},
+     r"one fragment's sync in flight at a time .* at most the 2 local steps between two launches \(sync_every=8, "
+     r"sync_fragments=4\); got sync_overlap=3"),
     ({"sync_every": 4, "local_warmup": 2}, "local_warmup > 0 cannot be combined with fault_tolerance"),
 ])
 def test_settings_that_cannot_work_are_refused_with_the_reason(kwargs: Dict[str, Any], match: str) -> None:
@@ -54,8 +56,9 @@ def test_settings_that_cannot_work_are_refused_with_the_reason(kwargs: Dict[str,
         distopt.DistributedOptimizer(_opt(), fault_tolerance=RecordingManager(), **kwargs)
 
 
-def test_local_sgd_is_accepted_and_votes_per_sync_not_per_step() -> None:
-    opt = distopt.DistributedOptimizer(_opt(), fault_tolerance=RecordingManager(), sync_every=4)
+@pytest.mark.parametrize("streaming", [{}, {"sync_fragments": 2, "sync_overlap": 2}])
+def test_local_sgd_and_streaming_are_accepted_and_vote_per_sync_not_per_step(streaming: Dict[str, Any]) -> None:
+    opt = distopt.DistributedOptimizer(_opt(), fault_tolerance=RecordingManager(), sync_every=4, **streaming)
     assert opt.fault_tolerance.per_step is False  # the quorum and the vote belong to each sync
 
 

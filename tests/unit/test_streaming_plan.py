@@ -138,3 +138,12 @@ def test_packs_never_mix_groups_and_without_groups_the_plan_is_unchanged(case):
     assert all(len({groups[i] for i in pack.members}) == 1 for pack in plan)
     assert plan_packs(order, metas, threshold, [0] * len(metas)) == plan_packs(order, metas, threshold)
     assert replan(plan, order, metas, threshold, groups) is None
+
+
+@given(every=st.integers(1, 64), data=st.data())
+def test_the_gap_is_the_fewest_steps_between_two_launches(every: int, data: st.DataObject) -> None:
+    fragments = data.draw(st.integers(1, every))
+    schedule = StreamSchedule(every, fragments)
+    launches = [s for s in range(1, 3 * every + 1) if schedule.launches(s)]  # three periods: three launches at least
+    assert schedule.gap() == min(b - a for a, b in zip(launches, launches[1:]))
+    assert every // fragments <= schedule.gap() <= every
