@@ -141,8 +141,9 @@ class ManagedGroup:
         if group is None:
             raise RuntimeError(
                 f"the compressor's codec issues {what}, which under fault_tolerance travels on the torchft Manager's "
-                "process group (manager._pg), and this manager has none that distopt can reach; build it with "
-                "distopt.fault_tolerance.manager.make_manager(), or use a compressor that only all-reduces "
+                "process group, and distopt reaches the group only of a manager built by "
+                "distopt.fault_tolerance.manager.make_manager() (torchft keeps it private); build the manager with "
+                "it (its keyword arguments go on to torchft.Manager), or use a compressor that only all-reduces "
                 "(compression='fp16', 'bf16' or 'powersgd')"
             )
         try:

@@ -40,6 +40,7 @@ from . import healing
 from .channel import ManagedChannel
 from .compressor_state import CompressorState
 from .membership import MembershipEvent, Record, diff
+from .process_group import group_of
 
 __all__ = ["FaultTolerance", "check_arguments", "WorldCallback"]
 
@@ -258,8 +259,9 @@ class FaultTolerance:
         logger.warning("distopt: the step discarded after step %d: %s", self.quorum_step, cause)
 
     def process_group(self) -> Any:
-        """The manager's process group, reached directly (None: go through ``manager.allreduce``)."""
-        group = getattr(self.manager, "_pg", None)
+        """The manager's process group, reached directly (None: go through ``manager.allreduce``;
+        see :func:`distopt.fault_tolerance.process_group.group_of`)."""
+        group = group_of(self.manager)
         return group if callable(getattr(group, "allreduce", None)) else None
 
     def failed(self, error: Optional[BaseException] = None) -> None:
@@ -270,8 +272,7 @@ class FaultTolerance:
         if self._failed:
             return
         self._failed = True
-        group = getattr(self.manager, "_pg", None)
-        cut = getattr(group, "cut", None)
+        cut = getattr(self.process_group(), "cut", None)
         if callable(cut):
             cut()
 
@@ -325,7 +326,7 @@ class FaultTolerance:
 
     def _observe(self) -> None:
         """Record a change of quorum (from the process group's report, else the world size and rank)."""
-        members_report = getattr(getattr(self.manager, "_pg", None), "members", None)
+        members_report = getattr(self.process_group(), "members", None)
         if members_report is not None:
             quorum_id, _, _, members = members_report
             quorum: Tuple[Any, ...] = (quorum_id,)

@@ -19,7 +19,7 @@ from typing import Any, Optional
 from urllib.parse import urlsplit, urlunsplit
 
 from ..launching.interface import pick_owning_interface
-from .process_group import process_group
+from .process_group import process_group, register
 
 __all__ = ["make_manager", "advertised_url", "HEARTBEAT_INTERVAL", "COLLECTIVE_TIMEOUT"]
 
@@ -78,8 +78,9 @@ def make_manager(*, min_replicas: int = 1, timeout: float = COLLECTIVE_TIMEOUT, 
     seconds = timedelta(seconds=timeout)
     if "checkpoint_transport" not in kwargs and chosen:
         kwargs["checkpoint_transport"] = _http_transport(chosen, seconds)
-    return Manager(
-        pg=process_group(seconds), load_state_dict=None, state_dict=None, min_replica_size=min_replicas,
+    group = process_group(seconds)
+    manager = Manager(
+        pg=group, load_state_dict=None, state_dict=None, min_replica_size=min_replicas,
         timeout=seconds, quorum_timeout=timedelta(seconds=quorum_timeout),
         connect_timeout=timedelta(seconds=connect_timeout), heartbeat_interval=timedelta(seconds=heartbeat_interval),
         replica_id=replica_id, lighthouse_addr=lighthouse, store_addr=store_addr, store_port=store_port,
@@ -87,6 +88,8 @@ def make_manager(*, min_replicas: int = 1, timeout: float = COLLECTIVE_TIMEOUT, 
         rank=kwargs.pop("rank", int(os.environ.get("RANK", "0"))),
         world_size=kwargs.pop("world_size", int(os.environ.get("WORLD_SIZE", "1"))), **kwargs,
     )
+    register(manager, group)
+    return manager
 
 
 def advertised_url(url: str, host: str) -> str:

@@ -6,18 +6,38 @@ core never does.
 from __future__ import annotations
 
 import threading
+import weakref
 from datetime import timedelta
 from typing import Any, List, Optional, Tuple, Union
 
 from . import sockets
 
-__all__ = ["process_group", "Members"]
+__all__ = ["process_group", "register", "group_of", "Members"]
 
 #: What the last ``configure`` said: (quorum id, this replica's rank, world size, members' global ranks).
 Members = Tuple[int, int, int, Tuple[int, ...]]
 
 _class: Any = None
 _class_lock = threading.Lock()
+# manager -> the process group it was built with (torchft keeps it private: ``manager._pg``).
+_groups: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+
+def register(manager: Any, group: Any) -> None:
+    """Remember that ``manager`` was built with ``group`` (:func:`distopt.fault_tolerance.manager.make_manager` does)."""
+    _groups[manager] = group
+
+
+def group_of(manager: Any) -> Optional[Any]:
+    """The process group ``manager`` was :func:`register`-ed with, or None (a manager built elsewhere).
+
+    distopt then sends its packs straight to the group (one quorum wait per step, not per
+    pack), runs a codec's all-to-all and all-gather on it, and cuts its connections when a
+    collective fails. A manager built elsewhere is reached through ``manager.allreduce``
+    only: compressors that all-reduce work, the others are refused, and survivors of a death
+    inside a collective wait out gloo's timeout instead of being freed at once.
+    """
+    return _groups.get(manager)
 
 
 def process_group(timeout: Union[float, timedelta] = 10.0) -> Any:
