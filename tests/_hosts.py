@@ -5,18 +5,20 @@ Network namespaces joined by a veth pair, each with its own address and its own 
 removes them afterwards, also when a test fails; where they cannot be built (not root, no
 ``ip``), the tests skip and say why.
 """
+import contextlib
 import os
 import shutil
 import subprocess
 import sys
 import uuid
 from pathlib import Path
+from typing import Iterator, List, Tuple
 
 import pytest
 
 from distopt._testing import kill_tree
 
-__all__ = ["two_hosts", "start_on", "finish", "ip", "SUBNET"]
+__all__ = ["two_hosts", "network_hosts", "HostsUnavailable", "start_on", "finish", "ip", "SUBNET"]
 
 ROOT = Path(__file__).resolve().parents[1]
 SUBNET = "10.231.77"
@@ -26,13 +28,21 @@ def ip(*args, check=True):
     return subprocess.run(["ip", *args], check=check, capture_output=True, text=True, timeout=30)
 
 
-@pytest.fixture
-def two_hosts():
-    """``[(namespace, host name, address)] * 2``; removed afterwards whatever happens."""
+class HostsUnavailable(Exception):
+    """Two network hosts cannot be built here; the message says why."""
+
+
+@contextlib.contextmanager
+def network_hosts() -> Iterator[List[Tuple[str, str, str]]]:
+    """``[(namespace, host name, address)] * 2``; removed afterwards whatever happens.
+
+    Raises:
+        HostsUnavailable: before yielding, where they cannot be built (not root, no ``ip``).
+    """
     if shutil.which("ip") is None or shutil.which("unshare") is None:
-        pytest.skip("needs the `ip` and `unshare` commands to build network namespaces")
+        raise HostsUnavailable("needs the `ip` and `unshare` commands to build network namespaces")
     if os.geteuid() != 0:
-        pytest.skip("needs root to build network namespaces")
+        raise HostsUnavailable("needs root to build network namespaces")
     tag = uuid.uuid4().hex[:6]
     hosts = [(f"distopt-{tag}-a", f"host-a-{tag}", f"{SUBNET}.1"), (f"distopt-{tag}-b", f"host-b-{tag}", f"{SUBNET}.2")]
     veths = (f"dva{tag}", f"dvb{tag}")
@@ -51,11 +61,22 @@ def two_hosts():
             # each host gets its own name through a UTS namespace: check that one can be made here
             ip("netns", "exec", hosts[0][0], "unshare", "--uts", "true")
         except subprocess.CalledProcessError as exc:  # a container without the privileges, say
-            pytest.skip(f"cannot build network namespaces here ({' '.join(exc.cmd)}: {exc.stderr.strip()})")
+            raise HostsUnavailable(f"cannot build network namespaces here ({' '.join(exc.cmd)}: "
+                                   f"{exc.stderr.strip()})") from None
         yield hosts
     finally:
         for ns in made:  # deleting a namespace removes its end of the veth pair, and so the pair
             ip("netns", "del", ns, check=False)
+
+
+@pytest.fixture
+def two_hosts():
+    """:func:`network_hosts` for one test; the test skips, with the reason, where they cannot be built."""
+    try:
+        with network_hosts() as hosts:
+            yield hosts
+    except HostsUnavailable as exc:
+        pytest.skip(str(exc))
 
 
 def start_on(ns, host, *args, env=None):

@@ -69,7 +69,7 @@ def _check_mode_flags(parser: argparse.ArgumentParser, args: argparse.Namespace)
         given = [flag for dest, flag in _STEP_ONLY.items() if getattr(args, dest) != parser.get_default(dest)]
         if given:
             parser.error(f"{', '.join(given)} belong(s) to the step-time benchmark and mean nothing with --link; "
-                         "the slow-link benchmark takes --tasks, --contenders, --powersgd-rank, --quick, --plots")
+                         "the slow-link benchmark takes --tasks, --contenders, --powersgd-rank, --quick, --link-rounds, --plots")
     else:
         given = [flag for dest, flag in LINK_ONLY.items() if getattr(args, dest) not in (None, False)]
         if given:

@@ -2,11 +2,14 @@
 
 The launcher starts a lighthouse and one torchrun agent per replica; the test kills one
 replica's worker from outside, as a user or the kernel would, and reads the replicas' step
-logs (``tests/_scripts/ft_launched.py``). Skipped, with the reason, where torchft is not
-installed (``pip install -e ".[ft]"``).
+logs (``tests/_scripts/ft_launched.py``). The one-host command and the two-host one (on the
+network-namespace hosts of ``tests/_hosts.py``) run side by side, in one module fixture:
+each is a job of its own, and most of either's time is process start-up and waiting.
+Skipped, with the reason, where torchft is not installed (``pip install -e ".[ft]"``).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -14,7 +17,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Tuple
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Dict, List, Tuple
 
 import pytest
 
@@ -23,7 +27,7 @@ psutil = pytest.importorskip("psutil")
 
 from distopt._testing import kill_tree  # noqa: E402
 
-from _hosts import start_on, two_hosts  # noqa: E402,F401  (two_hosts is a fixture)
+from _hosts import HostsUnavailable, network_hosts, start_on  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "_scripts" / "ft_launched.py"
@@ -80,9 +84,19 @@ def _launch_and_kill(launchers: List[subprocess.Popen], out: Path) -> Tuple[Any,
     return victim, killed_at, outputs, list(seen.values())
 
 
-def _check_killed_and_healed(launchers: List[subprocess.Popen], out: Path) -> None:
+Launch = Tuple[List[subprocess.Popen], Path, Tuple[Any, float, List[str], List[Any]]]
+
+
+def _launched(start: Callable[[Path], List[subprocess.Popen]], out: Path) -> Launch:
+    """Start the launcher(s) with logs in ``out``, kill replica KILLED's worker, wait for the end."""
+    out.mkdir()
+    launchers = start(out)
+    return launchers, out, _launch_and_kill(launchers, out)
+
+
+def _check_killed_and_healed(launch: Launch) -> None:
     """The launch ended by itself, every agent exited 0, the survivors went on, the killed one healed."""
-    victim, killed_at, outputs, processes = _launch_and_kill(launchers, out)
+    launchers, out, (victim, killed_at, outputs, processes) = launch
     logs = _logs(out)
     summary = "".join(f"launcher output:\n{output[-3000:]}\n" for output in outputs)
     summary += f"logs: {json.dumps({n: l[-2:] for n, l in logs.items()})}"
@@ -132,40 +146,67 @@ def _check_killed_and_healed(launchers: List[subprocess.Popen], out: Path) -> No
     assert not left, left
 
 
-def _launch_args(out: Path) -> List[str]:
+def _launch_args() -> List[str]:
     return ["-m", "distopt.fault_tolerance.launch", "--replicas", str(REPLICAS), "--max-restarts", "1"]
 
 
-@pytest.mark.timeout(DEADLINE + 30)
-def test_the_launcher_restarts_a_killed_worker_which_heals_while_the_others_go_on(tmp_path: Path) -> None:
-    out = tmp_path / "logs"
-    out.mkdir()
+def _one_host(out: Path) -> List[subprocess.Popen]:
     env = dict(os.environ, RUST_LOG="warn", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT),
                                                                                       os.environ.get("PYTHONPATH")])))
-    command = [sys.executable, *_launch_args(out), str(SCRIPT), str(out), str(STEPS)]
-    launcher = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
-    _check_killed_and_healed([launcher], out)
+    command = [sys.executable, *_launch_args(), str(SCRIPT), str(out), str(STEPS)]
+    return [subprocess.Popen(command, cwd=out.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, start_new_session=True)]
+
+
+def _two_hosts(hosts: List[Tuple[str, str, str]]) -> Callable[[Path], List[subprocess.Popen]]:
+    """Host A: the lighthouse and replicas 0 and 1; host B: replica 2 (KILLED), naming A's lighthouse."""
+    (ns_a, host_a, addr_a), (ns_b, host_b, addr_b) = hosts
+    port = 29617
+
+    def start(out: Path) -> List[subprocess.Popen]:
+        env = dict(os.environ, RUST_LOG="warn")
+        return [
+            start_on(ns_a, host_a, *_launch_args(), "--replica-ids", ",".join(map(str, range(REPLICAS - 1))),
+                     "--port", port, "--hostname", addr_a, SCRIPT, out, STEPS, env=env),
+            start_on(ns_b, host_b, *_launch_args(), "--replica-ids", KILLED, "--lighthouse",
+                     f"http://{addr_a}:{port}", "--hostname", addr_b, SCRIPT, out, STEPS, env=env),
+        ]
+
+    return start
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory: Any) -> Dict[str, Any]:
+    """``{"one host": Launch, "two hosts": Launch or the reason they could not be built}``, run side by side."""
+    base = tmp_path_factory.mktemp("ft-launch")
+    with contextlib.ExitStack() as stack:
+        try:
+            hosts = stack.enter_context(network_hosts())
+        except HostsUnavailable as exc:
+            hosts, unavailable = None, str(exc)
+        with ThreadPoolExecutor(2) as pool:
+            one = pool.submit(_launched, _one_host, base / "one-host")
+            two = pool.submit(_launched, _two_hosts(hosts), base / "two-hosts") if hosts is not None else None
+            return {"one host": one.result(), "two hosts": two.result() if two is not None else unavailable}
 
 
 @pytest.mark.timeout(DEADLINE + 30)
-@pytest.mark.usefixtures("no_leftover_processes")
-def test_across_two_hosts_a_killed_worker_heals_from_a_peer_on_the_other_host(two_hosts, tmp_path: Path) -> None:
+def test_the_launcher_restarts_a_killed_worker_which_heals_while_the_others_go_on(launches: Dict[str, Any]) -> None:
+    _check_killed_and_healed(launches["one host"])
+
+
+@pytest.mark.timeout(DEADLINE + 30)
+def test_across_two_hosts_a_killed_worker_heals_from_a_peer_on_the_other_host(launches: Dict[str, Any]) -> None:
     """Host A runs the lighthouse and replicas 0 and 1, host B replica 2, which is killed and heals across the link.
 
     The hosts' names resolve nowhere, so this also checks that every address a replica
-    advertises (manager, store, checkpoint server) is the ``--hostname`` given.
+    advertises (manager, store, checkpoint server) is the ``--hostname`` given, and that
+    gloo binds to its interface.
     """
-    (ns_a, host_a, addr_a), (ns_b, host_b, addr_b) = two_hosts
     assert KILLED == REPLICAS - 1  # the one on host B: its heal crosses the link
-    out = tmp_path / "logs"
-    out.mkdir()
-    env = dict(os.environ, RUST_LOG="warn")
-    port = 29617
-    launchers = [
-        start_on(ns_a, host_a, *_launch_args(out), "--replica-ids", ",".join(map(str, range(REPLICAS - 1))),
-                 "--port", port, "--hostname", addr_a, SCRIPT, out, STEPS, env=env),
-        start_on(ns_b, host_b, *_launch_args(out), "--replica-ids", KILLED, "--lighthouse", f"http://{addr_a}:{port}",
-                 "--hostname", addr_b, SCRIPT, out, STEPS, env=env),
-    ]
-    _check_killed_and_healed(launchers, out)
+    launch = launches["two hosts"]
+    if isinstance(launch, str):
+        pytest.skip(launch)
+    _check_killed_and_healed(launch)
+    launchers, _, (_, _, outputs, _) = launch
+    assert all("distopt: gloo and NCCL use interface dv" in output for output in outputs), outputs

@@ -196,6 +196,21 @@ def test_the_report_gives_each_tasks_figures_and_says_why_a_contender_did_not_fi
     assert data["tasks"][1]["runs"]["ddp-powersgd"]["status"] == "aborted"
 
 
+def test_the_paired_ratio_cancels_a_host_that_drifts_from_round_to_round() -> None:
+    # Round 1 on a fast host, round 2 at twice the step time, round 3 back: the contender costs 10% throughout.
+    local = ContenderRun("local")
+    stream = ContenderRun("stream")
+    for speed in (1.0, 2.0, 1.0):
+        local.add([(20.0 * speed, 1.0, 0.0, None)] * 4)
+        stream.add([(22.0 * speed, 1.0, 0.0, None)] * 4)
+    task = TaskResult("mlp", "an mlp", False, {"warmup": 0, "rounds": 3, "chunk": 4, "eval_every": 0, "steps": 12},
+                      {"local": local, "stream": stream})
+    assert task.paired_ratio("stream") == pytest.approx(1.1)
+    assert task.paired_ratio("local") == pytest.approx(1.0)
+    assert TaskResult("mlp", "", False, {"chunk": 4}, {"stream": stream}).paired_ratio("stream") is None
+    assert "1.10" in format_link_report(_report([task]))
+
+
 def test_plots_are_written_per_task(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     written = plot.write_link_plots(_report(_tasks()), str(tmp_path / "plots"))
@@ -275,6 +290,8 @@ def test_without_ip_or_tc_link_says_what_to_install(monkeypatch: pytest.MonkeyPa
     (["--link", "200mbit", "--workloads", "mlp"], "--workloads belong(s) to the step-time benchmark"),
     (["--tasks", "charlm"], "--tasks only go(es) with --link RATE"),
     (["--link", "200mbit", "--powersgd-rank", "0"], "--powersgd-rank=0 must be an integer of at least 1"),
+    (["--link", "200mbit", "--link-rounds", "0"], "--link-rounds=0 must be an integer of at least 1"),
+    (["--link-rounds", "12"], "--link-rounds only go(es) with --link RATE"),
 ])
 def test_bad_link_flags_are_usage_errors(argv: List[str], message: str, capsys: Any) -> None:
     with pytest.raises(SystemExit) as exc:

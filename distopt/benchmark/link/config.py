@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Tuple
+from typing import Optional, Tuple
 
 from .contenders import CONTENDERS, ContenderOptions
 from .rates import MAX_RATE, MIN_RATE, format_rate
@@ -25,6 +25,7 @@ class LinkConfig:
         contenders: names from :data:`~.contenders.CONTENDERS`, in run order.
         options: the contenders' settings (``--powersgd-rank``).
         quick: run each task's short schedule.
+        rounds: interleaved rounds per task instead of its schedule's (None: the schedule's).
         seed: seeds the replicas and the batches.
         base_port: the first port of the contenders' process groups (inside the namespaces,
             so it cannot clash with the machine's).
@@ -39,9 +40,12 @@ class LinkConfig:
     options: ContenderOptions = field(default_factory=ContenderOptions)
     quick: bool = False
     seed: int = 0
+    rounds: Optional[int] = None
     base_port: int = 29650
 
     def __post_init__(self) -> None:
+        if self.rounds is not None and self.rounds < 1:
+            raise ValueError(f"--link-rounds={self.rounds!r} must be an integer of at least 1, e.g. 12")
         if not MIN_RATE <= self.rate_bps <= MAX_RATE:
             raise ValueError(f"--link={format_rate(self.rate_bps)} is out of range; choose a rate from "
                              f"{format_rate(MIN_RATE)} to {format_rate(MAX_RATE)}")

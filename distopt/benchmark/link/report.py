@@ -1,7 +1,8 @@
 """:func:`~.runner.run_link_benchmark`'s figures as tables for people, or as plain JSON data.
 
 One table per task. For every task: ms per step (the slowest rank's; median, and the
-mean that time to a loss is made of), how that compares with ``local``, and the MiB a
+mean that time to a loss is made of), how that compares with ``local`` (the medians'
+ratio, and the ratio paired by round: :meth:`~.results.TaskResult.paired_ratio`), and the MiB a
 rank's interface sent per step. For the real task also: the target loss and how it
 was chosen, the steps and training seconds each contender needed to reach it, that
 time against its floor (the steps it needed at ``local``'s mean step time), and the
@@ -49,11 +50,12 @@ def _spread(run: ContenderRun) -> str:
 def _step_table(task: TaskResult) -> List[str]:
     local = task.local_median_ms()
     notes: List[str] = []
-    lines = [f"  {'contender':<22}{'median ms':>11}{'p25-p75 ms':>13}{'mean ms':>10}{'x local':>9}"
+    lines = [f"  {'contender':<22}{'median ms':>11}{'p25-p75 ms':>13}{'mean ms':>10}{'x local':>9}{'paired':>8}"
              f"{'MiB sent/step':>15}  status"]
     for run in task.runs.values():
         lines.append(f"  {run.name:<22}{_fmt(run.median_ms, '.1f'):>11}{_spread(run):>13}"
                      f"{_fmt(run.mean_ms, '.1f'):>10}{_fmt(_ratio(run.median_ms, local), '.2f'):>9}"
+                     f"{_fmt(task.paired_ratio(run.name), '.2f'):>8}"
                      f"{_fmt(run.sent_mib, '.2f'):>15}  {_status(run, notes)}")
     return lines + notes
 

@@ -250,6 +250,25 @@ class TaskResult:
         run = self.runs.get("local")
         return run.median_ms if run is not None and run.ok else None
 
+    def paired_ratio(self, name: str) -> Optional[float]:
+        """Contender ``name``'s step time over ``local``'s, paired by round: the median over the rounds of
+        its chunk's mean step over ``local``'s chunk's in the same round.
+
+        Each round runs every contender's chunk one after the other, so a pair shares the
+        machine's state of that moment; a host whose speed drifts by tens of per cent from one
+        round to the next (shared machines do) moves both alike, and the median of the pairs
+        keeps what the contender itself costs. None without ``local`` or a whole round.
+        """
+        local, run, chunk = self.runs.get("local"), self.runs.get(name), int(self.schedule.get("chunk", 0))
+        if local is None or run is None or not local.ok or chunk < 1:
+            return None
+        rounds = min(len(local.step_ms), len(run.step_ms)) // chunk
+        if rounds < 1:
+            return None
+        ratios = [statistics.fmean(run.step_ms[r * chunk:(r + 1) * chunk])
+                  / statistics.fmean(local.step_ms[r * chunk:(r + 1) * chunk]) for r in range(rounds)]
+        return statistics.median(ratios)
+
     def to_json(self) -> Dict[str, Any]:
         """Plain data."""
         return {
@@ -257,6 +276,7 @@ class TaskResult:
             "description": self.description,
             "real": self.real,
             "schedule": self.schedule,
+            "paired_x_local": {name: self.paired_ratio(name) for name in self.runs},
             "target": None if self.target is None else asdict(self.target),
             "runs": {name: run.to_json() for name, run in self.runs.items()},
         }

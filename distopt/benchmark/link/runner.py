@@ -12,6 +12,7 @@ reported with its reason and the steps it had done; the others go on.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import platform
 import signal
@@ -146,6 +147,8 @@ def run_task(sup: Supervisor, task: LinkTask, cfg: LinkConfig, index: int, log_d
         The task's figures.
     """
     schedule = task.schedule(cfg.quick)
+    if cfg.rounds is not None:
+        schedule = dataclasses.replace(schedule, rounds=cfg.rounds)
     runs = {name: ContenderRun(name, CONTENDERS[name].description, CONTENDERS[name].baseline)
             for name in cfg.contenders}
     started = time.perf_counter()
