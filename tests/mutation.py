@@ -81,6 +81,13 @@ MUTANTS: List[Mutant] = [
     Mutant("compressor state in checkpoints", "distopt/wrapper/optimizer.py",
            "            self.compressor.load_state_dict(compressed)\n", "            pass\n",
            ["tests/multiprocess/test_compression.py", "-k", "resumes_bitwise"]),
+    Mutant("fault tolerance: a heal across a streaming sync's overlap", "distopt/modes/streaming.py",
+           "                ctx.set_steps(ctx.steps + since)\n", "                pass\n",
+           ["tests/fault_tolerance/test_fault_tolerance.py", "-k", "streaming"]),
+    Mutant("fault tolerance: the quorum names the streaming fragment", "distopt/modes/streaming.py",
+           "        fragment = vote.quorum_step % schedule.fragments\n",
+           "        fragment = (schedule.launches(step) or [0])[0]\n",
+           ["tests/fault_tolerance/test_fault_tolerance.py", "-k", "streaming"]),
 ]
 
 

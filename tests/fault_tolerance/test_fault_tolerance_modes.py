@@ -181,12 +181,3 @@ def test_join_a_replica_that_shadows_dies_then_a_contributor_dies(job: Any) -> N
     for got, want in zip(_final(j, "r1"), _expected_parameters(j, ["r0", "r1", "r2"])):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
-
-@pytest.mark.timeout(60)
-def test_streaming_diloco_int4_a_kill_inside_a_fragments_sync_and_a_replacement(job: Any) -> None:
-    """Streaming DiLoCo (sync_every=6 in 3 fragments, each sync in flight for 2 inner steps, during which
-    int4's all-gather follows its all-to-all): as the uncompressed streaming test in test_fault_tolerance.py,
-    and the residuals of the discarded sync go back alike, so every committed sync still hashes alike."""
-    j = job(steps=9, until_world=3, streak=6, sync_every=6, outer=True, pace=0.01, compression="int4",
-            stream={"fragments": 3, "overlap": 2}, lighthouse={"join_timeout_ms": 1000})
-    diloco_kill_and_replace(j, sync_every=6, kill_step=4, min_syncs=8)

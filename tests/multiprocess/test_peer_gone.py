@@ -13,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -64,21 +65,45 @@ def test_a_rank_that_returns_early_is_named_as_finished_not_as_crashed():
 SCRIPT = Path(__file__).resolve().parents[1] / "_scripts" / "leave_early.py"
 
 
-@pytest.mark.parametrize("init", ["distopt", "plain"])
-@pytest.mark.parametrize("how, told", [
-    ("finish", "rank 1 is gone: it finished after step 3"),
-    ("crash", "rank 1 is gone: it crashed (ZeroDivisionError: a bad batch) after step 2"),
-    ("metric", "StallError: rank 0 waited more than 5 s at step 3 for pack 1/1 of the gradient all-reduce; "
-               "rank 1 has not arrived: last seen at step 3, before backward. A rank between steps and not in a "
-               "collective of this optimizer is busy elsewhere: in a collective of your own (a metric's "
-               "all-reduce after its data ran out: wrap the training loop in `with opt.join():`)"),
-])
-def test_under_torchrun_the_survivor_is_told_whether_the_peer_finished_or_crashed(how, told, init, tmp_path):
-    code, out = run_torchrun(SCRIPT, [how, init], cwd=tmp_path, timeout=90)
+HOW_TOLD = {
+    "finish": "rank 1 is gone: it finished after step 3",
+    "crash": "rank 1 is gone: it crashed (ZeroDivisionError: a bad batch) after step 2",
+    "metric": "StallError: rank 0 waited more than 5 s at step 3 for pack 1/1 of the gradient all-reduce; "
+              "rank 1 has not arrived: last seen at step 3, before backward. A rank between steps and not in a "
+              "collective of this optimizer is busy elsewhere: in a collective of your own (a metric's "
+              "all-reduce after its data ran out: wrap the training loop in `with opt.join():`)",
+}
+INITS = ("distopt", "plain")
+
+
+@pytest.fixture(scope="module")
+def torchrun_jobs(tmp_path_factory):
+    """Every (how, init) job of leave_early.py under torchrun, side by side: ``(how, init) -> (code, output)``.
+
+    Each is a torchrun job of its own; most of each is process start-up and, for ``metric``,
+    the 5 s stall timeout, which overlap.
+    """
+    base = tmp_path_factory.mktemp("leave-early")
+    jobs = [(how, init) for how in HOW_TOLD for init in INITS]
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = {job: pool.submit(run_torchrun, SCRIPT, list(job), cwd=_fresh(base / "-".join(job)), timeout=90)
+                   for job in jobs}
+        return {job: future.result() for job, future in futures.items()}
+
+
+def _fresh(path):
+    path.mkdir()
+    return path
+
+
+@pytest.mark.parametrize("init", INITS)
+@pytest.mark.parametrize("how", list(HOW_TOLD))
+def test_under_torchrun_the_survivor_is_told_whether_the_peer_finished_or_crashed(how, init, torchrun_jobs):
+    code, out = torchrun_jobs[how, init]
     assert code not in (None, 0), out
     seen = [line for line in out.splitlines() if "RANK0 SAW:" in line]
     assert seen, out
-    assert told in seen[0], seen[0]
+    assert HOW_TOLD[how] in seen[0], seen[0]
 
 
 KILLED = Path(__file__).resolve().parents[1] / "_scripts" / "killed_peer.py"
