@@ -185,6 +185,9 @@ def diloco_kill_and_replace(j: Job, *, sync_every: int, kill_step: int, min_sync
         syncs = [e["step"] for e in j.steps(name)]
         assert syncs == sorted(syncs) and len(set(syncs)) == len(syncs), (name, syncs)  # no restart, none twice
         assert j.steps(name)[-1]["discarded"] >= 1, j.steps(name)[-1]  # the sync the kill broke
+        # a sync voted down put its parameters back to their anchors (a fragment's, or all of them)
+        voted_down = [e["at_anchor"] for e in j.log(name) if "at_anchor" in e]
+        assert voted_down and all(n >= 1 for n in voted_down), (name, voted_down)
     first = j.steps("r1b")[0]
     assert first["digest"] == hashes[first["step"]]  # bitwise equal at its first sync
     losses = [e["loss"] for e in j.log("r0") if "loss" in e]

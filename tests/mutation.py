@@ -88,6 +88,9 @@ MUTANTS: List[Mutant] = [
            "        fragment = vote.quorum_step % schedule.fragments\n",
            "        fragment = (schedule.launches(step) or [0])[0]\n",
            ["tests/fault_tolerance/test_fault_tolerance.py", "-k", "streaming"]),
+    Mutant("fault tolerance: a streaming sync voted down goes back to its anchors", "distopt/modes/streaming.py",
+           "                        p.copy_(self._anchor_of(p))\n", "                        pass\n",
+           ["tests/fault_tolerance/test_fault_tolerance.py", "-k", "streaming"]),
 ]
 
 

@@ -259,8 +259,10 @@ class FaultTolerance:
         logger.warning("distopt: the step discarded after step %d: %s", self.quorum_step, cause)
 
     def process_group(self) -> Any:
-        """The manager's process group, reached directly (None: go through ``manager.allreduce``;
-        see :func:`distopt.fault_tolerance.process_group.group_of`)."""
+        """The manager's process group, reached directly, or None (go through ``manager.allreduce``).
+
+        See :func:`distopt.fault_tolerance.process_group.group_of`.
+        """
         group = group_of(self.manager)
         return group if callable(getattr(group, "allreduce", None)) else None
 

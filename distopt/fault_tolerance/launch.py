@@ -24,6 +24,7 @@ hosts reach this one by::
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import shutil
 import signal
@@ -32,6 +33,7 @@ import subprocess
 import sys
 import time
 from typing import List, Optional, Sequence
+from urllib.parse import urlsplit
 
 __all__ = ["main", "lighthouse_command", "agent_command", "replica_ids"]
 
@@ -48,8 +50,13 @@ def lighthouse_command(port: int, *, min_replicas: int, heartbeat_timeout_ms: in
 def agent_command(script: str, args: Sequence[str], max_restarts: int, local_addr: Optional[str] = None) -> List[str]:
     """One replica's torchrun agent (one process, its own rendezvous).
 
-    ``local_addr``: the address torchrun advertises for this node instead of looking up the
-    host's name (which need not resolve), and so its workers' ``MASTER_ADDR``.
+    Args:
+        script: the training script.
+        args: its arguments.
+        max_restarts: torchrun's restarts of the worker.
+        local_addr: the address torchrun advertises for this node instead of looking up the
+            host's name (which need not resolve), and so its worker's ``MASTER_ADDR``
+            (default: None, the host's name).
     """
     where = ["--local-addr", local_addr] if local_addr else []
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "1",
@@ -75,6 +82,20 @@ def replica_ids(text: Optional[str], replicas: int) -> List[int]:
     return ids
 
 
+#: The flags that set up the lighthouse this launcher starts (none with --lighthouse).
+_LIGHTHOUSE_FLAGS = ("--port", "--min-replicas", "--heartbeat-timeout-ms", "--join-timeout-ms", "--quorum-tick-ms")
+
+
+def _is_local_url(url: str) -> bool:
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m distopt.fault_tolerance.launch",
                                      description="A torchft lighthouse and one torchrun agent per replica.")
@@ -97,6 +118,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         here = replica_ids(options.replica_ids, options.replicas)
     except ValueError as exc:
         parser.error(str(exc))
+    if options.lighthouse is not None:
+        ignored = [flag for flag in _LIGHTHOUSE_FLAGS if getattr(options, flag[2:].replace("-", "_"))
+                   != parser.get_default(flag[2:].replace("-", "_"))]
+        if ignored:
+            parser.error(f"{', '.join(ignored)} set(s) up the lighthouse this launcher starts, and with --lighthouse "
+                         f"{options.lighthouse} it starts none: give {'them' if len(ignored) > 1 else 'it'} to the "
+                         "launcher that starts the lighthouse")
+        if options.hostname == "localhost" and not _is_local_url(options.lighthouse):
+            parser.error(f"--lighthouse {options.lighthouse} is on another host, whose replicas would be told to reach "
+                         "this one at localhost: give --hostname, this host's name or address as the others reach it")
+    elif len(here) < options.replicas and options.hostname == "localhost":
+        print(f"distopt.fault_tolerance.launch: --replica-ids {options.replica_ids} leaves replicas to other launchers; "
+              "if they run on other hosts, give --hostname (this host's name or address as they reach it)",
+              file=sys.stderr, flush=True)
     lighthouse: Optional[subprocess.Popen] = None
     address = options.lighthouse
     if address is None:

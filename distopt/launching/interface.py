@@ -55,7 +55,9 @@ def owning_interface(host: str) -> Optional[Tuple[str, str]]:
 
     Returns:
         None when ``host`` does not resolve, is a loopback address, or no local interface
-        holds its address (a name for another machine, say).
+        holds its address (a name for another machine, say). A name is taken at its first
+        address, and an interface at its primary IPv4 address (and its IPv6 ones): give
+        ``GLOO_SOCKET_IFNAME`` for a secondary address.
     """
     try:
         family, _, _, _, sockaddr = socket.getaddrinfo(host, 9, type=socket.SOCK_DGRAM)[0]

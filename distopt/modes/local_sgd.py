@@ -242,11 +242,13 @@ class LocalSGDMode(Mode):
         engine = ctx.engine
         with torch.no_grad():
             engine.finish_exchange()
-            if self._vote is not None and not self._vote.commit():  # may heal: the items are taken after it
+            committed = self._vote is None or self._vote.commit()  # may heal: the items are taken after it
+            # Healed, even in a sync voted down, this replica holds its peers' state and schedule.
+            self._joined = self._joined or (self._vote is not None and (committed or self._vote.healed_now))
+            if not committed:
                 for p, anchor in self._pairs(ctx):
                     p.copy_(anchor)
                 return
-            self._joined = self._joined or self._vote is not None
             self._apply([(p, self._anchor_of(p), view)
                          for pack in engine.packs for p, view in zip(pack.params, pack.views)])
 

@@ -43,10 +43,9 @@ sends the same fragment as they do. A process's first local step launches a sync
 fresh job's replicas take the primary's state, and a replacement heals from a live peer);
 the commit vote comes when the sync is merged, ``sync_overlap`` steps later, and a replica
 that heals there takes its peer's state as it was at the quorum, with the step count moved
-on by the steps since. A sync voted down moves no anchor: the fragment's parameters are
-mixed back towards their anchors (``sync_mixing``; all the way with 0), alike on every
-replica, as torchft's streaming DiLoCo does, and its fragment is sent again at the next
-launch.
+on by the steps since. A sync voted down moves no anchor: the fragment's parameters go
+back to their anchors, alike on every replica, as torchft's streaming DiLoCo restores its
+fragment, and the fragment is sent again at the next launch.
 
 **Checkpoints.** ``state_dict()`` waits for the exchanges in flight (their
 communication only: nothing is merged early) and saves each one's mean
@@ -55,6 +54,7 @@ at their step, so that a resumed run goes on bit for bit.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -66,7 +66,6 @@ from .. import collectives
 from ..engine.partial import PartialExchange
 from ..planning import drift
 from ..planning.fragments import split_fragments
-from ..planning.mixing import mix_
 from ..planning.schedule import StreamSchedule
 from ..transport import stalls
 from .base import ModeArguments, ModeContext, OuterFactory, SyncVote
@@ -243,12 +242,13 @@ class StreamingMode(LocalSGDMode):
             committed = self._vote.commit()  # may heal: the anchors are read after it
             if self._vote.healed_now:  # the peer's state is the one it had at the quorum, `since` steps ago
                 ctx.set_steps(ctx.steps + since)
-            if not committed:
+            # Healed, even in a sync voted down, this replica holds its peers' state and schedule.
+            self._joined = self._joined or committed or self._vote.healed_now
+            if not committed:  # the fragment goes back to its anchors, alike on every replica (as torchft's)
                 with torch.no_grad():
                     for p, _ in sync.arrived():
-                        mix_(p, self._anchor_of(p), alpha)
+                        p.copy_(self._anchor_of(p))
                 return
-            self._joined = True
         with torch.no_grad():
             self._apply([(p, self._anchor_of(p), mean) for p, mean in sync.arrived()], alpha)
 
@@ -376,6 +376,15 @@ class StreamingMode(LocalSGDMode):
                         f"{tuple(value.shape)}, which does not fit this optimizer's parameters; load a state dict "
                         "saved by the same model and optimizer"
                     )
+        if pending and self._vote is not None:
+            # Under fault tolerance a sync is applied only after its commit vote, in the quorum that
+            # launched it; a saved one has neither any more. Its fragment's progress goes with the
+            # fragment's next sync, which the quorum's count names (the vote never counted this one).
+            warnings.warn(
+                f"state_dict holds {len(pending)} streaming sync(s) in flight, which fault_tolerance cannot apply "
+                "after a load (each needs the commit vote of the quorum that sent it); they are dropped, and their "
+                "fragments' progress goes with their next syncs. Save between syncs to keep them", stacklevel=3)
+            pending = []
         super().load_state_dict(ctx, state_dict)
         if STATE_KEY in state_dict:
             self._take_pending(ctx, [(int(sync["fragment"]), int(sync["launched"]),

@@ -6,12 +6,13 @@
 Each process appends JSON lines to ``OUT_DIR/replica<R>-<pid>.jsonl``: first who it is (pid,
 torchrun's restart count, where distopt was imported from), then one line per step (the
 committed step count, the world, the loss, a hash of the parameters and Adam's state), then
-``done``. The test kills one replica once all have trained together. Every replica trains
-until ``STEPS`` committed steps, and on until the killed one is back and all have trained
-together for 3 steps in a row: a survivor knows it is back once it saw the world shrink
-after it was whole, the replacement by being a restart. All replicas stop at the same step,
-since they see the same quorums; however late a replica starts (on another host, say), no
-one stops before the kill.
+``done``. The test kills one replica once all have trained together, and writes
+``OUT_DIR/killed`` just before. Every replica trains until ``STEPS`` committed steps, and on
+until the killed one is back and all have trained together for 3 steps in a row: a survivor
+knows it is back once it saw the world shrink after the kill (a replica dropped and back
+before it, on a loaded host, does not count), the replacement by being a restart. All
+replicas stop at the same step, since they see the same quorums; however late a replica
+starts (on another host, say), no one stops before the kill.
 """
 import hashlib
 import json
@@ -27,6 +28,7 @@ from distopt.fault_tolerance.manager import make_manager
 out_dir, steps = sys.argv[1], int(sys.argv[2])
 replica, replicas = int(os.environ["REPLICA_GROUP_ID"]), int(os.environ["NUM_REPLICA_GROUPS"])
 out = open(os.path.join(out_dir, f"replica{replica}-{os.getpid()}.jsonl"), "a", buffering=1)
+killed = os.path.join(out_dir, "killed")  # the test writes it just before the kill
 
 
 def log(**fields):
@@ -67,7 +69,7 @@ try:
         log(step=manager.current_step(), world=ft["world_size"], loss=loss.item(), digest=digest(model, opt))
         time.sleep(0.02)  # a pace the test can kill into; a step alone takes a few ms
         streak = streak + 1 if ft["world_size"] == replicas else 0
-        back = back or (whole and ft["world_size"] < replicas)
+        back = back or (whole and ft["world_size"] < replicas and os.path.exists(killed))
         whole = whole or ft["world_size"] == replicas
         if manager.current_step() >= steps and streak >= 3 and back:
             break

@@ -58,6 +58,8 @@ def digest(model, opt):
         h = hashlib.sha256(str(opt._engine.steps).encode())
     if local:
         mine = opt.state_dict()["distopt_local_sgd"]
+        if spec.get("outer") and not mine["outer"]:  # hashed right after a sync: DiLoCo has built it by then
+            raise RuntimeError("the spec asks for DiLoCo, but the wrapper has no outer optimizer")
         tensors = list(mine["anchors"]) + ([v for st in mine["outer"]["state"].values() for v in st.values()]
                                            if mine["outer"] else [])
         tensors = [t for t in tensors if isinstance(t, torch.Tensor)]
@@ -84,10 +86,10 @@ stream = spec.get("stream")
 extra = {}
 if local:
     extra["sync_every"] = spec["sync_every"]
-if stream:
-    extra.update(sync_fragments=stream["fragments"], sync_overlap=stream["overlap"], sync_mixing=stream.get("mixing", 0.0))
     if spec.get("outer"):
         extra["outer_optimizer"] = lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.5, nesterov=True)
+if stream:
+    extra.update(sync_fragments=stream["fragments"], sync_overlap=stream["overlap"], sync_mixing=stream.get("mixing", 0.0))
 compressor = None
 if spec.get("compression"):
     name, *args = spec["compression"].split(":")
@@ -175,7 +177,7 @@ if spec.get("start_together"):
 
 pace = spec.get("pace", 0.0)
 until_world, streak = spec.get("until_world"), 0
-last_committed = 0
+last_committed = last_discarded = 0
 
 
 def train_step():
@@ -219,6 +221,11 @@ while "batches" not in spec:
     synced = not local or ft["committed"] != last_committed  # local SGD: hashes compared right after a sync
     last_committed = ft["committed"]
     fields = dict(digest=digest(model, opt)) if synced and spec.get("digest", True) else {}
+    if local and ft["discarded"] != last_discarded:  # a sync voted down: its parameters went back to the anchors
+        anchors = opt.state_dict()["distopt_local_sgd"]["anchors"]
+        fields["at_anchor"] = sum(a is not None and torch.equal(p.detach(), a)
+                                  for p, a in zip(model.parameters(), anchors))
+    last_discarded = ft["discarded"]
     log(step=manager.current_step(), committed=ft["committed"], discarded=ft["discarded"], loss=loss.item(),
         world=ft["world_size"], t0=t0, dt=dt, inner=opt._engine.steps, part=opt.fault_tolerance.participating, ok=ok,
         last_failure=ft["last_failure"], missing=list(ft["missing"]), **fields)

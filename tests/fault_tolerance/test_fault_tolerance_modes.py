@@ -180,4 +180,3 @@ def test_join_a_replica_that_shadows_dies_then_a_contributor_dies(job: Any) -> N
     assert sum(losses[-3:]) / 3 < sum(losses[:3]) / 3, losses
     for got, want in zip(_final(j, "r1"), _expected_parameters(j, ["r0", "r1", "r2"])):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
-

@@ -73,6 +73,7 @@ def _launch_and_kill(launchers: List[subprocess.Popen], out: Path) -> Tuple[Any,
                 if sum(1 for line in _steps(mine) if line["world"] == REPLICAS) >= 3:
                     victim = psutil.Process(mine[0]["pid"])
                     assert str(SCRIPT) in " ".join(victim.cmdline()), victim.cmdline()
+                    (out / "killed").touch()  # the survivors' drop in world from now on is the kill's
                     victim.send_signal(signal.SIGKILL)
                     killed_at = time.time()
             time.sleep(0.02)

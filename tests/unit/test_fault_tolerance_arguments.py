@@ -146,3 +146,33 @@ def test_no_interface_owns_a_loopback_or_foreign_address_and_the_users_choice_wi
     monkeypatch.delenv("NCCL_SOCKET_IFNAME", raising=False)
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "ib0")
     assert pick_owning_interface("192.0.2.77") is None and os.environ["GLOO_SOCKET_IFNAME"] == "ib0"
+
+
+def test_streaming_syncs_in_flight_in_a_loaded_checkpoint_are_dropped_with_a_warning() -> None:
+    model = torch.nn.Linear(2, 2)
+    opt = distopt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), fault_tolerance=RecordingManager(),
+                                       sync_every=4, sync_fragments=2, sync_overlap=1)
+    state = opt.state_dict()
+    assert state["distopt_local_sgd"]["streaming"]["pending"] == []
+    state["distopt_local_sgd"]["streaming"]["pending"] = [
+        {"fragment": 0, "launched": 2, "params": [0], "values": [torch.ones(2, 2)]}]
+    with pytest.warns(UserWarning, match=r"1 streaming sync\(s\) in flight, which fault_tolerance cannot apply"):
+        opt.load_state_dict(state)
+    assert opt.state_dict()["distopt_local_sgd"]["streaming"]["pending"] == []
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--lighthouse", "http://10.0.0.1:29510", "--hostname", "10.0.0.2", "--port", "29511"],
+     "--port set(s) up the lighthouse this launcher starts, and with --lighthouse http://10.0.0.1:29510 it starts none"),
+    (["--lighthouse", "http://10.0.0.1:29510"],
+     "--lighthouse http://10.0.0.1:29510 is on another host, whose replicas would be told to reach this one at "
+     "localhost: give --hostname"),
+    (["--replica-ids", "0,3"], "--replica-ids must name distinct replicas in 0..2"),
+])
+def test_the_launchers_flags_that_cannot_work_are_usage_errors(argv: List[str], message: str, capsys: Any) -> None:
+    from distopt.fault_tolerance.launch import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--replicas", "3", *argv, "train.py"])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
