@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import os
 import signal
 import subprocess
@@ -25,12 +26,15 @@ import pytest
 pytest.importorskip("torchft", reason="torchft is not installed: pip install -e '.[ft]' (torchft==0.2.0)")
 psutil = pytest.importorskip("psutil")
 
-from distopt._testing import kill_tree  # noqa: E402
+from distopt._testing import kill_tree, run_command  # noqa: E402
 
 from _hosts import HostsUnavailable, network_hosts, start_on  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "_scripts" / "ft_launched.py"
+EXAMPLE = ROOT / "examples" / "train_ft.py"
+# docs/fault-tolerance.md's example, in streaming DiLoCo: 8 committed fragment syncs, one every 2 local steps
+EXAMPLE_ARGS = ["--steps", "8", "--sync-every", "4", "--fragments", "2", "--overlap", "1"]
 REPLICAS, KILLED, STEPS = 3, 2, 20
 DEADLINE = 90  # seconds for the whole launch; it takes ~10-20 s
 
@@ -151,11 +155,14 @@ def _launch_args() -> List[str]:
     return ["-m", "distopt.fault_tolerance.launch", "--replicas", str(REPLICAS), "--max-restarts", "1"]
 
 
+def _env() -> Dict[str, str]:
+    return dict(os.environ, RUST_LOG="warn", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT),
+                                                                                   os.environ.get("PYTHONPATH")])))
+
+
 def _one_host(out: Path) -> List[subprocess.Popen]:
-    env = dict(os.environ, RUST_LOG="warn", PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT),
-                                                                                      os.environ.get("PYTHONPATH")])))
     command = [sys.executable, *_launch_args(), str(SCRIPT), str(out), str(STEPS)]
-    return [subprocess.Popen(command, cwd=out.parent, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    return [subprocess.Popen(command, cwd=out.parent, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True, start_new_session=True)]
 
 
@@ -185,10 +192,13 @@ def launches(tmp_path_factory: Any) -> Dict[str, Any]:
             hosts = stack.enter_context(network_hosts())
         except HostsUnavailable as exc:
             hosts, unavailable = None, str(exc)
-        with ThreadPoolExecutor(2) as pool:
+        with ThreadPoolExecutor(3) as pool:
             one = pool.submit(_launched, _one_host, base / "one-host")
             two = pool.submit(_launched, _two_hosts(hosts), base / "two-hosts") if hosts is not None else None
-            return {"one host": one.result(), "two hosts": two.result() if two is not None else unavailable}
+            example = pool.submit(run_command, [sys.executable, "-m", "distopt.fault_tolerance.launch", "--replicas",
+                                                "2", EXAMPLE, *EXAMPLE_ARGS], base, _env(), DEADLINE)
+            return {"one host": one.result(), "two hosts": two.result() if two is not None else unavailable,
+                    "example": example.result()}
 
 
 @pytest.mark.timeout(DEADLINE + 30)
@@ -211,3 +221,16 @@ def test_across_two_hosts_a_killed_worker_heals_from_a_peer_on_the_other_host(la
     _check_killed_and_healed(launch)
     launchers, _, (_, _, outputs, _) = launch
     assert all("distopt: gloo and NCCL use interface dv" in output for output in outputs), outputs
+
+
+@pytest.mark.timeout(DEADLINE + 30)
+def test_the_example_trains_streaming_diloco_under_the_launcher(launches: Dict[str, Any]) -> None:
+    """examples/train_ft.py as docs/fault-tolerance.md runs it, in streaming DiLoCo on 2 replicas: both
+    reach the committed count, together, and the launcher exits 0."""
+    code, out, err = launches["example"]
+    assert code == 0, out + err
+    done = re.findall(r"\[replica (\d)\] done: (\d+) steps, (\d+) committed", out)
+    assert sorted(r for r, _, _ in done) == ["0", "1"], out + err
+    assert {committed for _, _, committed in done} == {"8"}, done
+    # one fragment's sync in flight at a time, launched every 2 local steps: at most one commit per 2 steps
+    assert all(int(committed) <= int(steps) // 2 + 1 for _, steps, committed in done), done
