@@ -104,7 +104,7 @@ class LocalSGDMode(Mode):
         self._untracked: List[Tensor] = []  # parameters without an anchor, frozen when looked at
         # Fault tolerance (distopt.fault_tolerance): the commit vote of each sync, or None.
         self._vote: Optional[SyncVote] = None
-        self._joined = False  # fault tolerance: this process has committed a sync
+        self._joined = False  # fault tolerance: this process has committed a sync, or healed in one
 
     def fault_tolerant(self, vote: SyncVote) -> None:
         """Sync under a torchft Manager: every sync is a quorum (the exchange opens it), ``vote.commit()``
