@@ -121,12 +121,15 @@ class FaultTolerance:
         on_world_change: called with each :class:`MembershipEvent` (inside ``step()``), or None.
         compressor: the wrapper's compressor, whose state a discarded step puts back, or None.
         compression_key: where ``state_dict`` holds the compressor's state.
+        settings: the wrapper's settings, which a replica that heals compares with its peer's
+            (None: not compared).
     """
 
     def __init__(self, manager: Any, *, params: List[Tensor], state_dict: Callable[[], Dict[str, Any]],
                  load_state_dict: Callable[[Dict[str, Any]], None], get_steps: Callable[[], int],
                  set_steps: Callable[[int], None], on_world_change: Optional[WorldCallback] = None,
-                 compressor: Optional[Compressor] = None, compression_key: str = "distopt_compression") -> None:
+                 compressor: Optional[Compressor] = None, compression_key: str = "distopt_compression",
+                 settings: Optional[Callable[[], Dict[str, Any]]] = None) -> None:
         self.manager = manager
         self.compression = None if compressor is None else CompressorState(compressor)
         self.compression_key = compression_key
@@ -137,6 +140,7 @@ class FaultTolerance:
         self._load_state_dict = load_state_dict
         self._get_steps = get_steps
         self._set_steps = set_steps
+        self._settings = settings
         self._set_world: Callable[[int], None] = lambda world: None
         self._started = False
         self._sized = False  # the engine knows this step's world size
@@ -350,9 +354,11 @@ class FaultTolerance:
     # ------------------------------------------------------------------ healing
 
     def _save(self) -> Dict[str, Any]:
-        return healing.snapshot(self.params, self._state_dict, self._get_steps())
+        return healing.snapshot(self.params, self._state_dict, self._get_steps(),
+                                None if self._settings is None else self._settings())
 
     def _load(self, state: Dict[str, Any]) -> None:
+        healing.check_settings(state, None if self._settings is None else self._settings())
         optimizer = state.get("optimizer")
         if self.compression is not None and isinstance(optimizer, dict):
             # Not loaded as it came: commit() decides what of it a healing replica takes (compressor_state).

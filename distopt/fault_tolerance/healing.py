@@ -12,22 +12,47 @@ takes: :mod:`distopt.fault_tolerance.compressor_state`), and the step count.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch import Tensor
 
-__all__ = ["snapshot", "restore"]
+__all__ = ["snapshot", "check_settings", "restore"]
 
 
-def snapshot(params: List[Tensor], state_dict: Callable[[], Dict[str, Any]], steps: int) -> Dict[str, Any]:
-    """What a live replica sends: copies, so that training may go on while it travels."""
+def snapshot(params: List[Tensor], state_dict: Callable[[], Dict[str, Any]], steps: int,
+             settings: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """What a live replica sends: copies, so that training may go on while it travels, and the
+    wrapper's settings (the arguments that decide which collectives run), for the healer to check."""
     with torch.no_grad():
         return {
             "params": [p.detach().clone() for p in params],
             "optimizer": _cloned(state_dict()),
             "steps": steps,
+            "settings": settings,
         }
+
+
+def check_settings(state: Dict[str, Any], settings: Optional[Dict[str, Any]]) -> None:
+    """Refuse a peer's :func:`snapshot` taken under other wrapper settings.
+
+    Args:
+        state: the peer's snapshot.
+        settings: this replica's wrapper settings (None: nothing to compare).
+
+    Raises:
+        ValueError: a setting differs; the error names it and both values. Every replica must
+            issue the same collectives, which these settings decide.
+    """
+    theirs = state.get("settings")
+    if settings is None or theirs is None or theirs == settings:
+        return
+    key = next(k for k in sorted(set(theirs) | set(settings), key=str) if theirs.get(k) != settings.get(k))
+    raise ValueError(
+        f"this replica's DistributedOptimizer was built with {key}={settings.get(key)!r}, and the live peer it "
+        f"heals from with {key}={theirs.get(key)!r}; every replica must pass the same arguments (they decide "
+        "which collectives the replicas issue together)"
+    )
 
 
 def restore(state: Dict[str, Any], params: List[Tensor], load_state_dict: Callable[[Dict[str, Any]], None],

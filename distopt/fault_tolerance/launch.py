@@ -24,7 +24,6 @@ hosts reach this one by::
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 import shutil
 import signal
@@ -34,6 +33,8 @@ import sys
 import time
 from typing import List, Optional, Sequence
 from urllib.parse import urlsplit
+
+from ..launching.interface import is_loopback
 
 __all__ = ["main", "lighthouse_command", "agent_command", "replica_ids"]
 
@@ -87,13 +88,7 @@ _LIGHTHOUSE_FLAGS = ("--port", "--min-replicas", "--heartbeat-timeout-ms", "--jo
 
 
 def _is_local_url(url: str) -> bool:
-    host = urlsplit(url).hostname or ""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+    return is_loopback(urlsplit(url).hostname or "")
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -11,14 +11,13 @@ This module imports torchft, and only when :func:`make_manager` is called.
 """
 from __future__ import annotations
 
-import ipaddress
 import os
 import socket
 from datetime import timedelta
 from typing import Any, Optional
 from urllib.parse import urlsplit, urlunsplit
 
-from ..launching.interface import pick_owning_interface
+from ..launching.interface import is_loopback, pick_owning_interface
 from .process_group import process_group, register
 
 __all__ = ["make_manager", "advertised_url", "HEARTBEAT_INTERVAL", "COLLECTIVE_TIMEOUT"]
@@ -69,7 +68,7 @@ def make_manager(*, min_replicas: int = 1, timeout: float = COLLECTIVE_TIMEOUT, 
     if replica_id is None:
         replica_id = f"replica_{os.environ.get('REPLICA_GROUP_ID', '0')}"
     chosen = hostname or os.environ.get("DISTOPT_FT_HOSTNAME")
-    if store_addr is None and chosen and _is_loopback(os.environ.get("MASTER_ADDR", "")):
+    if store_addr is None and chosen and is_loopback(os.environ.get("MASTER_ADDR", "")):
         store_addr = chosen
     if chosen:
         # gloo finds its own address by the host's name; where that does not resolve it falls back
@@ -99,15 +98,6 @@ def advertised_url(url: str, host: str) -> str:
     if parts.port is not None:
         netloc = f"{netloc}:{parts.port}"
     return urlunsplit(parts._replace(netloc=netloc))
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _http_transport(host: str, timeout: timedelta) -> Any:

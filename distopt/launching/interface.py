@@ -18,7 +18,7 @@ import struct
 import sys
 from typing import Optional, Tuple
 
-__all__ = ["route_interface", "owning_interface", "pick_interface", "pick_owning_interface"]
+__all__ = ["route_interface", "owning_interface", "pick_interface", "pick_owning_interface", "is_loopback"]
 
 _SIOCGIFADDR = 0x8915  # Linux: an interface's IPv4 address
 _VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
@@ -48,6 +48,16 @@ def route_interface(master_addr: str) -> Optional[Tuple[str, str]]:
         if local in _addresses(name, family):
             return name, local
     return None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` is ``localhost`` or a loopback address (no name is looked up)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def owning_interface(host: str) -> Optional[Tuple[str, str]]:

@@ -263,7 +263,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
             self.fault_tolerance = ft.FaultTolerance(
                 fault_tolerance, params=[], state_dict=self.state_dict, load_state_dict=self.load_state_dict,
                 get_steps=lambda: self._engine.steps, set_steps=lambda n: self._context.set_steps(n),
-                compressor=self.compressor, compression_key=COMPRESSION_KEY)
+                compressor=self.compressor, compression_key=COMPRESSION_KEY, settings=self._settings)
         # ----
         if isinstance(root_rank, bool) or not isinstance(root_rank, int) or not 0 <= root_rank < self.world_size:
             raise ValueError(

@@ -7,7 +7,7 @@ real gloo is in tests/fault_tolerance/.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Tuple
 
 import pytest
 import torch
@@ -176,3 +176,20 @@ def test_the_launchers_flags_that_cannot_work_are_usage_errors(argv: List[str], 
         main(["--replicas", "3", *argv, "train.py"])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_replica_that_heals_from_a_peer_built_with_other_settings_is_told_which() -> None:
+    def build(**streaming: Any) -> Tuple[distopt.DistributedOptimizer, RecordingManager]:
+        manager = RecordingManager()
+        opt = distopt.DistributedOptimizer(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1),
+                                           fault_tolerance=manager, sync_every=4, **streaming)
+        return opt, manager
+
+    _, peer = build(sync_fragments=2, sync_overlap=1)
+    mine, manager = build(sync_fragments=1)
+    (peer_load, peer_save), = peer.registered.values()
+    (load, save), = manager.registered.values()
+    with pytest.raises(ValueError, match=r"built with sync_fragments=1, and the live peer it heals from with "
+                                         r"sync_fragments=2; every replica must pass the same arguments"):
+        load(peer_save())
+    load(save())  # the same settings: taken
