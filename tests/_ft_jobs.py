@@ -172,9 +172,10 @@ def diloco_kill_and_replace(j: Job, *, sync_every: int, kill_step: int, min_sync
     (exit codes, every committed sync hashed alike, no survivor restarted or took a sync twice, each
     discarded the broken sync, the replacement bitwise equal at its first sync, the loss below the first
     period's) and returns sync -> hash. ``spec``: the worker's further settings (``compression``, ...)."""
-    j.start("r0", 0, **spec)
-    j.start("r1", 1, kill={"step": kill_step, "where": "exchange", "world": 3}, **spec)
-    j.start("r2", 2, **spec)
+    # Started together (see _kill_and_replace in test_fault_tolerance_modes.py): no quorum of one at start-up.
+    j.start("r0", 0, start_together=3, **spec)
+    j.start("r1", 1, kill={"step": kill_step, "where": "exchange", "world": 3}, start_together=3, **spec)
+    j.start("r2", 2, start_together=3, **spec)
     j.wait_for(lambda: j.procs["r1"].poll() is not None, 40, "replica 1 to die in an exchange")
     j.start("r1b", 1, **spec)
     codes = j.finish(45)

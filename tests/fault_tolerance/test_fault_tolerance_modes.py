@@ -34,9 +34,12 @@ def _kill_and_replace(j: Job, compression: str, steps: int) -> Dict[int, str]:
     """Three replicas; replica 1 SIGKILLs itself inside backward (packs in flight) once all three train
     together; a replacement starts as its agent would. Checks what every such run must show and
     returns step -> hash."""
-    j.start("r0", 0, compression=compression)
-    j.start("r1", 1, compression=compression, kill={"step": 5, "where": "backward", "world": 3})
-    j.start("r2", 2, compression=compression)
+    # The three start their first step together: one started alone on a loaded host committed step 1 in a
+    # quorum of its own while the other two formed another (torchft's churn at start-up), and the two
+    # histories' step 1 differed.
+    j.start("r0", 0, compression=compression, start_together=3)
+    j.start("r1", 1, compression=compression, kill={"step": 5, "where": "backward", "world": 3}, start_together=3)
+    j.start("r2", 2, compression=compression, start_together=3)
     j.wait_for(lambda: j.procs["r1"].poll() is not None, 30, "replica 1 to die inside backward")
     # An agent restarts a worker after its death: the replacement starts once the survivors' quorum has
     # named replica 1 missing (forked from the server it starts in ms, and could rejoin before that quorum).
