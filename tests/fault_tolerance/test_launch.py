@@ -219,7 +219,7 @@ def test_across_two_hosts_a_killed_worker_heals_from_a_peer_on_the_other_host(la
     if isinstance(launch, str):
         pytest.skip(launch)
     _check_killed_and_healed(launch)
-    launchers, _, (_, _, outputs, _) = launch
+    _, _, (_, _, outputs, _) = launch
     assert all("distopt: gloo and NCCL use interface dv" in output for output in outputs), outputs
 
 
