@@ -1,5 +1,8 @@
 """Shared fixtures for distopt's tests, and the order in which xdist hands out the test files."""
+import os
+
 import pytest
+import torch
 
 from distopt._testing import assert_no_children, live_children
 
@@ -24,6 +27,15 @@ SLOWEST_FIRST = [
     "multiprocess/test_sharded.py",  # ~12
     "multiprocess/test_sparse_rows.py",  # ~12
 ]
+
+
+def pytest_configure(config):
+    # Two xdist workers share the CI's two cores, and each starts ranks of its own. torch's default
+    # of one intra-op thread per core oversubscribes them, and OpenMP's spinning threads then
+    # take turns at a core: a test ran 4x slower under the suite than alone. One thread each,
+    # in this process and in every process it starts (they inherit the environment).
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(items):

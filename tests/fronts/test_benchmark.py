@@ -8,10 +8,11 @@ from pathlib import Path
 from typing import List
 
 import pytest
+import torch
 
 from distopt import benchmark
 from distopt._testing import run_command
-from distopt.benchmark import BenchConfig, ModeResult, WorkloadResult, format_size, parse_size
+from distopt.benchmark import WORKLOADS, BenchConfig, ModeResult, WorkloadResult, format_size, parse_size
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
@@ -29,8 +30,10 @@ def _run(args: List[str], tmp_path: Path) -> subprocess.CompletedProcess:
 
 def test_two_ranks_all_sections(tmp_path: Path) -> None:
     out, png = tmp_path / "bench.json", tmp_path / "sweep.png"
-    # One workload: every peak-memory probe is a launch of its own.
-    proc = _run(["--workloads", "mlp", *TINY, "--thresholds", "0", "--sweep", str(png), "--json", str(out)], tmp_path)
+    # Without the peak-memory probes, a fresh two-process launch each (half this test's time with
+    # them): test_a_memory_probe_measures_a_modes_growth checks what a probe measures.
+    proc = _run(["--workloads", "mlp", *TINY, "--thresholds", "0", "--sweep", str(png), "--json", str(out),
+                 "--no-memory"], tmp_path)
     for text in ("[mlp]", "ratio distopt/ddp", "bare_allreduce", "distopt@0B", "[world size 1]"):
         assert text in proc.stdout, proc.stdout
     report = json.loads(out.read_text())
@@ -44,11 +47,26 @@ def test_two_ranks_all_sections(tmp_path: Path) -> None:
     assert modes["distopt"]["allreduce_calls"] >= 1
     # threshold 0: one all-reduce per parameter
     assert modes["distopt@0"]["allreduce_calls"] == workload["num_params"] == 100
-    for name in ("local", "ddp", "distopt"):
-        assert modes[name]["peak_mem_bytes"] is not None and modes[name]["peak_mem_bytes"] >= 0
+    assert all(m["peak_mem_bytes"] is None for m in modes.values())  # not probed, and not shown as 0
     assert workload["ratio"] > 0
     assert [w["name"] for w in report["world1"]] == ["mlp"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("mode", ["local", "distopt"])
+def test_a_memory_probe_measures_a_modes_growth(mode: str) -> None:
+    """What a probe's fresh process runs, here in this one: the mode's model and gradients are 128 MiB each."""
+    from distopt.benchmark.memory import memory_worker
+
+    threads = torch.get_num_threads()
+    try:
+        grown = memory_worker(BenchConfig(world=1, warmup=1), "wide", mode)
+    finally:
+        torch.set_num_threads(threads)  # the probe gives itself the cores, as a rank would
+    gradients = sum(p.numel() * 4 for p in WORKLOADS["wide"].build_model().parameters())
+    assert gradients > 128 * 2**20
+    # parameters and gradients, built after the mark was reset, and the optimizer's momentum
+    assert grown is not None and 2 * gradients <= grown < 5 * gradients, (grown, gradients)
 
 
 def test_world_one_every_workload_json_to_stdout(tmp_path: Path) -> None:

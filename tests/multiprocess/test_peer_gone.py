@@ -74,6 +74,9 @@ HOW_TOLD = {
               "all-reduce after its data ran out: wrap the training loop in `with opt.join():`)",
 }
 INITS = ("distopt", "plain")
+# A metric's stall is named by the stall inspector, which sees the group the same way whoever made
+# it; the finish and crash cases check both kinds of group. Each job is three fresh interpreters.
+JOBS = [(how, init) for how in HOW_TOLD for init in INITS if (how, init) != ("metric", "plain")]
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +87,7 @@ def torchrun_jobs(tmp_path_factory):
     the 5 s stall timeout, which overlap.
     """
     base = tmp_path_factory.mktemp("leave-early")
-    jobs = [(how, init) for how in HOW_TOLD for init in INITS]
+    jobs = JOBS
     with ThreadPoolExecutor(len(jobs)) as pool:
         futures = {job: pool.submit(run_torchrun, SCRIPT, list(job), cwd=_fresh(base / "-".join(job)), timeout=90)
                    for job in jobs}
@@ -96,8 +99,7 @@ def _fresh(path):
     return path
 
 
-@pytest.mark.parametrize("init", INITS)
-@pytest.mark.parametrize("how", list(HOW_TOLD))
+@pytest.mark.parametrize("how, init", JOBS)
 def test_under_torchrun_the_survivor_is_told_whether_the_peer_finished_or_crashed(how, init, torchrun_jobs):
     code, out = torchrun_jobs[how, init]
     assert code not in (None, 0), out
