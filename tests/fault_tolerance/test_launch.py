@@ -2,9 +2,9 @@
 
 The launcher starts a lighthouse and one torchrun agent per replica; the test kills one
 replica's worker from outside, as a user or the kernel would, and reads the replicas' step
-logs (``tests/_scripts/ft_launched.py``). The one-host command and the two-host one (on the
-network-namespace hosts of ``tests/_hosts.py``) run side by side, in one module fixture:
-each is a job of its own, and most of either's time is process start-up and waiting.
+logs (``tests/_scripts/ft_launched.py``). The kill runs across the network-namespace hosts of
+``tests/_hosts.py`` (on this one where they cannot be built), beside the example's one-host
+run, in one module fixture: most of either's time is process start-up and waiting.
 Skipped, with the reason, where torchft is not installed (``pip install -e ".[ft]"``).
 """
 from __future__ import annotations
@@ -96,7 +96,7 @@ Launch = Tuple[List[subprocess.Popen], Path, int, Tuple[Any, float, List[str], L
 
 
 def _launched(start: Callable[[Path], List[subprocess.Popen]], out: Path, replicas: int) -> Launch:
-    """Start the launcher(s) of ``replicas`` replicas with logs in ``out``, kill the last one's worker, wait for the end."""
+    """Start the launcher(s) of ``replicas`` replicas, logs in ``out``; kill the last one's worker; wait for the end."""
     out.mkdir()
     launchers = start(out)
     return launchers, out, replicas, _launch_and_kill(launchers, out, replicas)
@@ -184,8 +184,9 @@ def _two_hosts(hosts: List[Tuple[str, str, str]]) -> Callable[[Path], List[subpr
     def start(out: Path) -> List[subprocess.Popen]:
         env = dict(os.environ, RUST_LOG="warn")
         return [
-            start_on(ns_a, host_a, *_launch_args(REPLICAS), *PATIENT_LIGHTHOUSE, "--replica-ids", ",".join(map(str, range(REPLICAS - 1))),
-                     "--port", port, "--hostname", addr_a, SCRIPT, out, STEPS, env=env),
+            start_on(ns_a, host_a, *_launch_args(REPLICAS), *PATIENT_LIGHTHOUSE, "--replica-ids",
+                     ",".join(map(str, range(REPLICAS - 1))), "--port", port, "--hostname", addr_a, SCRIPT, out, STEPS,
+                     env=env),
             start_on(ns_b, host_b, *_launch_args(REPLICAS), "--replica-ids", REPLICAS - 1, "--lighthouse",
                      f"http://{addr_a}:{port}", "--hostname", addr_b, SCRIPT, out, STEPS, env=env),
         ]
@@ -195,26 +196,33 @@ def _two_hosts(hosts: List[Tuple[str, str, str]]) -> Callable[[Path], List[subpr
 
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory: Any) -> Dict[str, Any]:
-    """``{"one host": Launch, "two hosts": Launch or the reason they could not be built}``, run side by side."""
+    """``{"kill": Launch, "two hosts": the same Launch or the reason there are none, "example": ...}``.
+
+    The kill, restart and heal run once: across the two hosts where they can be built (host A's
+    launcher is the one-host command with ``--replica-ids``), else on this one with 2 replicas. The
+    example runs the one-host command beside it. Each launch is a dozen fresh interpreters.
+    """
     base = tmp_path_factory.mktemp("ft-launch")
     with contextlib.ExitStack() as stack:
         try:
             hosts = stack.enter_context(network_hosts())
         except HostsUnavailable as exc:
             hosts, unavailable = None, str(exc)
-        with ThreadPoolExecutor(3) as pool:
-            one = pool.submit(_launched, _one_host, base / "one-host", ONE_HOST_REPLICAS)
-            two = (pool.submit(_launched, _two_hosts(hosts), base / "two-hosts", REPLICAS) if hosts is not None
-                   else None)
+        with ThreadPoolExecutor(2) as pool:
+            if hosts is not None:
+                kill = pool.submit(_launched, _two_hosts(hosts), base / "two-hosts", REPLICAS)
+            else:
+                kill = pool.submit(_launched, _one_host, base / "one-host", ONE_HOST_REPLICAS)
             example = pool.submit(run_command, [sys.executable, "-m", "distopt.fault_tolerance.launch", "--replicas",
                                                 "2", EXAMPLE, *EXAMPLE_ARGS], base, _env(), DEADLINE)
-            return {"one host": one.result(), "two hosts": two.result() if two is not None else unavailable,
+            launch = kill.result()
+            return {"kill": launch, "two hosts": launch if hosts is not None else unavailable,
                     "example": example.result()}
 
 
 @pytest.mark.timeout(DEADLINE + 30)
-def test_the_launcher_restarts_a_killed_worker_which_heals_while_the_other_goes_on(launches: Dict[str, Any]) -> None:
-    _check_killed_and_healed(launches["one host"])
+def test_the_launcher_restarts_a_killed_worker_which_heals_while_the_others_go_on(launches: Dict[str, Any]) -> None:
+    _check_killed_and_healed(launches["kill"])
 
 
 @pytest.mark.timeout(DEADLINE + 30)
@@ -228,8 +236,7 @@ def test_across_two_hosts_a_killed_worker_heals_from_a_peer_on_the_other_host(la
     launch = launches["two hosts"]
     if isinstance(launch, str):
         pytest.skip(launch)
-    _check_killed_and_healed(launch)
-    _, _, _, (_, _, outputs, _) = launch
+    _, _, _, (_, _, outputs, _) = launch  # test_the_launcher_restarts_... checks the kill and the heal
     assert all("distopt: gloo and NCCL use interface dv" in output for output in outputs), outputs
 
 
