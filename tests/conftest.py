@@ -12,13 +12,13 @@ from distopt._testing import assert_no_children, live_children
 # slowest files last). Seconds under the full suite on a 2-core host, as a guide when adding to this list:
 SLOWEST_FIRST = [
     "fault_tolerance/test_fault_tolerance_modes.py",  # ~100 with fresh interpreters; ~20 since replicas fork
-    "multiprocess/test_peer_gone.py",  # ~70
-    "fronts/test_benchmark.py",  # ~70, nearly all of it CPU
+    "multiprocess/test_peer_gone.py",  # ~45 (one thread per process; 5 torchrun jobs)
+    "fronts/test_benchmark.py",  # ~35, nearly all of it CPU (~70 with the memory probes launched)
     "fault_tolerance/test_fault_tolerance.py",  # ~55 with fresh interpreters; ~25 since replicas fork
     "fronts/test_examples.py",  # ~50
     "launching/test_launcher.py",  # ~45
-    "launching/test_two_hosts.py",  # ~45
-    "fault_tolerance/test_launch.py",  # ~40: one host, then two namespaced hosts
+    "launching/test_two_hosts.py",  # ~60 under the suite
+    "fault_tolerance/test_launch.py",  # ~40: the kill across two namespaced hosts, the example on one
     "horovod/test_horovod.py",  # ~25
     "multiprocess/test_stalls.py",  # ~25
     "multiprocess/test_agreement.py",  # ~20
