@@ -169,7 +169,7 @@ class _PowerSGDCodec(Codec):
     def reduce(self, data: Tensor, round: Round) -> Iterator[Collective]:
         owner, r = self.owner, self.owner.rank
         if round.step < owner.start_step:
-            yield AllReduce(data)
+            yield AllReduce(data, last=True)
             return
         # Each matrix's M: its value plus its residual, in the residual's own storage (no copy kept).
         ms: List[Tensor] = []
@@ -210,7 +210,7 @@ class _PowerSGDCodec(Codec):
         for m_, p, qt in zip(ms, ps, new_qts):
             p.copy_(_orthonormal(p))
             torch.mm(p.t(), m_, out=qt)
-        yield AllReduce(second)
+        yield AllReduce(second, last=True)
         finite = bool(torch.isfinite(second).all())
         for m, m_, p, qt in zip(self.matrices, ms, ps, new_qts):
             value = data[m.offset:m.offset + m.rows * m.cols].view(m.rows, m.cols)

@@ -13,6 +13,11 @@ rank issues the same collectives in the same order whatever its timing: the reas
 DDP's PowerSGD hook, whose futures chain its second collective from another thread,
 can abort on gloo with "collective mismatch", and a codec cannot.
 
+A codec marks the collective after which it yields no more (``last=True``): the
+engine then need not resume it to learn that, so an exchange that outlives a step
+(streaming local SGD's) travels until its values are wanted rather than being waited
+for at the next point where later stages are issued.
+
 A codec sees the pack's values already multiplied by the mean's ``1/world`` and
 leaves their *sum* over the ranks in place. The pack's control flags never pass
 through it: the engine sums them exactly, in a small all-reduce of their own.
@@ -27,7 +32,7 @@ would follow the same shape)::
     class _HalvesCodec(Codec):
         def reduce(self, data, round):
             wire = data.to(torch.float16)
-            yield AllReduce(wire)
+            yield AllReduce(wire, last=True)
             data.copy_(wire)
 """
 from __future__ import annotations
@@ -101,6 +106,7 @@ class AllReduce:
     """Sum ``tensor`` over the ranks, in place."""
 
     tensor: Tensor
+    last: bool = False  # the codec yields nothing after this one (see the module)
 
 
 @dataclass
@@ -109,6 +115,7 @@ class AllGather:
 
     tensor: Tensor
     out: Tensor
+    last: bool = False  # the codec yields nothing after this one (see the module)
 
 
 @dataclass
@@ -117,6 +124,7 @@ class AllToAll:
 
     tensor: Tensor
     out: Tensor
+    last: bool = False  # the codec yields nothing after this one (see the module)
 
 
 Collective = Union[AllReduce, AllGather, AllToAll]
@@ -130,7 +138,9 @@ class Codec(abc.ABC):
         """Leave the sum of every rank's ``data`` in ``data``, yielding each collective it needs.
 
         Every rank must yield the same collectives, of the same sizes, in the same
-        order: decide them from the layout and the round, never from the values.
+        order: decide them from the layout and the round, never from the values. Mark
+        the last one ``last=True`` where it is known to be (nothing breaks without it:
+        the engine then resumes the codec to find out, which may mean an earlier wait).
 
         Args:
             data: the pack's flat values (already scaled by the mean's ``1/world``).

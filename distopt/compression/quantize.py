@@ -6,28 +6,37 @@ precision of its own block only.
 
 **Why not one all-reduce of the integers.** A sum of int8 values overflows int8, and
 each rank's values carry a scale of its own, so integers from two ranks cannot be
-added as integers at all. The pack is cut into one chunk per rank instead:
+added as integers at all. Each rank decodes the others' values and adds them in
+float32 instead, in rank order, so every rank ends with the same values, bitwise,
+since all decode the same bytes. How the bytes travel depends on the ranks:
 
-1. *all-to-all, in ``bits`` bits*: rank ``j`` receives every rank's chunk ``j``, with
-   its scales, and adds them in float32 (the reduce-scatter, done where it is exact);
-2. *all-gather, in ``bits`` bits*: each rank quantises its chunk of the sum once more
-   and every rank receives every chunk.
+* *Two ranks (or one): one all-gather, in ``bits`` bits.* Each rank sends its whole
+  pack's codes and scales, and adds both ranks' decoded values. Each rank sends and
+  receives the pack once, as the two stages below would at two ranks, but in one
+  collective (so nothing is left to issue while the pack travels), with a third less
+  quantising and one quantisation error instead of two.
+* *More ranks: two stages.* Sending every rank the whole pack would cost ``world - 1``
+  packs, so the pack is cut into one chunk per rank:
 
-Each rank sends and receives ``2 (world - 1) / world`` of the pack in ``bits`` bits,
-what a ring all-reduce sends in float32: 4x (int8) or 8x (int4) fewer bytes, plus
-``32 / block_size`` bits a value for the scales. Every rank ends with the same
-values, bitwise, since all decode the same bytes.
+  1. *all-to-all*: rank ``j`` receives every rank's chunk ``j``, with its scales, and
+     adds them in float32 (the reduce-scatter, done where it is exact);
+  2. *all-gather*: each rank quantises its chunk of the sum once more and every rank
+     receives every chunk.
 
-**Error feedback.** What quantising left out of this rank's values (step 1) is added
-to its next values; what re-quantising the sum left out (step 2) is added by the
-chunk's owner to its next values, where it enters the next sum once. So the errors
-are delayed, never dropped: over many steps the sum of what was sent follows the
-sum of the true values.
+  Each rank sends and receives ``2 (world - 1) / world`` of the pack in ``bits`` bits,
+  what a ring all-reduce sends in float32: 4x (int8) or 8x (int4) fewer bytes, plus
+  ``32 / block_size`` bits a value for the scales.
+
+**Error feedback.** What quantising left out of this rank's values is added to its
+next values; in two stages, what re-quantising the sum left out (stage 2) is added by
+the chunk's owner to its next values, where it enters the next sum once. So the
+errors are delayed, never dropped: over many steps the sum of what was sent follows
+the sum of the true values.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -168,7 +177,7 @@ class _QuantizeCodec(Codec):
         self.layout = layout
         self.buffers: Dict[bool, Tensor] = {}  # per kind (exchange or not): the pack's padded residual
         self.loads = owner.loads
-        self.scratch: Optional[_Scratch] = None  # the buffers of one reduction, kept for the next
+        self.scratch: Union[_Scratch, _GatherScratch, None] = None  # the buffers of one reduction, kept for the next
 
     def _residual(self, exchange: bool, padded: int, device: torch.device) -> Tensor:
         """The pack's residual, padded; its members' residuals are views of it (and taken over from
@@ -192,20 +201,51 @@ class _QuantizeCodec(Codec):
         return buffer
 
     def reduce(self, data: Tensor, round: Round) -> Iterator[Collective]:
-        owner, world, bits, block = self.owner, round.world_size, self.owner.bits, self.owner.block_size
+        if round.world_size <= 2:
+            return self._gather_whole(data, round)
+        return self._two_stages(data, round)
+
+    def _values(self, data: Tensor, round: Round, padded: int) -> Tuple[Tensor, Tensor]:
+        """``(values to quantise, this rank's residual)``: the residual plus ``data``, or a joined rank's zeros."""
+        residual = self._residual(round.exchange, padded, data.device)
+        if not round.contributing:  # a joined rank sends zeros and keeps its residual for later
+            return torch.zeros(padded, dtype=torch.float32, device=data.device), residual
+        residual[:data.numel()].add_(data)
+        return residual, residual
+
+    def _gather_whole(self, data: Tensor, round: Round) -> Iterator[Collective]:
+        """Every rank's whole codes in one all-gather; each rank decodes them all and adds them in rank order."""
+        world, bits, block = round.world_size, self.owner.bits, self.owner.block_size
+        n = data.numel()
+        padded = -(-n // block) * block
+        values, residual = self._values(data, round, padded)
+        scratch = self.scratch
+        if not isinstance(scratch, _GatherScratch) or scratch.work.numel() != padded or scratch.world != world:
+            scratch = self.scratch = _GatherScratch.make(world, padded, bits, block, data.device)
+        codes, scales = quantize_blocks(values, bits, block, scratch.work, residual if round.contributing else None)
+        piece, code_bytes = scratch.piece, scratch.code_bytes
+        piece[:code_bytes].copy_(codes)
+        piece[code_bytes:].copy_(scales.view(torch.uint8))
+        yield AllGather(piece, scratch.gathered.view(-1), last=True)
+        decoded = [dequantize_blocks(row[:code_bytes], row[code_bytes:].view(torch.float32), bits, block, out)
+                   for row, out in zip(scratch.gathered, (scratch.work, scratch.other))]
+        self._drop_poisoned(scratch.gathered[:, code_bytes:], residual)
+        if world == 1:
+            data.copy_(decoded[0][:n])
+        else:  # rank 0's values plus rank 1's, on every rank: the same float sum
+            torch.add(decoded[0][:n], decoded[1][:n], out=data)
+
+    def _two_stages(self, data: Tensor, round: Round) -> Iterator[Collective]:
+        """An all-to-all of every rank's chunks, summed by their owners, then an all-gather of the sums."""
+        world, bits, block = round.world_size, self.owner.bits, self.owner.block_size
         n = data.numel()
         chunk = -(-n // (world * block)) * block  # values per rank's chunk, whole blocks
         padded = chunk * world
-        residual = self._residual(round.exchange, padded, data.device)
+        values, residual = self._values(data, round, padded)
         scratch = self.scratch
-        if scratch is None or scratch.work.numel() != padded or scratch.send.shape[0] != world:
+        if not isinstance(scratch, _Scratch) or scratch.work.numel() != padded or scratch.send.shape[0] != world:
             scratch = self.scratch = _Scratch.make(world, chunk, bits, block, data.device)
         work, code_bytes = scratch.work, scratch.code_bytes
-        if round.contributing:
-            values = residual
-            values[:n].add_(data)
-        else:  # a joined rank sends zeros and keeps its residual for later
-            values = torch.zeros(padded, dtype=torch.float32, device=data.device)
         codes, scales = quantize_blocks(values, bits, block, work, residual if round.contributing else None,
                                         parts=world)
         # One message per destination: its chunk's codes, then their scales' bytes.
@@ -224,23 +264,48 @@ class _QuantizeCodec(Codec):
         piece, gathered = scratch.piece, scratch.gathered
         piece[:code_bytes].copy_(codes2)
         piece[code_bytes:].copy_(scales2.view(torch.uint8))
-        yield AllGather(piece, gathered.view(-1))
+        yield AllGather(piece, gathered.view(-1), last=True)
         total = work
         for source in range(world):
             row = gathered[source]
             dequantize_blocks(row[:code_bytes], row[code_bytes:].view(torch.float32), bits, block,
                               total[source * chunk:(source + 1) * chunk])
-        # A value decodes finite exactly when its block's scale is finite: an overflow or a NaN makes the
-        # scale so. Every rank sees it; drop the poisoned residual.
-        if not bool(torch.isfinite(gathered[:, code_bytes:].contiguous().view(torch.float32)).all()):
-            residual.zero_()
+        self._drop_poisoned(gathered[:, code_bytes:], residual)
         data.copy_(total[:n])
+
+    @staticmethod
+    def _drop_poisoned(scale_bytes: Tensor, residual: Tensor) -> None:
+        """A value decodes finite exactly when its block's scale is finite: an overflow or a NaN makes the
+        scale so. Every rank sees it in the same bytes; each drops its poisoned residual."""
+        if not bool(torch.isfinite(scale_bytes.contiguous().view(torch.float32)).all()):
+            residual.zero_()
+
+
+@dataclass
+class _GatherScratch:
+    """The buffers of one pack's reduction in one all-gather, allocated once."""
+
+    work: Tensor  # float32, the padded pack: the quantiser's scratch, then rank 0's decoded values
+    other: Tensor  # float32, rank 1's decoded values (empty at one rank)
+    piece: Tensor  # uint8, this rank's codes, then scales
+    gathered: Tensor  # uint8, every rank's piece
+    code_bytes: int
+    world: int
+
+    @classmethod
+    def make(cls, world: int, padded: int, bits: int, block: int, device: torch.device) -> "_GatherScratch":
+        code_bytes = padded * bits // 8
+        width = code_bytes + 4 * (padded // block)
+        f32 = dict(dtype=torch.float32, device=device)
+        return cls(torch.empty(padded, **f32), torch.empty(padded if world > 1 else 0, **f32),
+                   torch.empty(width, dtype=torch.uint8, device=device),
+                   torch.empty(world, width, dtype=torch.uint8, device=device), code_bytes, world)
 
 
 @dataclass
 class _Scratch:
-    """The buffers of one pack's reduction: allocated once, since a fresh pack-sized tensor costs
-    page faults on every step."""
+    """The buffers of one pack's reduction in two stages: allocated once, since a fresh pack-sized
+    tensor costs page faults on every step."""
 
     work: Tensor  # float32, the padded pack
     send: Tensor  # uint8, one row per destination: codes, then scales

@@ -490,11 +490,19 @@ class GradientEngine:
         self.stats.all_reduces += 1
         self.stats.bytes += tensor.numel() * tensor.element_size()
 
-    def _resume_codec(self, codec: Iterator[Collective], pack: Pack, index: int) -> bool:
-        """Run a compressed pack's codec up to its next collective and issue that; False once it is done."""
+    def _resume_codec(self, codec: Iterator[Collective], pack: Pack, index: int, after_last: bool = False) -> bool:
+        """Run a compressed pack's codec up to its next collective and issue that; False once it is done.
+
+        Raises:
+            TypeError: the codec yielded a collective after one it marked ``last``.
+        """
         collective = next(codec, None)
         if collective is None:
             return False
+        if after_last:
+            codec.close()
+            raise TypeError(f"a codec of {type(self.compressor).__name__} yielded {type(collective).__name__} after "
+                            "a collective it marked last=True; mark only the codec's final collective last")
         group = self.channel.group
         if isinstance(collective, AllReduce):
             options = dist.AllreduceOptions()
@@ -511,7 +519,8 @@ class GradientEngine:
             raise TypeError(f"a codec of {type(self.compressor).__name__} yielded {collective!r}; a codec yields "
                             "distopt.compression.AllReduce, AllGather or AllToAll")
         seq = self.progress.issue() if self.progress is not None else 0
-        self.inflight.append(Sent(work, pack, index, seq, carries_flags=False, codec=codec))
+        self.inflight.append(Sent(work, pack, index, seq, carries_flags=False, codec=codec,
+                                  last=collective.last))
         self.stats.all_reduces += 1
         self.stats.bytes += sent.numel() * sent.element_size()
         return True
@@ -699,7 +708,7 @@ class GradientEngine:
                 sent.codec.close()
             return False
         for sent in codecs:
-            self._resume_codec(sent.codec, sent.pack, sent.index)
+            self._resume_codec(sent.codec, sent.pack, sent.index, after_last=sent.last)
         return True
 
     def _totals(self, flags: List[float]) -> Totals:
@@ -919,19 +928,22 @@ class GradientEngine:
             exchange.arrived = True
 
     def advance_partial(self, exchange: PartialExchange) -> None:
-        """Move a compressed exchange on by one stage: wait for its collectives now in flight and issue
-        each codec's next one (an all-gather after an all-to-all, say), so that later stages travel
-        during inner steps too. Every rank calls it at the same point; without codecs it does nothing.
+        """Move a compressed exchange on by one stage: wait for those of its codecs' collectives that have
+        a next one (an all-gather after an all-to-all, say) and issue it, so that later stages travel
+        during inner steps too. A codec's last collective, and uncompressed packs, are left travelling.
+        Every rank calls it at the same point; without such stages it does nothing.
         """
         with self.lock:
             if exchange.arrived or not exchange.staged():
                 return
+            staged = [sent for sent in exchange.sent if sent.codec is not None and not sent.last]
+            travelling = [sent for sent in exchange.sent if sent.codec is None or sent.last]
             round_state = (self.inflight, self._phase)
-            self.inflight, self._phase = exchange.sent, Phase.EXCHANGE
+            self.inflight, self._phase = staged, Phase.EXCHANGE
             try:
                 self.wait(None)
                 self._resume_codecs()
-                exchange.sent = self.inflight
+                exchange.sent = travelling + self.inflight
             finally:
                 self.inflight, self._phase = round_state
 

@@ -47,6 +47,7 @@ class Sent(NamedTuple):
     copies: Optional[Tensor] = None  # a small sum done as a gather: the other ranks' copies, to add into ``into``
     into: Optional[Tensor] = None
     codec: Optional[Iterator[Collective]] = None  # a compressed pack's codec, resumed when ``work`` is back
+    last: bool = False  # ``work`` is the codec's last collective: resuming it only finishes it
 
 
 def sums_by_gather(nbytes: int, world: int, device: torch.device, limit: int = GATHER_SUM_MAX_BYTES) -> bool:

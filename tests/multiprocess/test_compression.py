@@ -216,6 +216,10 @@ for _name in ("powersgd", "int8"):
     CASES[f"jitter {_name}"] = (2, jitter_check, (_name,))
 CASES["resume int8 local"] = (2, resume_check, ("int8", 3))
 CASES["join int8 local"] = (2, join_check, ("int8", 3))
+# Three ranks: int8's two stages (an all-to-all, then an all-gather of the chunks' sums; two ranks send
+# their whole packs in one all-gather), with one rank's timing at random, and with a rank that joins.
+CASES["jitter int8, 3 ranks"] = (3, jitter_check, ("int8",))
+CASES["join int8, 3 ranks"] = (3, join_check, ("int8", 1))
 CASES["mismatch"] = (2, mismatch_check, ())
 CASES["auto"] = (2, auto_check, ())
 
@@ -258,7 +262,7 @@ def test_shard_state_trains_bitwise_like_unsharded_with_the_same_compressor(name
         assert r == {"bitwise": True, "identical": True}
 
 
-@pytest.mark.parametrize("case", ["join powersgd", "join int8", "join int8 local"])
+@pytest.mark.parametrize("case", ["join powersgd", "join int8", "join int8 local", "join int8, 3 ranks"])
 def test_join_with_a_compressor_ends_with_every_rank_identical(case, no_leftover_processes):
     for r in results(case):
         assert r == {"identical": True, "finite": True}
@@ -277,7 +281,7 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank_and_training_goes_
         assert all(r["identical"]) and r["finite"]
 
 
-@pytest.mark.parametrize("name", ["powersgd", "int8"])
+@pytest.mark.parametrize("name", ["powersgd", "int8", "int8, 3 ranks"])
 def test_collectives_pair_up_whatever_the_timing_of_one_ranks_backward(name, no_leftover_processes):
     for identical in results(f"jitter {name}"):
         assert all(identical), identical
