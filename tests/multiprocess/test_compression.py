@@ -17,7 +17,7 @@ from torch import nn
 
 import distopt
 from distopt import DistributedOptimizer
-from distopt.compression import PowerSGD, Quantize
+from distopt.compression import AllReduce, Codec, Compressor, PowerSGD, Quantize
 from distopt.planning.link import AUTO_MAX, AUTO_MIN
 
 from _worlds import Worlds
@@ -183,6 +183,31 @@ def jitter_check(name):
     return identical
 
 
+class _TwiceLast(Compressor):
+    """A user's codec that marks its first all-reduce last and then yields another: a protocol error."""
+
+    def codec(self, layout):
+        return _TwiceLastCodec() if layout.dtype == torch.float32 else None
+
+
+class _TwiceLastCodec(Codec):
+    def reduce(self, data, round):
+        yield AllReduce(data, last=True)
+        yield AllReduce(data)
+
+
+def yields_after_last_check():
+    model = make_model()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), compression=_TwiceLast())
+    try:
+        train(model, opt, 1)
+    except Exception as exc:  # noqa: BLE001 - the test reads its type and message
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        opt.close()
+    return "trained"
+
+
 def mismatch_check():
     rank = dist.get_rank()
     model = make_model()
@@ -221,6 +246,7 @@ CASES["join int8 local"] = (2, join_check, ("int8", 3))
 CASES["jitter int8, 3 ranks"] = (3, jitter_check, ("int8",))
 CASES["join int8, 3 ranks"] = (3, join_check, ("int8", 1))
 CASES["mismatch"] = (2, mismatch_check, ())
+CASES["yields after last"] = (2, yields_after_last_check, ())
 CASES["auto"] = (2, auto_check, ())
 
 WORLDS = Worlds(CASES, timeout=200)
@@ -291,6 +317,12 @@ def test_ranks_with_different_compressor_settings_fail_alike_naming_compression(
     messages = results("mismatch")
     assert messages[0] == messages[1]
     assert "different compression on different ranks" in messages[0] and "'rank': 4" in messages[0]
+
+
+def test_a_codec_that_yields_after_its_last_collective_is_told_so_on_every_rank(no_leftover_processes):
+    for message in results("yields after last"):
+        assert message.startswith("TypeError: a codec of _TwiceLast yielded AllReduce after a collective it marked "
+                                  "last=True"), message
 
 
 def test_auto_pack_threshold_is_the_roots_choice_on_every_rank_and_shown_in_stats(no_leftover_processes):

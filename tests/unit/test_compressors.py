@@ -320,3 +320,21 @@ def test_a_user_compressor_needs_only_a_codec():
     assert Halves().settings() == {"compressor": "test_a_user_compressor_needs_only_a_codec.<locals>.Halves"}
     with pytest.raises(ValueError, match="keeps no state"):
         Halves().load_state_dict({"x": 1})
+
+
+# ---------------------------------------------------------------------------- stages left in an exchange
+
+
+def test_an_exchange_whose_codecs_are_at_their_last_collective_has_no_stage_left_to_issue():
+    # Streaming DiLoCo advances an exchange at each inner step only while a codec has a later stage:
+    # a last collective travels on untouched until the merge.
+    from distopt.engine.partial import PartialExchange
+    from distopt.engine.rounds import Sent
+
+    def exchange(*lasts):
+        return PartialExchange([0], [Sent(None, None, 0, 0, False, codec=iter(()), last=last) for last in lasts], [])
+
+    assert not exchange(True).staged()
+    assert exchange(False).staged()
+    assert exchange(True, False).staged()
+    assert not PartialExchange([0], [Sent(None, None, 0, 0, True)], []).staged()  # no codec: the flags, say
