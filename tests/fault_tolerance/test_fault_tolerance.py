@@ -106,9 +106,10 @@ def test_local_sgd_diloco_a_kill_inside_a_sync_and_a_replacement_that_heals(job:
     # A quorum waits up to 1 s for a straggler that still beats (200 ms elsewhere): between syncs nothing
     # keeps the replicas in step, and on a loaded 2-core host a replica that reached its sync 200 ms late
     # was left out and healed at nearly every sync (churn, not failure). A dead replica stops beating and
-    # is dropped after the 300 ms heartbeat timeout all the same.
+    # is dropped after the 300 ms heartbeat timeout all the same. A quorum takes two replicas at least, so
+    # that the replacement can never be given one of its own (docs/fault-tolerance.md, "Split brain").
     j = job(steps=12, until_world=3, streak=6, sync_every=4, outer=True, pace=0.01,
-            lighthouse={"join_timeout_ms": 1000})
+            lighthouse={"join_timeout_ms": 1000, "min_replicas": 2})
     diloco_kill_and_replace(j, sync_every=4, kill_step=4, min_syncs=10)
     done = j.log("r1b")[-1]
     assert done.get("done") and done["heals"] >= 1, done
@@ -121,15 +122,15 @@ def test_local_sgd_diloco_a_kill_inside_a_sync_and_a_replacement_that_heals(job:
 def test_streaming_diloco_a_kill_inside_a_fragments_sync_and_a_replacement_that_heals(job: Any) -> None:
     """Streaming DiLoCo (sync_every=6 in 3 fragments, each sync in flight for 2 inner steps, as long as the
     gap between two launches; mixing 0.5; int4 pseudo-gradients, whose all-gather follows the all-to-all
-    during the inner steps), 3 replicas: one SIGKILLs itself inside a fragment's exchange. The survivors
-    discard that sync alike (residuals too) and send the fragment again at the next launch; at every
-    committed sync every replica holds the same anchors, outer momentum and step count (the hash); the
-    replacement, which knows nothing of the others' schedule, sends the fragment the quorum's count names,
-    heals at its first sync with the step count moved on by the steps the sync was in flight, and is
-    bitwise equal there."""
+    during the inner steps among three replicas, one all-gather among two), 3 replicas: one SIGKILLs
+    itself inside a fragment's exchange. The survivors discard that sync alike (residuals too) and send
+    the fragment again at the next launch; at every committed sync every replica holds the same anchors,
+    outer momentum and step count (the hash); the replacement, which knows nothing of the others'
+    schedule, sends the fragment the quorum's count names, heals at its first sync with the step count
+    moved on by the steps the sync was in flight, and is bitwise equal there."""
     j = job(steps=9, until_world=3, streak=6, sync_every=6, outer=True, pace=0.01, compression="int4",
             stream={"fragments": 3, "overlap": 2, "mixing": 0.5},
-            lighthouse={"join_timeout_ms": 1000})  # see the DiLoCo test above
+            lighthouse={"join_timeout_ms": 1000, "min_replicas": 2})  # see the DiLoCo test above
     diloco_kill_and_replace(j, sync_every=6, kill_step=4, min_syncs=8)
     done = j.log("r1b")[-1]
     assert done.get("done") and done["heals"] >= 1, done
