@@ -85,11 +85,11 @@ def _kill_and_replace(j: Job, compression: str, steps: int) -> Dict[int, str]:
 
 @pytest.mark.timeout(60)
 def test_int8_a_kill_inside_the_all_to_all_and_a_replacement_that_heals(job: Any, capsys: Any) -> None:
-    """int8 (per pack an all-to-all then an all-gather among three, one all-gather among the two survivors;
-    several packs): replica 1 is SIGKILLed inside
-    backward with packs in flight. The survivors discard that step alike, their residuals go back
-    to where they were (so they go on bitwise identical), the loss falls, and the replacement heals
-    (residuals empty, the others' parameters and Adam state) and is bitwise equal at its first step."""
+    """int8 (per pack an all-to-all then an all-gather among three replicas, one all-gather among the two
+    survivors; several packs): replica 1 is SIGKILLed inside backward with packs in flight. The survivors
+    discard that step alike, their residuals go back to where they were (so they go on bitwise
+    identical), the loss falls, and the replacement heals (residuals empty, the others' parameters and
+    Adam state) and is bitwise equal at its first step."""
     j = job(steps=10, until_world=3, streak=2, pace=0.02, lighthouse=MAJORITY)
     _kill_and_replace(j, "int8", 10)
     with capsys.disabled():

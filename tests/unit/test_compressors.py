@@ -14,6 +14,8 @@ from hypothesis import strategies as st
 from distopt.compression import (AllGather, AllReduce, AllToAll, Cast, Compressor, PackLayout, PowerSGD, Quantize,
                                  Round, resolve)
 from distopt.compression.quantize import dequantize_blocks, quantize_blocks
+from distopt.engine.partial import PartialExchange
+from distopt.engine.rounds import Sent
 
 
 def layout_of(shapes, members=None):
@@ -329,9 +331,6 @@ def test_a_user_compressor_needs_only_a_codec():
 def test_an_exchange_whose_codecs_are_at_their_last_collective_has_no_stage_left_to_issue():
     # Streaming DiLoCo advances an exchange at each inner step only while a codec has a later stage:
     # a last collective travels on untouched until the merge.
-    from distopt.engine.partial import PartialExchange
-    from distopt.engine.rounds import Sent
-
     def exchange(*lasts):
         return PartialExchange([0], [Sent(None, None, 0, 0, False, codec=iter(()), last=last) for last in lasts], [])
 
