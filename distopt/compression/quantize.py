@@ -281,6 +281,12 @@ class _QuantizeCodec(Codec):
             residual.zero_()
 
 
+def _message_bytes(values: int, bits: int, block: int) -> Tuple[int, int]:
+    """``(code bytes, message bytes)`` of ``values`` quantised values: their codes, then a float32 scale per block."""
+    code_bytes = values * bits // 8
+    return code_bytes, code_bytes + 4 * (values // block)
+
+
 @dataclass
 class _GatherScratch:
     """The buffers of one pack's reduction in one all-gather, allocated once."""
@@ -294,8 +300,7 @@ class _GatherScratch:
 
     @classmethod
     def make(cls, world: int, padded: int, bits: int, block: int, device: torch.device) -> "_GatherScratch":
-        code_bytes = padded * bits // 8
-        width = code_bytes + 4 * (padded // block)
+        code_bytes, width = _message_bytes(padded, bits, block)
         f32 = dict(dtype=torch.float32, device=device)
         return cls(torch.empty(padded, **f32), torch.empty(padded if world > 1 else 0, **f32),
                    torch.empty(width, dtype=torch.uint8, device=device),
@@ -318,8 +323,7 @@ class _Scratch:
 
     @classmethod
     def make(cls, world: int, chunk: int, bits: int, block: int, device: torch.device) -> "_Scratch":
-        code_bytes = chunk * bits // 8
-        width = code_bytes + 4 * (chunk // block)
+        code_bytes, width = _message_bytes(chunk, bits, block)
         u8 = dict(dtype=torch.uint8, device=device)
         f32 = dict(dtype=torch.float32, device=device)
         return cls(torch.empty(chunk * world, **f32), torch.empty(world, width, **u8), torch.empty(world, width, **u8),
