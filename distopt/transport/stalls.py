@@ -53,6 +53,8 @@ _SILENT_TICKS = 5
 # A peer's closed wrapper is reported once it has stayed closed this many ticks without the process ending.
 _CLOSED_GRACE_TICKS = 2
 _PREFIX = "distopt/progress"
+# The state a rank publishes once it has written the stall text that every waiting rank raises.
+_STALLED = "crashed (StallError)"
 # gloo's and torch's wordings of a collective that ran out of time.
 _TIMEOUT_WORDS = ("timed out", "timeout")
 # gloo's wordings of a link a peer closed ("Connection closed by peer", "Connection reset by peer").
@@ -453,7 +455,7 @@ def stall_error(progress: Progress, seq: int, what: str, store: Any = None) -> S
         text = store.compare_set(key, "", text).decode()
     except Exception:
         pass
-    progress.state = "crashed (StallError)"
+    progress.state = _STALLED
     mark_exit(progress.state)
     return StallError(text)
 
@@ -562,6 +564,12 @@ def translate(progress: Progress, seq: int, what: str, exc: BaseException,
     # changing: wait past the silence threshold for it. Other failures: only for a peer's parting words.
     lost = any(word in message for word in _LOST_WORDS)
     gone, answers = _gone(progress, store, (_SILENT_TICKS + 2) * TICK if lost else 2 * TICK)
+    if answers and any(p["state"] == _STALLED for _, p in gone):
+        # gloo closes a pair whose wait timed out before that rank writes its stall text, so the check
+        # above can come too early; the text is written before the state is, so now it is there.
+        with contextlib.suppress(Exception):
+            if store.check([stalled]):
+                return StallError(store.get(stalled).decode())
     if not answers and _inspector is not None:
         _inspector.stopping.set()  # nothing left to publish to, at exit either
     head = f"rank {progress.rank} could not finish {what} at step {progress.step}: "

@@ -68,6 +68,32 @@ def test_a_peer_killed_on_another_host_is_named_once_its_position_is_older_than_
     assert time.monotonic() - start < 8 * 0.05 + 0.5
 
 
+class LateStallStore(Store):
+    """The peer's gloo closed the link when its wait timed out, and its stall text lands just after."""
+
+    def __init__(self, positions, text):
+        super().__init__(positions)
+        self.text, self.stall_checks = text, 0
+
+    def check(self, keys):
+        if any(k.rsplit("/", 2)[-2] == "stall" for k in keys):
+            self.stall_checks += 1
+            return self.stall_checks > 1
+        return super().check(keys)
+
+    def get(self, key):
+        return self.text if key.rsplit("/", 2)[-2] == "stall" else super().get(key)
+
+
+def test_a_link_closed_by_a_peer_whose_wait_timed_out_raises_that_peers_stall_error_written_just_after():
+    text = b"ranks 0, 1 waited more than 3 s at step 3 for pack 1/1 (the same text on every rank)"
+    position = json.loads(_position(1, 3, "before backward", pid=None))
+    store = LateStallStore({1: json.dumps(dict(position, state="crashed (StallError)")).encode()}, text)
+    error = stalls.translate(_survivor(), 5, "pack 1/1 of the gradient all-reduce", LOST, store=store)
+    assert isinstance(error, stalls.StallError), error
+    assert str(error) == text.decode()
+
+
 def test_a_failure_that_is_not_a_lost_link_is_kept_after_a_short_wait_for_parting_words(monkeypatch):
     monkeypatch.setattr(stalls, "TICK", 0.05)
     store = Store({1: _position(1, 3, "backward", host="node7", pid=4242, space="node7/other")})
