@@ -6,7 +6,6 @@ import json
 import re
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
 from typing import Dict, List, Optional
@@ -81,13 +80,26 @@ def test_single_process_without_process_group(tmp_path: Path) -> None:
     assert "no process group" in proc.stdout
 
 
-def test_under_torchrun(tmp_path: Path) -> None:
-    proc = _run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         str(SCRIPT), "--epochs", "1", "--optimizer", "sgd"],
-        tmp_path,
-    )
-    _check_one_epoch(proc, ranks=2, optimizer="sgd")
+TORCHRUN_SGD = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                str(SCRIPT), "--epochs", "4", "--optimizer", "sgd"]
+
+
+@pytest.fixture(scope="module")
+def torchrun_sgd_run(tmp_path_factory: pytest.TempPathFactory) -> subprocess.CompletedProcess:
+    """The example under torchrun, uninterrupted: checked on its own, and the result a killed run must reach."""
+    import os
+
+    return _run(TORCHRUN_SGD, tmp_path_factory.mktemp("torchrun"), dict(os.environ, PYTHONPATH=str(ROOT)))
+
+
+def test_under_torchrun(torchrun_sgd_run: subprocess.CompletedProcess) -> None:
+    proc = torchrun_sgd_run
+    assert proc.returncode == 0, f"exit code {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
+    lines = EPOCH_LINE.findall(proc.stdout)
+    assert [(epoch, epochs) for epoch, epochs, _, _ in lines] == [(str(e), "4") for e in range(1, 5)], proc.stdout
+    assert float(lines[0][3]) >= MIN_ONE_EPOCH_ACCURACY["sgd"], proc.stdout
+    assert float(lines[-1][2]) < float(lines[0][2]), proc.stdout  # the loss falls over the epochs
+    assert "2 rank(s)" in proc.stdout and "bitwise identical" in proc.stdout
 
 
 def _load_example() -> ModuleType:
@@ -134,7 +146,8 @@ def _final_line(out: str) -> str:
 
 
 @pytest.mark.timeout(300)
-def test_a_worker_killed_mid_training_restarts_and_resumes_to_the_same_result(tmp_path: Path) -> None:
+def test_a_worker_killed_mid_training_restarts_and_resumes_to_the_same_result(
+        tmp_path: Path, torchrun_sgd_run: subprocess.CompletedProcess) -> None:
     """torchrun --max-restarts 1: a worker killed after an epoch's checkpoint resumes from it, and the
     job ends with the final accuracy of an uninterrupted run."""
     import os
@@ -144,12 +157,7 @@ def test_a_worker_killed_mid_training_restarts_and_resumes_to_the_same_result(tm
     import psutil
 
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "--max-restarts", "1", str(SCRIPT), "--epochs", "4", "--optimizer", "sgd"]
-    # The uninterrupted run goes on beside the killed one: most of either is process start-up.
-    (tmp_path / "plain").mkdir()
-    baseline = ThreadPoolExecutor(1)
-    plain_run = baseline.submit(_run, command, tmp_path / "plain", env)
+    command = TORCHRUN_SGD[:6] + ["--max-restarts", "1"] + TORCHRUN_SGD[6:]
     ckpt = tmp_path / "ckpt"
     proc = subprocess.Popen(command + ["--checkpoint-dir", str(ckpt)], cwd=tmp_path, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=open(tmp_path / "stderr.log", "w"), start_new_session=True)
@@ -176,8 +184,7 @@ def test_a_worker_killed_mid_training_restarts_and_resumes_to_the_same_result(tm
         if proc.poll() is None:
             kill_tree(proc.pid)
             proc.wait()
-        baseline.shutdown()  # it ends by its own timeout at the latest, its tree killed
-    plain = plain_run.result()
+    plain = torchrun_sgd_run
     assert plain.returncode == 0, plain.stdout + plain.stderr
     text = "".join(out)
     assert killed and proc.returncode == 0, text

@@ -75,8 +75,9 @@ HOW_TOLD = {
 }
 INITS = ("distopt", "plain")
 # A metric's stall is named by the stall inspector, which sees the group the same way whoever made
-# it; the finish and crash cases check both kinds of group. Each job is three fresh interpreters.
-JOBS = [(how, init) for how in HOW_TOLD for init in INITS if (how, init) != ("metric", "plain")]
+# it; a peer's parting words are read alike whether it finished or crashed, so the group made by a plain
+# init_process_group is checked with one of them. Each job is three fresh interpreters.
+JOBS = [(how, init) for how in HOW_TOLD for init in INITS if init == "distopt" or how == "finish"]
 
 
 @pytest.fixture(scope="module")
