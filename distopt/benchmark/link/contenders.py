@@ -237,9 +237,9 @@ DISTOPT_SPECS: Tuple[DistoptSpec, ...] = (
                 more=(("sync_fragments", 4), ("sync_overlap", 2), ("sync_mixing", 0.5))),
     DistoptSpec(f"stream{STREAM_PERIOD}", sync_every=STREAM_PERIOD, diloco=True, baseline=f"diloco{STREAM_PERIOD}",
                 more=(("sync_fragments", 4), ("sync_overlap", 2), ("sync_mixing", 0.5))),
-    # Two and four times the period: a half and a quarter of the bytes and arithmetic per step, for models
-    # whose step is short for their size (the mlp). Streaming DiLoCo's paper trains with H = 100.
-    *(spec for h in (2 * STREAM_PERIOD, 4 * STREAM_PERIOD) for spec in (
+    # Two, four and eight times the period: a half, a quarter and an eighth of the bytes and arithmetic per
+    # step, for models whose step is short for their size (the mlp). Streaming DiLoCo's paper trains with H = 100.
+    *(spec for h in (2 * STREAM_PERIOD, 4 * STREAM_PERIOD, 8 * STREAM_PERIOD) for spec in (
         DistoptSpec(f"diloco{h}", sync_every=h, diloco=True),
         DistoptSpec(f"stream{h}-int4", "int4", sync_every=h, diloco=True, baseline=f"diloco{h}",
                     more=(("sync_fragments", 4), ("sync_overlap", 2), ("sync_mixing", 0.5))))),
