@@ -1,8 +1,9 @@
-"""The main job, examples/train_digits.py, run for one short epoch as users run it."""
+"""The main job, examples/train_digits.py, run for a few short epochs as users run it."""
 from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import subprocess
 import sys
@@ -87,8 +88,6 @@ TORCHRUN_SGD = [sys.executable, "-m", "torch.distributed.run", "--standalone", "
 @pytest.fixture(scope="module")
 def torchrun_sgd_run(tmp_path_factory: pytest.TempPathFactory) -> subprocess.CompletedProcess:
     """The example under torchrun, uninterrupted: checked on its own, and the result a killed run must reach."""
-    import os
-
     return _run(TORCHRUN_SGD, tmp_path_factory.mktemp("torchrun"), dict(os.environ, PYTHONPATH=str(ROOT)))
 
 
@@ -150,7 +149,6 @@ def test_a_worker_killed_mid_training_restarts_and_resumes_to_the_same_result(
         tmp_path: Path, torchrun_sgd_run: subprocess.CompletedProcess) -> None:
     """torchrun --max-restarts 1: a worker killed after an epoch's checkpoint resumes from it, and the
     job ends with the final accuracy of an uninterrupted run."""
-    import os
     import signal
     import time
 
