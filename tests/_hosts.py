@@ -1,9 +1,9 @@
-"""Two real network hosts on one box, for the tests that need them (a fixture and how to start a process on one).
+"""Two real network hosts on one box, for the tests that need them (how to build them and start a process on one).
 
 Network namespaces joined by a veth pair, each with its own address and its own host name
-(a UTS namespace), and no /etc/hosts entry for either name. The fixture builds them and
+(a UTS namespace), and no /etc/hosts entry for either name. :func:`network_hosts` builds them and
 removes them afterwards, also when a test fails; where they cannot be built (not root, no
-``ip``), the tests skip and say why.
+``ip``), it raises :class:`HostsUnavailable`, whose message the tests skip with.
 """
 import contextlib
 import os
@@ -14,11 +14,9 @@ import uuid
 from pathlib import Path
 from typing import Iterator, List, Tuple
 
-import pytest
-
 from distopt._testing import kill_tree
 
-__all__ = ["two_hosts", "network_hosts", "HostsUnavailable", "start_on", "finish", "ip", "SUBNET"]
+__all__ = ["network_hosts", "HostsUnavailable", "start_on", "finish", "ip", "SUBNET"]
 
 ROOT = Path(__file__).resolve().parents[1]
 SUBNET = "10.231.77"
@@ -67,16 +65,6 @@ def network_hosts() -> Iterator[List[Tuple[str, str, str]]]:
     finally:
         for ns in made:  # deleting a namespace removes its end of the veth pair, and so the pair
             ip("netns", "del", ns, check=False)
-
-
-@pytest.fixture
-def two_hosts():
-    """:func:`network_hosts` for one test; the test skips, with the reason, where they cannot be built."""
-    try:
-        with network_hosts() as hosts:
-            yield hosts
-    except HostsUnavailable as exc:
-        pytest.skip(str(exc))
 
 
 def start_on(ns, host, *args, env=None):
