@@ -936,8 +936,8 @@ class GradientEngine:
         with self.lock:
             if exchange.arrived or not exchange.staged():
                 return
-            staged = [sent for sent in exchange.sent if sent.codec is not None and not sent.last]
-            travelling = [sent for sent in exchange.sent if sent.codec is None or sent.last]
+            staged = [sent for sent in exchange.sent if sent.staged]
+            travelling = [sent for sent in exchange.sent if not sent.staged]
             round_state = (self.inflight, self._phase)
             self.inflight, self._phase = staged, Phase.EXCHANGE
             try:

@@ -59,7 +59,7 @@ class PartialExchange:
 
     def staged(self) -> bool:
         """Whether a codec of it may still issue collectives (a compressor's later stages)."""
-        return any(sent.codec is not None and not sent.last for sent in self.sent)
+        return any(sent.staged for sent in self.sent)
 
     def nbytes(self) -> int:
         """Bytes of the values it carries (not counting flags)."""

@@ -49,6 +49,11 @@ class Sent(NamedTuple):
     codec: Optional[Iterator[Collective]] = None  # a compressed pack's codec, resumed when ``work`` is back
     last: bool = False  # ``work`` is the codec's last collective: resuming it only finishes it
 
+    @property
+    def staged(self) -> bool:
+        """Whether its codec has a later stage to issue once ``work`` is back."""
+        return self.codec is not None and not self.last
+
 
 def sums_by_gather(nbytes: int, world: int, device: torch.device, limit: int = GATHER_SUM_MAX_BYTES) -> bool:
     """Whether a sum of ``nbytes`` over ``world`` ranks is cheaper as an all-gather and a local sum (pure).
