@@ -26,6 +26,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from .feedback import Key, keyed_state, load_keyed_state
 from .protocol import AllReduce, Codec, Collective, Compressor, PackLayout, Round
 
 __all__ = ["PowerSGD"]
@@ -85,10 +86,10 @@ class PowerSGD(Compressor):
         self.error_feedback = error_feedback
         self.warm_start = warm_start
         # Keyed by (exchange, parameter index): gradients and a mode's exchanges keep theirs apart.
-        self.residuals: Dict[Tuple[bool, int], Tensor] = {}
+        self.residuals: Dict[Key, Tensor] = {}
         # Q is kept transposed (rank x cols): both of a step's products with M then read M row
         # by row, 5-7x faster on CPU than Mᵀ P.
-        self.qs: Dict[Tuple[bool, int], Tensor] = {}
+        self.qs: Dict[Key, Tensor] = {}
 
     def __repr__(self) -> str:
         return f"PowerSGD(rank={self.rank}, start_step={self.start_step})"
@@ -134,26 +135,14 @@ class PowerSGD(Compressor):
         return torch.randn(self.rank, cols, generator=gen, dtype=torch.float32).to(like.device, like.dtype)
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"residuals": {_key(k): v.clone() for k, v in self.residuals.items()},
-                "qs": {_key(k): v.clone() for k, v in self.qs.items()}}
+        return {"residuals": keyed_state(self.residuals), "qs": keyed_state(self.qs)}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         unknown = set(state_dict) - {"residuals", "qs"}
         if unknown:
             raise ValueError(f"not a PowerSGD state: unexpected keys {sorted(unknown)}")
-        self.residuals = {_unkey(k): v.clone() for k, v in state_dict.get("residuals", {}).items()}
-        self.qs = {_unkey(k): v.clone() for k, v in state_dict.get("qs", {}).items()}
-
-
-def _key(key: Tuple[bool, int]) -> str:
-    return f"{'exchange' if key[0] else 'grad'}:{key[1]}"
-
-
-def _unkey(text: str) -> Tuple[bool, int]:
-    kind, _, index = text.partition(":")
-    if kind not in ("exchange", "grad") or not index.isdigit():
-        raise ValueError(f"not a PowerSGD state key: {text!r}")
-    return kind == "exchange", int(index)
+        self.residuals = load_keyed_state(state_dict.get("residuals", {}), "PowerSGD")
+        self.qs = load_keyed_state(state_dict.get("qs", {}), "PowerSGD")
 
 
 class _PowerSGDCodec(Codec):

@@ -41,6 +41,7 @@ from typing import Any, Dict, Iterator, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
+from .feedback import Key, PackResiduals, keyed_state, load_residuals
 from .protocol import AllGather, AllToAll, Codec, Collective, Compressor, PackLayout, Round
 
 __all__ = ["Quantize", "quantize_blocks", "dequantize_blocks"]
@@ -136,7 +137,7 @@ class Quantize(Compressor):
         self.block_size = block_size
         self.name = f"int{bits}"
         # (exchange, parameter index) -> its residual: a view of its pack's padded residual buffer.
-        self.residuals: Dict[Tuple[bool, int], Tensor] = {}
+        self.residuals: Dict[Key, Tensor] = {}
         self.loads = 0  # load_state_dict() calls: codecs rebuild their buffers from the loaded residuals
 
     def __repr__(self) -> str:
@@ -154,20 +155,10 @@ class Quantize(Compressor):
         return (self.bits / 8 + 4 / self.block_size) / torch.empty(0, dtype=dtype).element_size()
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"residuals": {f"{'exchange' if k[0] else 'grad'}:{k[1]}": v.clone()
-                              for k, v in self.residuals.items()}}
+        return {"residuals": keyed_state(self.residuals)}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        unknown = set(state_dict) - {"residuals"}
-        if unknown:
-            raise ValueError(f"not a Quantize state: unexpected keys {sorted(unknown)}")
-        residuals = {}
-        for text, value in state_dict.get("residuals", {}).items():
-            kind, _, index = text.partition(":")
-            if kind not in ("exchange", "grad") or not index.isdigit():
-                raise ValueError(f"not a Quantize state key: {text!r}")
-            residuals[(kind == "exchange", int(index))] = value.clone()
-        self.residuals = residuals
+        self.residuals = load_residuals(state_dict, "Quantize")
         self.loads += 1
 
 
@@ -175,30 +166,8 @@ class _QuantizeCodec(Codec):
     def __init__(self, owner: Quantize, layout: PackLayout) -> None:
         self.owner = owner
         self.layout = layout
-        self.buffers: Dict[bool, Tensor] = {}  # per kind (exchange or not): the pack's padded residual
-        self.loads = owner.loads
+        self.residuals = PackResiduals(layout, owner)
         self.scratch: Union[_Scratch, _GatherScratch, None] = None  # the buffers of one reduction, kept for the next
-
-    def _residual(self, exchange: bool, padded: int, device: torch.device) -> Tensor:
-        """The pack's residual, padded; its members' residuals are views of it (and taken over from
-        earlier packs, a loaded state, or this pack's buffer for another number of ranks, so a
-        re-plan, a resume or a change of the world under fault tolerance keeps them)."""
-        owner = self.owner
-        if self.loads != owner.loads:
-            self.buffers.clear()
-            self.loads = owner.loads
-        buffer = self.buffers.get(exchange)
-        if buffer is not None and buffer.numel() == padded:
-            return buffer
-        # The padding's share is dropped with a buffer of another size: it holds errors of values no rank reads.
-        buffer = self.buffers[exchange] = torch.zeros(padded, dtype=torch.float32, device=device)
-        for index, shape, offset in zip(self.layout.members, self.layout.shapes, self.layout.offsets):
-            view = buffer[offset:offset + shape.numel()].view(shape)
-            old = owner.residuals.get((exchange, index))
-            if old is not None:
-                view.copy_(old)
-            owner.residuals[(exchange, index)] = view
-        return buffer
 
     def reduce(self, data: Tensor, round: Round) -> Iterator[Collective]:
         if round.world_size <= 2:
@@ -207,7 +176,7 @@ class _QuantizeCodec(Codec):
 
     def _values(self, data: Tensor, round: Round, padded: int) -> Tuple[Tensor, Tensor]:
         """``(values to quantise, this rank's residual)``: the residual plus ``data``, or a joined rank's zeros."""
-        residual = self._residual(round.exchange, padded, data.device)
+        residual = self.residuals.buffer(round.exchange, padded, data.device)
         if not round.contributing:  # a joined rank sends zeros and keeps its residual for later
             return torch.zeros(padded, dtype=torch.float32, device=data.device), residual
         residual[:data.numel()].add_(data)

@@ -122,6 +122,6 @@ def test_quantize_keeps_the_members_residuals_when_the_number_of_ranks_changes()
     _run_alone(codec.reduce(data.clone(), Round(rank=0, world_size=1, step=0)))
     kept = compressor.residuals[(False, 0)].clone()
     padded = -(-35 // (2 * 8)) * 8 * 2  # the codec's layout for 2 ranks: whole blocks per rank's chunk
-    residual = codec._residual(False, padded=padded, device=torch.device("cpu"))
+    residual = codec.residuals.buffer(False, padded=padded, device=torch.device("cpu"))
     assert residual.numel() == 48 and torch.equal(compressor.residuals[(False, 0)], kept)
     assert compressor.residuals[(False, 0)].data_ptr() == residual.data_ptr()  # a view of the new buffer
