@@ -11,6 +11,7 @@ name       object                                          bytes sent, against f
 ``int8``   ``Quantize(bits=8)``, error feedback             about 1/4
 ``int4``   ``Quantize(bits=4)``, error feedback             about 1/8
 ``powersgd`` ``PowerSGD(rank=4)``, error feedback, warm start r (n + m) / (n m) per matrix
+``topk``   ``TopK(group_size=64)``, error feedback           3/256: one value (bf16) and its position in 64
 ========== =============================================== ================================
 """
 from __future__ import annotations
@@ -23,9 +24,10 @@ from .casts import Cast
 from .powersgd import PowerSGD
 from .protocol import AllGather, AllReduce, AllToAll, Codec, Collective, Compressor, PackLayout, Round
 from .quantize import Quantize
+from .topk import TopK
 
 __all__ = ["Compressor", "Codec", "PackLayout", "Round", "AllReduce", "AllGather", "AllToAll", "Collective",
-           "Cast", "PowerSGD", "Quantize", "NAMES", "resolve"]
+           "Cast", "PowerSGD", "Quantize", "TopK", "NAMES", "resolve"]
 
 #: The names ``compression=`` accepts, and what each builds.
 NAMES = {
@@ -34,6 +36,7 @@ NAMES = {
     "int8": lambda: Quantize(bits=8),
     "int4": lambda: Quantize(bits=4),
     "powersgd": lambda: PowerSGD(),
+    "topk": lambda: TopK(),
 }
 
 

@@ -127,11 +127,11 @@ class DistributedOptimizer(InnerOptimizerSurface):
         process_group: the group to average over (default: the default group).
         root_rank: rank within ``process_group`` that broadcasts (default: ``0``).
         compression: how float packs travel: a :class:`distopt.compression.Compressor`
-            (``PowerSGD(rank=4)``, ``Quantize(bits=8)``, ``Cast(torch.float16)``, or your
-            own) or its name: ``"fp16"``, ``"bf16"``, ``"int8"``, ``"int4"``,
-            ``"powersgd"``. Error feedback keeps what a compressor left out for the next
-            step; that state is this rank's own and goes into ``state_dict()``. In local
-            SGD the pseudo-gradients are compressed. None sends values as they are
+            (``PowerSGD(rank=4)``, ``Quantize(bits=8)``, ``TopK(group_size=64)``,
+            ``Cast(torch.float16)``, or your own) or its name: ``"fp16"``, ``"bf16"``,
+            ``"int8"``, ``"int4"``, ``"powersgd"``, ``"topk"``. Error feedback keeps what a
+            compressor left out for the next step; that state is this rank's own and goes
+            into ``state_dict()``. In local SGD the pseudo-gradients are compressed. None sends values as they are
             (default: None).
         sparse_as_dense: turn sparse gradients dense instead of raising (default: False).
         stall_warning: seconds a rank waits for the others in one of the wrapper's

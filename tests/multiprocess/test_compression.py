@@ -17,7 +17,7 @@ from torch import nn
 
 import distopt
 from distopt import DistributedOptimizer
-from distopt.compression import AllReduce, Codec, Compressor, PowerSGD, Quantize
+from distopt.compression import AllReduce, Codec, Compressor, PowerSGD, Quantize, TopK
 from distopt.planning.link import AUTO_MAX, AUTO_MIN
 
 from _worlds import Worlds
@@ -50,7 +50,8 @@ def same_on_every_rank(tensor):
 
 def compressor(name):
     return {"powersgd": lambda: PowerSGD(rank=2), "int8": lambda: Quantize(bits=8, block_size=64),
-            "int4": lambda: Quantize(bits=4, block_size=64), "none": lambda: None}[name]()
+            "int4": lambda: Quantize(bits=4, block_size=64), "topk": lambda: TopK(group_size=16),
+            "none": lambda: None}[name]()
 
 
 def train(model, opt, steps, first=0, clip=False, sleep=None):
@@ -241,6 +242,12 @@ for _name in ("powersgd", "int8"):
     CASES[f"jitter {_name}"] = (2, jitter_check, (_name,))
 CASES["resume int8 local"] = (2, resume_check, ("int8", 3))
 CASES["join int8 local"] = (2, join_check, ("int8", 3))
+# TopK is meant for local SGD's pseudo-gradients; its overflow and timing cases are a gradient round's.
+CASES["trains topk local"] = (2, trains_check, ("topk", 4))
+CASES["resume topk local"] = (2, resume_check, ("topk", 3))
+CASES["join topk local"] = (2, join_check, ("topk", 3))
+CASES["overflow topk"] = (2, overflow_check, ("topk",))
+CASES["jitter topk, 3 ranks"] = (3, jitter_check, ("topk",))
 # Three ranks: int8's two stages (an all-to-all, then an all-gather of the chunks' sums; two ranks send
 # their whole packs in one all-gather), with one rank's timing at random, and with a rank that joins.
 CASES["jitter int8, 3 ranks"] = (3, jitter_check, ("int8",))
@@ -256,8 +263,8 @@ results = WORLDS.results
 # ---------------------------------------------------------------------- the tests
 
 
-@pytest.mark.parametrize("name", ["powersgd", "int8", "int4"])
-@pytest.mark.parametrize("local", [False, True], ids=["synchronous", "local SGD H=4"])
+@pytest.mark.parametrize("name, local", [(name, local) for name in ("powersgd", "int8", "int4")
+                                         for local in (False, True)] + [("topk", True)])
 def test_compressed_training_keeps_the_ranks_bitwise_identical_and_learns_like_uncompressed(
         name, local, no_leftover_processes):
     for r in results(f"trains {name}{' local' if local else ''}"):
@@ -267,16 +274,18 @@ def test_compressed_training_keeps_the_ranks_bitwise_identical_and_learns_like_u
         else:
             assert all(identical), identical
         late, ref_late = sum(r["losses"][-5:]) / 5, sum(r["ref_losses"][-5:]) / 5
-        assert late < 0.35 * r["losses"][0], r["losses"]
+        # TopK sends one value in 16 of each pseudo-gradient; the rest waits in the residuals, so after
+        # 7 syncs it has come about half as far (a measured run: 14.5 to 5.8, uncompressed to 1.2).
+        assert late < (0.5 if name == "topk" else 0.35) * r["losses"][0], r["losses"]
         # 8 and 4 bits follow the uncompressed run closely. Rank-2 factors of 64 x 64 matrices trail
         # it after 30 steps, most of all for local SGD's pseudo-gradients (4 steps' worth each, of
         # higher rank); there int8 or int4 is the compressor to use (docs/modes.md).
-        assert late < (4.0 if name == "powersgd" else 1.25) * ref_late, (late, ref_late)
+        assert late < {"powersgd": 4.0, "topk": 6.0}.get(name, 1.25) * ref_late, (late, ref_late)
         if not local:
             assert r["compressed_bytes"] < r["plain_bytes"] / 2, (r["compressed_bytes"], r["plain_bytes"])
 
 
-@pytest.mark.parametrize("case", ["resume powersgd", "resume int8", "resume int8 local"])
+@pytest.mark.parametrize("case", ["resume powersgd", "resume int8", "resume int8 local", "resume topk local"])
 def test_a_checkpoint_with_the_residuals_resumes_bitwise(case, no_leftover_processes):
     for r in results(case):
         assert r == {"bitwise": True, "has_state": True}
@@ -288,7 +297,8 @@ def test_shard_state_trains_bitwise_like_unsharded_with_the_same_compressor(name
         assert r == {"bitwise": True, "identical": True}
 
 
-@pytest.mark.parametrize("case", ["join powersgd", "join int8", "join int8 local", "join int8, 3 ranks"])
+@pytest.mark.parametrize("case", ["join powersgd", "join int8", "join int8 local", "join int8, 3 ranks",
+                                  "join topk local"])
 def test_join_with_a_compressor_ends_with_every_rank_identical(case, no_leftover_processes):
     for r in results(case):
         assert r == {"identical": True, "finite": True}
@@ -300,14 +310,14 @@ def test_accumulated_passes_are_compressed_once_and_stay_identical(name, no_left
         assert all(identical), identical
 
 
-@pytest.mark.parametrize("name", ["powersgd", "int8"])
+@pytest.mark.parametrize("name", ["powersgd", "int8", "topk"])
 def test_an_overflow_on_one_rank_skips_the_step_on_every_rank_and_training_goes_on(name, no_leftover_processes):
     for r in results(f"overflow {name}"):
         assert r["scales"][3] == r["scales"][2] / 2  # GradScaler backed off: the step was skipped
         assert all(r["identical"]) and r["finite"]
 
 
-@pytest.mark.parametrize("name", ["powersgd", "int8", "int8, 3 ranks"])
+@pytest.mark.parametrize("name", ["powersgd", "int8", "int8, 3 ranks", "topk, 3 ranks"])
 def test_collectives_pair_up_whatever_the_timing_of_one_ranks_backward(name, no_leftover_processes):
     for identical in results(f"jitter {name}"):
         assert all(identical), identical

@@ -8,6 +8,9 @@ the same model as a single-process reference on the whole batch, in float64 so
 that only summation order can differ, in every mode: the default plan (a 1 MiB
 weight travels direct, the rest packed), everything in one pack, sharded
 optimizer state, local SGD, and a model split between the CPU and the GPU.
+Every compressor's codec also runs on CUDA tensors in a simulated world (no
+processes), against the same codec on the CPU, and streaming DiLoCo with
+compressed exchanges trains two ranks of a GPU model over gloo.
 """
 import pytest
 import torch
@@ -16,6 +19,9 @@ from torch import nn
 
 from distopt import DistributedOptimizer
 from distopt._testing import run_world
+from distopt.compression import PowerSGD, Quantize, TopK
+
+from _codec_world import layout_of, simulate
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2,
@@ -141,3 +147,64 @@ def test_a_model_split_between_cpu_and_gpu_gets_one_pack_per_device():
 @needs_two_gpus
 def test_two_ranks_on_two_gpus_train_like_single_process_over_nccl():
     _check(run_world(train_every_mode, 2, backend="nccl", timeout=240), lambda rank: [f"cuda:{rank}"])
+
+
+@needs_cuda
+@pytest.mark.parametrize("make", [lambda: Quantize(bits=8), lambda: Quantize(bits=4), lambda: TopK(),
+                                  lambda: PowerSGD(rank=2)], ids=["int8", "int4", "topk", "powersgd"])
+@pytest.mark.parametrize("world", [2, 3])
+def test_every_codec_sums_cuda_tensors_alike_on_every_rank_and_like_on_the_cpu(make, world):
+    results = {}
+    for device in ("cpu", "cuda"):
+        layout = layout_of([(96, 64), (64,), (33, 7)], device=device)
+        gen = torch.Generator().manual_seed(world)
+        compressors = [make() for _ in range(world)]
+        codecs = [c.codec(layout) for c in compressors]
+        for _ in range(3):  # three rounds, so that the residuals take part
+            datas = [torch.randn(layout.numel, generator=gen).to(device) for _ in range(world)]
+            simulate(codecs, datas)
+            assert all(torch.equal(d, datas[0]) for d in datas), device
+        results[device] = datas[0].cpu()
+    # The same arithmetic on both, elementwise and in the same order; but where the devices' last bits
+    # differ (a division, a fused multiply-add, PowerSGD's products) a value at a rounding boundary
+    # takes the neighbouring code, and its residual differs from then on: a few values, not many.
+    differ = ~torch.isclose(results["cuda"], results["cpu"], rtol=1e-4, atol=1e-5)
+    assert differ.float().mean().item() <= 0.01, differ.sum().item()
+
+
+def train_streaming(compression: str, device_type: str) -> dict:
+    """Streaming DiLoCo with compressed exchanges on a model on ``device_type``: whether the last-sync
+    copies are alike on every rank, the parameters it ends with, and how far they moved."""
+    rank = dist.get_rank()
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    torch.manual_seed(rank)
+    model = Net(device, device)
+    opt = DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3), sync_every=4, sync_fragments=2,
+                               sync_overlap=1, sync_mixing=0.5, compression=compression,
+                               outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True))
+    start = [p.detach().cpu().clone() for p in model.parameters()]  # after the construction broadcast
+    for step in range(12):
+        x, y = _data(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x.to(device)), y.to(device)).backward()
+        opt.step()
+    anchors = [a.detach().cpu() for a in opt.state_dict()["distopt_local_sgd"]["anchors"] if a is not None]
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, anchors)
+    opt.close()
+    params = [p.detach().cpu() for p in model.parameters()]
+    return {"alike": all(torch.equal(a, b) for theirs in everyone for a, b in zip(theirs, anchors)),
+            "params": params, "moved": max((a - b).norm().item() for a, b in zip(params, start))}
+
+
+@needs_cuda
+@pytest.mark.parametrize("compression", ["int4", "topk"])
+def test_streaming_diloco_with_compressed_exchanges_trains_gpu_ranks_as_on_the_cpu(compression):
+    gpu = run_world(train_streaming, 2, compression, "cuda", backend="gloo", timeout=240)
+    cpu = run_world(train_streaming, 2, compression, "cpu", backend="gloo", timeout=240)
+    for on_gpu, on_cpu in zip(gpu, cpu):
+        assert on_gpu["alike"] and on_cpu["alike"]
+        # The same run but for the devices' last bits (and a code or a choice they flip): a small part
+        # of the way the parameters came.
+        apart = max((a - b).norm().item() for a, b in zip(on_gpu["params"], on_cpu["params"]))
+        assert apart < 0.05 * on_cpu["moved"], (apart, on_cpu["moved"])

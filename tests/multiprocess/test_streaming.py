@@ -353,6 +353,7 @@ CASES = {
     "uncompressed": (2, train_against_simulation, (STEPS, 4, 2, 2), {"outer": "nesterov"}),
     "fp16": (2, train_against_simulation, (STEPS, 4, 2, 2), {"outer": "nesterov", "compression": "fp16"}),
     "int8": (2, train_against_simulation, (STEPS, 4, 2, 2), {"outer": "nesterov", "compression": "int8"}),
+    "topk": (2, train_against_simulation, (STEPS, 4, 2, 2), {"outer": "nesterov", "compression": "topk"}),
     "bytes": (2, bytes_per_step, (12, 4, 4, 1), {}),
     "join, a fragment in flight": (2, train_uneven, ([6, 11], 4, 2, 1), {"inner": "momentum"}),
     "join diloco mixing, root last": (2, train_uneven, ([11, 5], 4, 2, 2), {"outer": "nesterov", "mixing": 0.5}),
@@ -363,6 +364,7 @@ CASES = {
                                                                                "compression": "int4"}),
     # at three ranks an all-to-all then an all-gather: one that has joined shadows both stages of each in turn
     "join int4, 3 ranks": (3, train_uneven, ([5, 9, 7], 4, 4, 2), {"outer": "nesterov", "compression": "int4"}),
+    "join topk, 3 ranks": (3, train_uneven, ([5, 9, 7], 4, 4, 2), {"outer": "nesterov", "compression": "topk"}),
     "checkpoint": (2, checkpoint_in_flight, (12, 6), {}),
     "settings differ": (2, fragments_differ, (), {}),
     "plain F=2 tau=1, world 3": (3, train_against_simulation, (10, 4, 2, 1), {"mixing": 0.25}),
@@ -402,18 +404,23 @@ def test_streaming_follows_the_simulation_and_keeps_the_last_sync_copies_identic
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", ["fp16", "int8"])
+@pytest.mark.parametrize("name", ["fp16", "int8", "topk"])
 def test_compressed_streaming_trains_like_the_uncompressed_run(name, no_leftover_processes):
     plain = results("uncompressed")
     for r, u in zip(results(name), plain):
         assert all(r["anchors_identical"])
-        assert 0 < max_diff(r["params"], u["params"]) < 2e-2
+        # Top-k sends one value in 64 of a fragment's pseudo-gradient a sync and the rest later: after
+        # 14 steps (3 syncs of each fragment) this model's parameters were 0.088 from the uncompressed
+        # run's, against under 0.02 for fp16 and int8.
+        assert 0 < max_diff(r["params"], u["params"]) < (0.15 if name == "topk" else 2e-2)
         launched = [t for t in range(len(u["bytes"])) if u["bytes"][t]]
+        # fp16 all-reduces its packs; int8 at two ranks and top-k send one all-gather as the fragment is
+        # sent: in either case bytes travel at the launches only.
+        assert [t for t in range(len(r["bytes"])) if r["bytes"][t]] == launched
         if name == "fp16":
             assert sum(r["bytes"]) < sum(u["bytes"]) * 0.6
-            assert [t for t in range(len(r["bytes"])) if r["bytes"][t]] == launched
-        else:  # at two ranks one all-gather, as the fragment is sent: nothing travels in the steps between
-            assert [t for t in range(len(r["bytes"])) if r["bytes"][t]] == launched
+        elif name == "topk":  # 3 bytes per 64 values, and the flags, which dominate packs of 256 bytes
+            assert sum(r["bytes"]) < sum(u["bytes"]) * 0.35
 
 
 @pytest.mark.timeout(300)
@@ -433,7 +440,7 @@ def test_join_with_fragments_in_flight_ends_identical_and_follows_the_protocol(n
     compressed = "compression" in CASES[name][3]
     for r in results(name):
         assert r["identical"], r
-        assert r["diff"] < (5e-2 if compressed else TOL), r
+        assert r["diff"] < ({"topk": 0.1}.get(CASES[name][3].get("compression"), 5e-2) if compressed else TOL), r
         assert r["steps"] == max(counts)
         assert r["anchors_are_params"] == 0.0 and r["pending"] == 0
 

@@ -1,69 +1,30 @@
-"""Compressors without processes: each codec runs for a simulated world of ranks in one process.
-
-:func:`simulate` drives one codec generator per rank and carries out each collective they
-yield in plain Python, checking that every rank asks for the same collective of the same
-size at the same point, the way the engine's fixed plan requires.
+"""Compressors without processes: each codec runs for a simulated world of ranks in one process
+(:func:`_codec_world.simulate`, which checks that every rank asks for the same collective of the same
+size at the same point, the way the engine's fixed plan requires).
 """
-import math
-
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from distopt.compression import (AllGather, AllReduce, AllToAll, Cast, Compressor, PackLayout, PowerSGD, Quantize,
-                                 Round, resolve)
+from distopt.compression import AllReduce, Cast, Compressor, PowerSGD, Quantize, TopK, resolve
 from distopt.compression.quantize import dequantize_blocks, quantize_blocks
+from distopt.compression.topk import select_largest
 from distopt.engine.partial import PartialExchange
 from distopt.engine.rounds import Sent
 
-
-def layout_of(shapes, members=None):
-    offsets, at = [], 0
-    for shape in shapes:
-        offsets.append(at)
-        at += math.prod(shape)
-    members = tuple(range(len(shapes))) if members is None else tuple(members)
-    return PackLayout(members=members, names=tuple(f"p{i}" for i in members),
-                      shapes=tuple(torch.Size(s) for s in shapes), offsets=tuple(offsets), numel=at,
-                      dtype=torch.float32, device=torch.device("cpu"))
+from _codec_world import layout_of, simulate
 
 
-def simulate(codecs, datas, step=0, contributing=None, exchange=False):
-    """Run one round of ``codecs[r]`` on ``datas[r]`` for every rank r; return the collectives' kinds and sizes."""
-    world = len(codecs)
-    contributing = contributing or [True] * world
-    gens = [c.reduce(d, Round(rank=r, world_size=world, step=step, contributing=contributing[r], exchange=exchange))
-            for r, (c, d) in enumerate(zip(codecs, datas))]
-    asked = [next(g, None) for g in gens]
-    trace = []
-    while asked[0] is not None:
-        kinds = {(type(a).__name__, a.tensor.numel(), a.tensor.dtype) for a in asked}
-        assert len(kinds) == 1, f"the ranks asked for different collectives: {kinds}"
-        trace.append(kinds.pop()[:2])
-        first = asked[0]
-        if isinstance(first, AllReduce):
-            total = sum(a.tensor.clone() for a in asked)
-            for a in asked:
-                a.tensor.copy_(total)
-        elif isinstance(first, AllGather):
-            stacked = torch.cat([a.tensor for a in asked])
-            for a in asked:
-                a.out.copy_(stacked)
-        elif isinstance(first, AllToAll):
-            chunks = [a.tensor.view(world, -1) for a in asked]
-            for j, a in enumerate(asked):
-                a.out.view(world, -1).copy_(torch.stack([chunks[i][j] for i in range(world)]))
-        asked = [next(g, None) for g in gens]
-        assert all(a is None for a in asked) == (asked[0] is None), "a rank's codec ended before the others'"
-    return trace
+#: One of each compressor that keeps state of its own, small enough for these packs.
+WITH_FEEDBACK = [lambda: PowerSGD(rank=2), lambda: Quantize(bits=8, block_size=64), lambda: TopK(group_size=16)]
 
 
 # ---------------------------------------------------------------------------- names and arguments
 
 
 @pytest.mark.parametrize("name, kind", [("fp16", Cast), ("bf16", Cast), ("int8", Quantize), ("int4", Quantize),
-                                        ("powersgd", PowerSGD)])
+                                        ("powersgd", PowerSGD), ("topk", TopK)])
 def test_every_name_builds_its_compressor(name, kind):
     compressor = resolve(name)
     assert isinstance(compressor, kind) and compressor.name == name
@@ -85,6 +46,9 @@ def test_a_bad_compression_names_the_value_and_the_fix(value, error, match):
     (lambda: Quantize(bits=2), r"Quantize\(bits=\) must be 8 or 4, got 2"),
     (lambda: Quantize(block_size=12), r"Quantize\(block_size=\) must be a positive multiple of 8, got 12"),
     (lambda: Cast(torch.float32), r"Cast\(dtype=\) must be torch.float16 or torch.bfloat16"),
+    (lambda: TopK(group_size=48), r"TopK\(group_size=\) must be a power of two from 2 to 256, got 48"),
+    (lambda: TopK(group_size=512), r"TopK\(group_size=\) must be a power of two from 2 to 256, got 512"),
+    (lambda: TopK(group_size=1), r"TopK\(group_size=\) must be a power of two from 2 to 256, got 1"),
 ])
 def test_bad_compressor_settings_name_the_setting_and_the_value(build, match):
     with pytest.raises(ValueError, match=match):
@@ -186,6 +150,68 @@ def test_error_feedback_makes_what_was_sent_follow_the_true_sum_over_many_rounds
     assert with_feedback <= 3 * 4 * 4.0 / ((1 << (bits - 1)) - 1)
 
 
+# ---------------------------------------------------------------------------- top-k selection
+
+
+@settings(max_examples=60, deadline=None)
+@given(size=st.sampled_from([2, 16, 64, 256]), groups=st.integers(1, 40), seed=st.integers(0, 2**16),
+       scale=st.floats(1e-30, 1e30))
+def test_the_selection_finds_each_groups_largest_magnitude(size, groups, seed, scale):
+    values = torch.randn(size * groups, generator=torch.Generator().manual_seed(seed)) * scale
+    values[::5] = 0.0
+    chosen = select_largest(values, size).long()
+    assert chosen.dtype == torch.int64 and chosen.shape == (groups,) and int(chosen.min()) >= 0
+    picked = values.view(size, groups).abs().gather(0, chosen.unsqueeze(0)).squeeze(0)
+    largest = values.view(size, groups).abs().amax(dim=0)
+    # Equal to within the mantissa bits that carry the row: 2^-15 of the largest at 256 rows.
+    assert torch.all(picked >= largest * (1 - 2.0 ** -15))
+
+
+def test_the_selection_takes_nan_and_infinity_over_every_number():
+    values = torch.zeros(4, 3)
+    values[:, 0] = torch.tensor([1.0, float("nan"), 3.0, -2.0])
+    values[:, 1] = torch.tensor([-float("inf"), 5.0, 1e38, 0.0])
+    assert select_largest(values.reshape(-1), 4).tolist() == [1, 0, 3]  # the last column: all zeros, a tie
+
+
+@settings(max_examples=25, deadline=None)
+@given(world=st.integers(1, 4), size=st.sampled_from([4, 16, 64]),
+       sizes=st.lists(st.integers(1, 700), min_size=1, max_size=4), seed=st.integers(0, 2**16))
+def test_topk_sums_are_the_same_bitwise_on_every_rank_and_drop_nothing(world, size, sizes, seed):
+    layout = layout_of([(n,) for n in sizes])
+    gen = torch.Generator().manual_seed(seed)
+    compressors = [TopK(group_size=size) for _ in range(world)]
+    codecs = [c.codec(layout) for c in compressors]
+    truth = torch.zeros(layout.numel, dtype=torch.float64)
+    received = torch.zeros(layout.numel, dtype=torch.float64)
+    for _ in range(3):
+        datas = [torch.randn(layout.numel, generator=gen) for _ in range(world)]
+        truth += sum(d.double() for d in datas)
+        trace = simulate(codecs, datas)
+        assert all(torch.equal(d, datas[0]) for d in datas)
+        received += datas[0].double()
+        # One all-gather of each rank's bfloat16 values and one-byte rows, one of each per group.
+        groups = -(-layout.numel // (2 * size)) * 2
+        assert trace == [("AllGather", 3 * groups)]
+        assert (datas[0] != 0).sum() <= world * groups
+    # What did not arrive is in the ranks' residuals, to float32 rounding: errors are delayed, never dropped.
+    owed = torch.cat([sum(c.residuals[(False, i)].double() for c in compressors) for i in layout.members])
+    assert torch.allclose(truth - received, owed, atol=1e-4)
+
+
+def test_topk_sends_what_piles_up_in_the_residual_once_it_is_the_largest():
+    # Padded to 8 values in groups of 4, interleaved: group 0 holds values 0, 2, 4, 6. Value 2 loses to
+    # value 0 in one round, then wins with what the round left in its residual.
+    layout = layout_of([(4,)])
+    codecs = [TopK(group_size=4).codec(layout)]
+    arrived = []
+    for _ in range(4):
+        data = torch.tensor([0.5, 0.0, 0.375, 0.0])
+        simulate(codecs, [data])
+        arrived.append(data.tolist())
+    assert arrived == [[0.5, 0.0, 0.0, 0.0], [0.0, 0.0, 0.75, 0.0], [1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.75, 0.0]]
+
+
 def test_powersgd_sends_factors_of_matrices_and_the_small_members_exactly():
     world = 2
     layout = layout_of([(64, 32), (32,), (4, 4)])  # a matrix that gains, a vector, a matrix too small to gain
@@ -244,7 +270,7 @@ def test_powersgd_before_its_start_step_sends_the_pack_as_it_is():
     assert len(simulate(codecs, [torch.randn(2048), torch.randn(2048)], step=5)) == 2
 
 
-@pytest.mark.parametrize("make", [lambda: PowerSGD(rank=2), lambda: Quantize(bits=8, block_size=64)])
+@pytest.mark.parametrize("make", WITH_FEEDBACK, ids=["powersgd", "int8", "topk"])
 def test_a_rank_that_has_joined_adds_nothing_and_keeps_its_residual(make):
     layout = layout_of([(64, 32)])
     compressors = [make() for _ in range(2)]
@@ -258,7 +284,7 @@ def test_a_rank_that_has_joined_adds_nothing_and_keeps_its_residual(make):
     assert torch.equal(alone[0], alone[1])
 
 
-@pytest.mark.parametrize("make", [lambda: PowerSGD(rank=2), lambda: Quantize(bits=8, block_size=64)])
+@pytest.mark.parametrize("make", WITH_FEEDBACK, ids=["powersgd", "int8", "topk"])
 def test_an_overflow_reaches_every_rank_and_does_not_poison_the_next_rounds(make):
     layout = layout_of([(64, 32)])
     compressors = [make() for _ in range(2)]
@@ -273,7 +299,8 @@ def test_an_overflow_reaches_every_rank_and_does_not_poison_the_next_rounds(make
     assert torch.isfinite(clean[0]).all() and torch.equal(clean[0], clean[1])
 
 
-@pytest.mark.parametrize("make", [lambda: PowerSGD(rank=2), lambda: Quantize(bits=4, block_size=64)])
+@pytest.mark.parametrize("make", WITH_FEEDBACK[:1] + [lambda: Quantize(bits=4, block_size=64)] + WITH_FEEDBACK[2:],
+                         ids=["powersgd", "int4", "topk"])
 def test_state_dict_round_trip_continues_bitwise(make):
     layout = layout_of([(64, 32), (10,)])
     gen = torch.Generator().manual_seed(3)

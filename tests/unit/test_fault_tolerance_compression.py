@@ -7,11 +7,12 @@ state; tests/fault_tolerance runs them on real replicas.
 """
 from __future__ import annotations
 
-from typing import Iterator
+from typing import Callable, Iterator
 
+import pytest
 import torch
 
-from distopt.compression import AllGather, AllReduce, AllToAll, Collective, PowerSGD, Quantize, Round
+from distopt.compression import AllGather, AllReduce, AllToAll, Collective, Compressor, PowerSGD, Quantize, Round, TopK
 from distopt.compression.protocol import PackLayout
 from distopt.fault_tolerance.compressor_state import CompressorState
 
@@ -72,8 +73,10 @@ def test_a_committed_step_keeps_what_the_round_made() -> None:
     assert _equal(_state(compressor), after) and state.discards_undone == 0
 
 
-def test_a_discarded_quantize_step_puts_the_residuals_back_and_the_codec_uses_them() -> None:
-    compressor, layout = Quantize(bits=4, block_size=8), _layout([(5, 7)])
+@pytest.mark.parametrize("make", [lambda: Quantize(bits=4, block_size=8), lambda: TopK(group_size=4)],
+                         ids=["int4", "topk"])
+def test_a_discarded_step_puts_the_residuals_back_and_the_codec_uses_them(make: Callable[[], Compressor]) -> None:
+    compressor, layout = make(), _layout([(5, 7)])
     state = CompressorState(compressor)
     _step(compressor, layout, seed=4, step=0)
     before = _state(compressor)
@@ -81,7 +84,7 @@ def test_a_discarded_quantize_step_puts_the_residuals_back_and_the_codec_uses_th
     _step(compressor, layout, seed=5, step=1)
     state.settle(committed=False, healed=False)
     # The codec's buffers are rebuilt from the state put back: the next step starts from it.
-    replay = Quantize(bits=4, block_size=8)
+    replay = make()
     replay.load_state_dict(before)
     _step(compressor, layout, seed=6, step=1)
     _step(replay, layout, seed=6, step=1)
