@@ -28,7 +28,8 @@ from torch import nn
 
 from ...wrapper.optimizer import DistributedOptimizer
 
-__all__ = ["PERIOD", "STREAM_PERIOD", "ContenderOptions", "Built", "Contender", "DistoptSpec", "DISTOPT_SPECS", "CONTENDERS"]
+__all__ = ["PERIOD", "STREAM_PERIOD", "ContenderOptions", "Built", "Contender", "Factory", "DistoptSpec", "DISTOPT_SPECS",
+           "CONTENDERS"]
 
 #: H of every periodic contender: distopt's local SGD and DiLoCo, and DDP's PostLocalSGD.
 PERIOD = 4
@@ -144,10 +145,33 @@ def _ddp_post_local(model: nn.Module, inner: torch.optim.Optimizer, options: Con
     return Built(ddp, PostLocalSGDOptimizer(optim=inner, averager=averager))
 
 
-def _powersgd(options: ContenderOptions) -> Any:
+@dataclass(frozen=True)
+class Factory:
+    """A compressor built from the command line's settings, and how the report writes it.
+
+    Attributes:
+        label: what the report shows, e.g. ``"PowerSGD(rank=R)"``.
+        build: makes the compressor from the :class:`ContenderOptions`.
+    """
+
+    label: str
+    build: Callable[[ContenderOptions], Any]
+
+
+def _build_powersgd(options: ContenderOptions) -> Any:
     from ... import compression
 
     return compression.PowerSGD(rank=options.powersgd_rank, start_step=options.powersgd_start)
+
+
+def _build_topk32(options: ContenderOptions) -> Any:
+    from ... import compression
+
+    return compression.TopK(group_size=32)
+
+
+_POWERSGD = Factory("PowerSGD(rank=R)", _build_powersgd)
+_TOPK32 = Factory("TopK(group_size=32)", _build_topk32)
 
 
 def _nesterov(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
@@ -156,7 +180,7 @@ def _nesterov(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
 
 
 #: A distopt contender's compression: None, a name ``compression=`` takes, or a factory of the object.
-Compression = Union[None, str, Callable[[ContenderOptions], Any]]
+Compression = Union[None, str, Factory]
 
 
 @dataclass(frozen=True)
@@ -166,7 +190,7 @@ class DistoptSpec:
     Attributes:
         name: the ``--contenders`` name.
         compression: ``compression=``: None, a name (``"fp16"``, ``"int8"``, ...), or a
-            factory called with the :class:`ContenderOptions` (PowerSGD at ``--powersgd-rank``).
+            :class:`Factory` built with the :class:`ContenderOptions` (PowerSGD at ``--powersgd-rank``).
         sync_every: ``sync_every=``: 1 is synchronous; :data:`PERIOD` is local SGD.
         diloco: an outer Nesterov SGD (lr 0.7, momentum 0.9) steps on the averaged change (DiLoCo).
         pack_threshold: ``pack_threshold=``; ``"auto"`` sizes packs from the measured link.
@@ -187,7 +211,8 @@ class DistoptSpec:
         """The ``DistributedOptimizer`` keyword arguments of this row."""
         kwargs: Dict[str, Any] = {"pack_threshold": self.pack_threshold}
         if self.compression is not None:
-            kwargs["compression"] = self.compression(options) if callable(self.compression) else self.compression
+            kwargs["compression"] = (self.compression if isinstance(self.compression, str)
+                                     else self.compression.build(options))
         if self.sync_every != 1 or self.diloco:
             kwargs["sync_every"] = self.sync_every
         if self.diloco:
@@ -199,7 +224,8 @@ class DistoptSpec:
         """For the report: the arguments, as a user would write them."""
         parts = [f"pack_threshold={self.pack_threshold!r}"]
         if self.compression is not None:
-            parts.append(f"compression={'PowerSGD(rank=R)' if callable(self.compression) else repr(self.compression)}")
+            label = repr(self.compression) if isinstance(self.compression, str) else self.compression.label
+            parts.append(f"compression={label}")
         if self.sync_every != 1 or self.diloco:
             parts.append(f"sync_every={self.sync_every}")
         if self.diloco:
@@ -217,7 +243,7 @@ class DistoptSpec:
 
 
 _COMPRESSORS: Tuple[Tuple[str, Compression], ...] = (
-    ("fp16", "fp16"), ("bf16", "bf16"), ("int8", "int8"), ("int4", "int4"), ("powersgd", _powersgd),
+    ("fp16", "fp16"), ("bf16", "bf16"), ("int8", "int8"), ("int4", "int4"), ("powersgd", _POWERSGD),
 )
 
 #: The distopt contenders, in run order: plain, each compressor alone, local SGD plain and with each
@@ -229,7 +255,7 @@ DISTOPT_SPECS: Tuple[DistoptSpec, ...] = (
     *(DistoptSpec(f"distopt-local{PERIOD}-{name}", compression, sync_every=PERIOD, baseline=f"distopt-local{PERIOD}")
       for name, compression in _COMPRESSORS),
     DistoptSpec(f"diloco{PERIOD}", sync_every=PERIOD, diloco=True),
-    DistoptSpec("distopt-powersgd-10M", _powersgd, pack_threshold=10 << 20, baseline="distopt"),
+    DistoptSpec("distopt-powersgd-10M", _POWERSGD, pack_threshold=10 << 20, baseline="distopt"),
     DistoptSpec(f"diloco{STREAM_PERIOD}", sync_every=STREAM_PERIOD, diloco=True),
     # Streaming DiLoCo (docs/modes.md): 4 fragments, each sync hidden behind 2 inner steps, in 4 bits.
     DistoptSpec(f"stream{STREAM_PERIOD}-int4", "int4", sync_every=STREAM_PERIOD, diloco=True,
@@ -243,6 +269,14 @@ DISTOPT_SPECS: Tuple[DistoptSpec, ...] = (
         DistoptSpec(f"diloco{h}", sync_every=h, diloco=True),
         DistoptSpec(f"stream{h}-int4", "int4", sync_every=h, diloco=True, baseline=f"diloco{h}",
                     more=(("sync_fragments", 4), ("sync_overlap", 2), ("sync_mixing", 0.5))))),
+    # Streaming DiLoCo with one value in 64 of each outer gradient (TopK): a tenth of int4's bytes.
+    *(DistoptSpec(f"stream{h}-topk", "topk", sync_every=h, diloco=True, baseline=f"diloco{h}",
+                  more=(("sync_fragments", 4), ("sync_overlap", 2), ("sync_mixing", 0.5)))
+      for h in (STREAM_PERIOD, 2 * STREAM_PERIOD)),
+    # Twice the period and one value in 32: the bytes per step of stream16-topk, for its quality at H = 32.
+    DistoptSpec(f"stream{2 * STREAM_PERIOD}-topk32", _TOPK32, sync_every=2 * STREAM_PERIOD, diloco=True,
+                baseline=f"diloco{2 * STREAM_PERIOD}",
+                more=(("sync_fragments", 4), ("sync_overlap", 2), ("sync_mixing", 0.5))),
 )
 
 #: Every contender, by name, in run order.
