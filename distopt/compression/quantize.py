@@ -165,7 +165,6 @@ class Quantize(Compressor):
 class _QuantizeCodec(Codec):
     def __init__(self, owner: Quantize, layout: PackLayout) -> None:
         self.owner = owner
-        self.layout = layout
         self.residuals = PackResiduals(layout, owner)
         self.scratch: Union[_Scratch, _GatherScratch, None] = None  # the buffers of one reduction, kept for the next
 

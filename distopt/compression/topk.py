@@ -160,8 +160,9 @@ class _TopKCodec(Codec):
             positions = chosen.to(torch.int64).mul_(groups).add_(scratch.columns)
             values.copy_(residual.take(positions))
             rows.copy_(chosen)
-            # What travels leaves the residual; its bfloat16 rounding stays there.
-            residual.index_put_((positions,), values.to(torch.float32).neg_(), accumulate=True)
+            # What travels leaves the residual; its bfloat16 rounding stays there. (index_add_ with
+            # positions that differ, one a group, is exact and alike wherever it runs: no two adds meet.)
+            residual.index_add_(0, positions, values.to(torch.float32), alpha=-1)
         else:  # a joined rank sends zeros and keeps its residual for later
             values.zero_()
             rows.zero_()
@@ -173,5 +174,5 @@ class _TopKCodec(Codec):
         total = scratch.work.zero_()
         for source in range(world):  # in rank order: the same float sum on every rank
             at = gathered[source, 2 * groups:].to(torch.int64).mul_(groups).add_(scratch.columns)
-            total.index_put_((at,), everyones[source].to(torch.float32), accumulate=True)
+            total.index_add_(0, at, everyones[source].to(torch.float32))
         data.copy_(total[:n])
