@@ -10,7 +10,8 @@ weight travels direct, the rest packed), everything in one pack, sharded
 optimizer state, local SGD, and a model split between the CPU and the GPU.
 Every compressor's codec also runs on CUDA tensors in a simulated world (no
 processes), against the same codec on the CPU, and streaming DiLoCo with
-compressed exchanges trains two ranks of a GPU model over gloo.
+compressed exchanges trains two ranks of a GPU model over gloo as it trains
+them on the CPU.
 """
 import pytest
 import torch
