@@ -21,8 +21,9 @@ instead of a ``topk`` over short rows, which is about ten times slower on CPU.
 rank adds the ranks' values into the positions in rank order, so every rank ends with
 the same sum, bitwise. A sparse sum cannot be all-reduced as it is (the ranks pick
 different positions), and each rank's message is ``3 G`` bytes, so every rank receives
-``(world - 1) * 3 G`` bytes: fewer than a ring all-reduce of float32 sends for up to
-about ``group_size * 2 / 3`` ranks.
+``(world - 1) * 3 G`` bytes, ``3 world / (8 group_size)`` of what a ring all-reduce of
+the float32 values brings it (``2 (world - 1) / world`` times 4 bytes a value): fewer for
+up to ``8 group_size / 3`` ranks (170 at 64).
 
 **Non-finite values.** An infinite or NaN magnitude is the largest of its group, so it
 travels and reaches every rank's sum, as without compression (a ``GradScaler`` then
