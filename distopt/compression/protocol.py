@@ -20,7 +20,9 @@ for at the next point where later stages are issued.
 
 A codec sees the pack's values already multiplied by the mean's ``1/world`` and
 leaves their *sum* over the ranks in place. The pack's control flags never pass
-through it: the engine sums them exactly, in a small all-reduce of their own.
+through it: the engine sums them exactly, in a small collective of their own, or in
+front of each rank's part of the codec's first collective where that is an all-gather
+(the codec's tensors are copied in and out, and it sees only them).
 
 Example of a compressor a user might write (values sent as bfloat16 with error feedback
 would follow the same shape)::

@@ -122,7 +122,7 @@ class TopK(Compressor):
 class _Scratch:
     """The buffers of one pack's reduction, allocated once (a fresh pack-sized tensor costs page faults)."""
 
-    work: Tensor  # float32, the padded pack: the selection's keys, then the sum
+    work: Tensor  # float32, the padded pack: the selection's keys, then (a 16- or 64-bit pack) the sum
     columns: Tensor  # int64, 0 .. G - 1
     piece: Tensor  # uint8, this rank's message: G bfloat16 values, then G one-byte rows
     gathered: Tensor  # uint8, every rank's message
@@ -169,11 +169,16 @@ class _TopKCodec(Codec):
             rows.zero_()
         yield AllGather(scratch.piece, scratch.gathered.view(-1), last=True)
         gathered = scratch.gathered
-        everyones = gathered[:, :2 * groups].view(torch.bfloat16)
+        everyones = gathered[:, :2 * groups].view(torch.bfloat16).to(torch.float32)
         if not bool(torch.isfinite(everyones).all()):  # the same bytes on every rank: each drops its poisoned residual
             residual.zero_()
-        total = scratch.work.zero_()
+        # A float32 pack takes the sum in place; another is summed in float32 and cast once.
+        total = data if data.dtype == torch.float32 else scratch.work[:n]
+        total.zero_()
         for source in range(world):  # in rank order: the same float sum on every rank
             at = gathered[source, 2 * groups:].to(torch.int64).mul_(groups).add_(scratch.columns)
-            total.index_add_(0, at, everyones[source].to(torch.float32))
-        data.copy_(total[:n])
+            # A group whose largest magnitude lay in the padding sent +0.0 from there (the padding of
+            # the residual is never written); adding it to the last value instead leaves that value be.
+            total.index_add_(0, at.clamp_(max=n - 1), everyones[source])
+        if total is not data:
+            data.copy_(total)

@@ -33,7 +33,8 @@ How a pack travels: a pack of one large CPU gradient that is mostly zero rows (a
 embedding table's) gathers its non-zero rows instead of all-reducing the whole
 (:mod:`distopt.engine.sparse_rows`); a small CPU pack travels once, as one broadcast
 from each rank, and is summed locally in rank order (:mod:`distopt.engine.rounds`).
-A compressed pack (:mod:`distopt.compression`) sends its control flags exactly and its
+A compressed pack (:mod:`distopt.compression`) sends its control flags exactly (in its
+codec's first collective where that is an all-gather, :mod:`distopt.engine.carrier`) and its
 values through its codec, which yields one collective after another: the first is
 issued as the pack launches, each later one in the waiting place
 (:meth:`GradientEngine._resume_codecs`), pack after pack in the plan's order, so the
@@ -73,6 +74,7 @@ from ..transport import stalls, waiting
 from ..transport.private_groups import PrivateGroup
 from ..transport.stalls import Progress
 from . import sparse_rows
+from .carrier import Carrier, carries_flags
 from .partial import PartialExchange, empty_exchange
 from .packs import (Pack, adopt_current_grads, build_packs, gather, gather_early, gather_nothing, metas, release,
                     scratch, sums)
@@ -454,7 +456,6 @@ class GradientEngine:
                 self._send(pack.data, pack, index, carries_flags=False)
                 self._send(pack.flags, pack, index, carries_flags=True)
             elif pack.codec is not None:  # the flags exactly, the values as the codec sends them
-                self._send(pack.flags, pack, index, carries_flags=True)
                 contributing = not self.joined and self.participating
                 if not contributing:
                     pack.data.zero_()  # what Round.contributing=False promises the codec
@@ -464,7 +465,7 @@ class GradientEngine:
                     step=self.steps if self.quorum_step is None else self.quorum_step,
                     contributing=contributing, exchange=self.exchange_fill is not None,
                     contributors=self.world_size))
-                self._resume_codec(codec, pack, index)
+                self._resume_codec(codec, pack, index, first=True)
             else:
                 self._send(pack.buffer if pack.wire is None else pack.wire, pack, index, carries_flags=True)
         self.stats.packs += 1
@@ -490,13 +491,25 @@ class GradientEngine:
         self.stats.all_reduces += 1
         self.stats.bytes += tensor.numel() * tensor.element_size()
 
-    def _resume_codec(self, codec: Iterator[Collective], pack: Pack, index: int, after_last: bool = False) -> bool:
+    def _resume_codec(self, codec: Iterator[Collective], pack: Pack, index: int, after_last: bool = False,
+                      first: bool = False) -> bool:
         """Run a compressed pack's codec up to its next collective and issue that; False once it is done.
+
+        Args:
+            first: the codec's first collective, as the pack launches: the pack's flags go with it
+                where it can carry them (:mod:`distopt.engine.carrier`), else in a collective of
+                their own, issued just before it.
 
         Raises:
             TypeError: the codec yielded a collective after one it marked ``last``.
         """
         collective = next(codec, None)
+        carrier = None
+        if first:
+            if collective is not None and carries_flags(collective, pack.flags, self.world_size):
+                carrier = pack.carrier = Carrier.fitting(pack.carrier, pack.flags, collective.tensor, self.world_size)
+            else:
+                self._send(pack.flags, pack, index, carries_flags=True)
         if collective is None:
             return False
         if after_last:
@@ -509,6 +522,10 @@ class GradientEngine:
             options.reduceOp = dist.ReduceOp.SUM
             sent = collective.tensor
             work = group.allreduce([sent], options)
+        elif carrier is not None:
+            carrier.fill(pack.flags, collective.tensor)
+            sent = carrier.send
+            work = group.allgather([list(carrier.rows)], [sent], AllgatherOptions())
         elif isinstance(collective, AllGather):
             sent = collective.tensor
             work = group.allgather([list(collective.out.view(group.size(), -1))], [sent], AllgatherOptions())
@@ -519,8 +536,9 @@ class GradientEngine:
             raise TypeError(f"a codec of {type(self.compressor).__name__} yielded {collective!r}; a codec yields "
                             "distopt.compression.AllReduce, AllGather or AllToAll")
         seq = self.progress.issue() if self.progress is not None else 0
-        self.inflight.append(Sent(work, pack, index, seq, carries_flags=False, codec=codec,
-                                  last=collective.last))
+        self.inflight.append(Sent(work, pack, index, seq, carries_flags=carrier is not None, codec=codec,
+                                  last=collective.last, carrier=carrier, gathered_into=None if carrier is None else
+                                  collective.out))
         self.stats.all_reduces += 1
         self.stats.bytes += sent.numel() * sent.element_size()
         return True
@@ -708,6 +726,9 @@ class GradientEngine:
                 sent.codec.close()
             return False
         for sent in codecs:
+            if sent.carrier is not None:  # the codec's parts out, the flags summed; the flags stay to be read back
+                sent.carrier.unpack(sent.pack.flags, sent.gathered_into, averaged=self.op == dist.ReduceOp.AVG)
+                self.inflight.append(sent._replace(codec=None, carrier=None, gathered_into=None, last=False))
             self._resume_codec(sent.codec, sent.pack, sent.index, after_last=sent.last)
         return True
 

@@ -29,6 +29,7 @@ from torch import Tensor
 from ..compression.protocol import Codec, Compressor, PackLayout
 from ..planning.control import CONTROL_FLAGS
 from ..planning.packing import PackSpec, ParamMeta, plan_packs
+from .carrier import Carrier
 from .sparse_rows import RowSparse
 
 __all__ = ["Pack", "DIRECT_MIN_BYTES", "layout_of", "build_packs", "adopt_current_grads", "gather", "gather_nothing", "scratch",
@@ -69,8 +70,10 @@ class Pack:
     gathers: Set[int] = field(default_factory=set)  # bytes of the sums it sends as a gather (rounds.plan_gathers)
     # Room for the other ranks' copies of each of those sums, by (numel, dtype).
     copies: Dict[Tuple[int, torch.dtype], Tensor] = field(default_factory=dict)
-    # The compressor's codec for the values (its flags travel apart, exactly), or None.
+    # The compressor's codec for the values (the flags travel exactly, apart or in its first all-gather), or None.
     codec: Optional[Codec] = None
+    # The buffers of the codec's first all-gather when it carries the flags (distopt.engine.carrier).
+    carrier: Optional[Carrier] = None
 
 
 def sums(pack: Pack) -> List[int]:

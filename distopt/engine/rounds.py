@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..compression.protocol import Collective
+from .carrier import Carrier
 from .packs import Pack
 from ..transport.waiting import completed_failure
 
@@ -48,6 +49,8 @@ class Sent(NamedTuple):
     into: Optional[Tensor] = None
     codec: Optional[Iterator[Collective]] = None  # a compressed pack's codec, resumed when ``work`` is back
     last: bool = False  # ``work`` is the codec's last collective: resuming it only finishes it
+    carrier: Optional[Carrier] = None  # ``work`` also carries the pack's flags: unpack it before resuming the codec
+    gathered_into: Optional[Tensor] = None  # with a carrier: the codec's all-gather output, to unpack into
 
     @property
     def staged(self) -> bool:

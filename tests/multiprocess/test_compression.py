@@ -8,14 +8,12 @@ same order however their backward passes are timed.
 import io
 import random
 import time
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
-import distopt
 from distopt import DistributedOptimizer
 from distopt.compression import AllReduce, Codec, Compressor, PowerSGD, Quantize, TopK
 from distopt.planning.link import AUTO_MAX, AUTO_MIN
@@ -184,6 +182,44 @@ def jitter_check(name):
     return identical
 
 
+def collectives_check(name):
+    """(packs, collectives) per step of a synchronous run."""
+    model = make_model()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), compression=compressor(name),
+                               pack_threshold=4096)
+    counts = []
+    for t in range(3):
+        train(model, opt, 1, first=t)
+        counts.append((opt.stats.packs, opt.stats.all_reduces))
+    return counts
+
+
+def skipped_batch_check(name):
+    """Rank 1's backward reaches no parameter at step 2, and the gradients are clipped before step(): the
+    ranks would average at different points, which only the control flags tell."""
+    rank = dist.get_rank()
+    model = make_model()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), compression=compressor(name),
+                               pack_threshold=4096)
+    opt._engine.backward_patience, opt._engine.patience_growth = 3.0, 0.0  # the end of backward's wait, shortened
+    try:
+        for t in range(4):
+            x, y = batch(rank, t)
+            opt.zero_grad()
+            if t == 2 and rank == 1:  # a skipped batch: a constant loss
+                loss = torch.zeros((), requires_grad=True)
+            else:
+                loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+    except RuntimeError as exc:
+        return f"RuntimeError: {exc}"
+    finally:
+        opt.close()
+    return "trained"
+
+
 class _TwiceLast(Compressor):
     """A user's codec that marks its first all-reduce last and then yields another: a protocol error."""
 
@@ -252,6 +288,10 @@ CASES["jitter topk, 3 ranks"] = (3, jitter_check, ("topk",))
 # their whole packs in one all-gather), with one rank's timing at random, and with a rank that joins.
 CASES["jitter int8, 3 ranks"] = (3, jitter_check, ("int8",))
 CASES["join int8, 3 ranks"] = (3, join_check, ("int8", 1))
+for _name in ("topk", "int8", "int4", "powersgd"):
+    CASES[f"collectives {_name}"] = (2, collectives_check, (_name,))
+    CASES[f"skipped batch {_name}"] = (2, skipped_batch_check, (_name,))
+CASES["collectives int8, 3 ranks"] = (3, collectives_check, ("int8",))
 CASES["mismatch"] = (2, mismatch_check, ())
 CASES["yields after last"] = (2, yields_after_last_check, ())
 CASES["auto"] = (2, auto_check, ())
@@ -321,6 +361,27 @@ def test_an_overflow_on_one_rank_skips_the_step_on_every_rank_and_training_goes_
 def test_collectives_pair_up_whatever_the_timing_of_one_ranks_backward(name, no_leftover_processes):
     for identical in results(f"jitter {name}"):
         assert all(identical), identical
+
+
+@pytest.mark.parametrize("name", ["topk", "int8", "int4"])
+def test_a_codec_that_starts_with_an_all_gather_carries_the_packs_flags_in_it(name, no_leftover_processes):
+    for counts in results(f"collectives {name}"):
+        assert all(collectives == packs > 0 for packs, collectives in counts), counts
+
+
+@pytest.mark.parametrize("name", ["powersgd", "int8, 3 ranks"])
+def test_a_codec_that_starts_otherwise_sends_the_flags_in_a_collective_of_their_own(name, no_leftover_processes):
+    # PowerSGD all-reduces; int8 at three ranks starts with an all-to-all.
+    for counts in results(f"collectives {name}"):
+        assert all(collectives >= 2 * packs > 0 for packs, collectives in counts), counts
+
+
+@pytest.mark.parametrize("name", ["topk", "int8", "int4", "powersgd"])
+def test_ranks_that_average_at_different_points_fail_alike_whichever_way_the_flags_travel(name,
+                                                                                         no_leftover_processes):
+    messages = results(f"skipped batch {name}")
+    assert messages[0] == messages[1], messages
+    assert messages[0].startswith("RuntimeError: ranks averaged their gradients at different points"), messages[0]
 
 
 def test_ranks_with_different_compressor_settings_fail_alike_naming_compression(no_leftover_processes):
