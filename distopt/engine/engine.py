@@ -175,7 +175,9 @@ class GradientEngine:
         # Parameters held but frozen when they were tracked; they join once trainable.
         self.frozen: List[Tensor] = []
         self.frozen_names: List[str] = []
-        self.handles: List[Any] = []  # hook handles, removed by close()
+        self.handles: List[Any] = []  # hook handles, removed by close() (and while backward never reduces)
+        self._hooked: List[int] = []  # the parameters hooked, by index (trainable when tracked)
+        self._hooks_on = True
         self.packs: List[Pack] = []
         self.pack_of: List[int] = []  # parameter index -> pack index
         self.slot_of: List[int] = []  # parameter index -> its place in its pack
@@ -224,13 +226,32 @@ class GradientEngine:
         ref = weakref.ref(self)
         for index, p in enumerate(params, len(self.params)):
             if p.requires_grad:  # a frozen one with a gradient set by hand is gathered when its pack is sent
-                self.handles.append(p.register_post_accumulate_grad_hook(_make_hook(ref, index)))
+                self._hooked.append(index)
+                if self._hooks_on:
+                    self.handles.append(p.register_post_accumulate_grad_hook(_make_hook(ref, index)))
         self.params.extend(params)
         self.names.extend(names)
         # Reverse registration order is the usual arrival order; the root's observed order replaces it later.
         self.build_packs(list(reversed(range(len(self.params)))))
         self.planned = False
         self.reset_round()
+
+    def hooks(self, on: bool) -> None:
+        """Hook the parameters' gradients, or not while no backward pass reduces (local SGD's local steps).
+
+        A hook that finds nothing to do still costs each backward pass a call into Python
+        per parameter (about 0.15 ms of the benchmark mlp's 96 parameters, 1% of its step).
+        """
+        if on == self._hooks_on:
+            return
+        self._hooks_on = on
+        for handle in self.handles:
+            handle.remove()
+        self.handles.clear()
+        if on:
+            ref = weakref.ref(self)
+            self.handles.extend(self.params[i].register_post_accumulate_grad_hook(_make_hook(ref, i))
+                                for i in self._hooked)
 
     def close(self) -> None:
         """Remove every hook and destroy the private group: nothing is reduced any more."""

@@ -471,6 +471,7 @@ class LocalSGDMode(Mode):
     def _set_local(self, ctx: ModeContext, local: bool) -> None:
         self.reduces_in_backward = not local
         ctx.engine.local = local
+        ctx.engine.hooks(not local)
 
     def _pairs(self, ctx: ModeContext) -> List[Tuple[Tensor, Tensor]]:
         return [(p, self._anchors[id(p)]) for p in ctx.params if id(p) in self._anchors]

@@ -279,6 +279,22 @@ def collectives_per_step(steps, sync_every, outer):
     return out
 
 
+def hooks_per_backward(steps, sync_every, warmup):
+    """How many gradient hooks each backward pass meets: the warm-up's reduce, local steps' would not."""
+    rank = dist.get_rank()
+    model = make_model()
+    opt = DistributedOptimizer(INNER["momentum"](model.parameters()), sync_every=sync_every,
+                               outer_optimizer=OUTER["nesterov"], local_warmup=warmup)
+    hooked = []
+    for t in range(steps):
+        opt.zero_grad()
+        hooked.append(len(opt._engine.handles))
+        loss_of(model, *batch(rank, t)).backward()
+        opt.step()
+    opt.close()
+    return {"hooked": hooked, "params": len(list(model.parameters()))}
+
+
 def checkpoint_round_trip(steps, cut, sync_every, warmup):
     """Save every rank's model and optimizer mid-period, load into fresh ones, finish: the same bits."""
     rank = dist.get_rank()
@@ -483,6 +499,7 @@ CASES = {
     "torch post-local SGD": (2, averaging_equals_torch_post_local_sgd, (20, 4), {}),
     "sign": (2, pseudo_gradient_sign, (3,), {}),
     "collectives": (2, collectives_per_step, (16, 4, "nesterov"), {}),
+    "hooks": (2, hooks_per_backward, (7, 3, 2), {}),
     "checkpoint": (2, checkpoint_round_trip, (14, 7, 4, 2), {}),
     "join plain": (2, train_uneven, ([6, 11], 4), {"inner": "momentum"}),
     "join diloco, root last": (2, train_uneven, ([11, 5], 4), {"outer": "nesterov"}),
@@ -508,6 +525,12 @@ results = WORLDS.results
 
 
 # ---------------------------------------------------------------------- the tests
+
+
+def test_only_the_warm_ups_backward_passes_meet_gradient_hooks(no_leftover_processes):
+    # A hook that finds nothing to do still costs each backward pass a call into Python per parameter.
+    for r in results("hooks"):
+        assert r["hooked"] == [r["params"]] * 2 + [0] * 5, r
 
 
 def test_the_drift_check_compares_only_right_after_syncs_and_a_ranks_own_steps_are_not_drift(no_leftover_processes):
