@@ -46,6 +46,8 @@ INNER = {
 OUTER = {
     None: None,
     "nesterov": lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True),
+    # The benchmark's: one fused kernel over the last-sync copies, the same update.
+    "nesterov fused": lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True, fused=True),
     "sgd1": lambda ps: torch.optim.SGD(ps, lr=1.0),
     "half": lambda ps: torch.optim.SGD(ps, lr=0.5),
 }
@@ -493,6 +495,7 @@ CASES = {
     "plain H=4": (2, train_against_simulation, (12, 4), {"inner": "momentum"}),
     "diloco H=3": (2, train_against_simulation, (12, 3), {"inner": "adam", "outer": "nesterov"}),
     "diloco H=4, world 3": (3, train_against_simulation, (12, 4), {"outer": "nesterov"}),
+    "diloco fused outer": (2, train_against_simulation, (12, 4), {"inner": "adam", "outer": "nesterov fused"}),
     "warm-up": (2, train_against_simulation, (15, 4), {"inner": "momentum", "outer": "nesterov", "warmup": 3}),
     "compression": (2, train_against_simulation, (12, 4), {"outer": "nesterov", "compression": "bf16"}),
     "H=1 outer lr 1": (2, one_step_diloco_equals_synchronous_sgd, (8,), {}),
@@ -544,7 +547,7 @@ def test_the_drift_check_compares_only_right_after_syncs_and_a_ranks_own_steps_a
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("name", ["plain H=4", "diloco H=3", "diloco H=4, world 3", "warm-up"])
+@pytest.mark.parametrize("name", ["plain H=4", "diloco H=3", "diloco H=4, world 3", "warm-up", "diloco fused outer"])
 def test_training_matches_the_single_process_simulation_after_every_step(name, no_leftover_processes):
     steps, sync_every = CASES[name][2]
     warmup = CASES[name][3].get("warmup", 0)

@@ -176,8 +176,12 @@ _TOPK32 = Factory("TopK(group_size=32)", _build_topk32)
 
 def _nesterov(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     # DiLoCo's outer optimizer (Douillard et al. 2023), fused: one pass over the anchors instead of four
-    # (a streaming fragment of the mlp: 0.6 ms instead of 1.0 on one core), the same arithmetic.
-    return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True, fused=True)
+    # (a streaming fragment of the mlp: 0.6 ms instead of 1.0 on one core), the same update.
+    params = list(params)
+    try:
+        return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True, fused=True)
+    except RuntimeError:  # an older torch, which fuses SGD on GPUs only
+        return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
 
 
 #: A distopt contender's compression: None, a name ``compression=`` takes, or a factory of the object.
