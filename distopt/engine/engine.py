@@ -525,10 +525,11 @@ class GradientEngine:
             TypeError: the codec yielded a collective after one it marked ``last``.
         """
         collective = next(codec, None)
+        group = self.channel.group
         carrier = None
         if first:
-            if collective is not None and carries_flags(collective, pack.flags, self.world_size):
-                carrier = pack.carrier = Carrier.fitting(pack.carrier, pack.flags, collective.tensor, self.world_size)
+            if collective is not None and carries_flags(collective, pack.flags, group.size()):
+                carrier = pack.carrier = Carrier.fitting(pack.carrier, pack.flags, collective.tensor, group.size())
             else:
                 self._send(pack.flags, pack, index, carries_flags=True)
         if collective is None:
@@ -537,7 +538,6 @@ class GradientEngine:
             codec.close()
             raise TypeError(f"a codec of {type(self.compressor).__name__} yielded {type(collective).__name__} after "
                             "a collective it marked last=True; mark only the codec's final collective last")
-        group = self.channel.group
         if isinstance(collective, AllReduce):
             options = dist.AllreduceOptions()
             options.reduceOp = dist.ReduceOp.SUM

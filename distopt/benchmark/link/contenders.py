@@ -278,11 +278,14 @@ DISTOPT_SPECS: Tuple[DistoptSpec, ...] = (
     *(DistoptSpec(f"stream{h}-topk", "topk", sync_every=h, diloco=True, baseline=f"diloco{h}",
                   more=(("sync_fragments", 4), ("sync_overlap", 2), ("sync_mixing", 0.5)))
       for h in (STREAM_PERIOD, 2 * STREAM_PERIOD)),
-    # At H = 32, top-k with more of the local values kept at each merge: plain DiLoCo's quality there
+    # From H = 32, top-k with more of the local values kept at each merge: plain DiLoCo's quality there
     # (docs/benchmark.md, "Top-k and the mix").
-    DistoptSpec(f"stream{2 * STREAM_PERIOD}-topk-mix75", "topk", sync_every=2 * STREAM_PERIOD, diloco=True,
-                baseline=f"diloco{2 * STREAM_PERIOD}",
-                more=(("sync_fragments", 4), ("sync_overlap", 2), ("sync_mixing", 0.75))),
+    *(DistoptSpec(f"stream{h}-topk-mix75", "topk", sync_every=h, diloco=True, baseline=f"diloco{h}",
+                  more=(("sync_fragments", 4), ("sync_overlap", 2), ("sync_mixing", 0.75)))
+      for h in (2 * STREAM_PERIOD, 4 * STREAM_PERIOD)),
+    DistoptSpec(f"stream{4 * STREAM_PERIOD}-topk", "topk", sync_every=4 * STREAM_PERIOD, diloco=True,
+                baseline=f"diloco{4 * STREAM_PERIOD}",
+                more=(("sync_fragments", 4), ("sync_overlap", 2), ("sync_mixing", 0.5))),
     # Twice the period and one value in 32: the bytes per step of stream16-topk, for its quality at H = 32.
     DistoptSpec(f"stream{2 * STREAM_PERIOD}-topk32", _TOPK32, sync_every=2 * STREAM_PERIOD, diloco=True,
                 baseline=f"diloco{2 * STREAM_PERIOD}",
