@@ -250,9 +250,11 @@ class GradientEngine:
             handle.remove()
         self.handles.clear()
         if on:
+            # A parameter frozen meanwhile cannot take a hook; should it be trainable again, its gradient
+            # is gathered when its pack is sent, as a frozen one's set by hand is.
             ref = weakref.ref(self)
             self.handles.extend(self.params[i].register_post_accumulate_grad_hook(_make_hook(ref, i))
-                                for i in self._hooked)
+                                for i in self._hooked if self.params[i].requires_grad)
 
     def close(self) -> None:
         """Remove every hook and destroy the private group: nothing is reduced any more."""
