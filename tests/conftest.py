@@ -16,6 +16,7 @@ SLOWEST_FIRST = [
     "fronts/test_benchmark.py",  # ~35, nearly all of it CPU (~70 with the memory probes launched)
     "fault_tolerance/test_fault_tolerance.py",  # ~55 with fresh interpreters; ~25 since replicas fork
     "fronts/test_examples.py",  # ~50
+    "fronts/test_lightning.py",  # ~35: one launch of Lightning's, 14 short fits
     "launching/test_launcher.py",  # ~45
     "launching/test_two_hosts.py",  # ~60 under the suite
     "fault_tolerance/test_launch.py",  # ~40: the kill across two namespaced hosts, the example on one

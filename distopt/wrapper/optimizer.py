@@ -562,8 +562,12 @@ class DistributedOptimizer(InnerOptimizerSurface):
             checks.release(p, self)
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            self.close()
+        # Only the object that built the engine closes it: a proxy whose class derives from the wrapper's
+        # and that forwards attribute lookups to it (Lightning's LightningOptimizer) must not, when it is
+        # collected, close the wrapper it stands for.
+        if "_engine" in vars(self):
+            with contextlib.suppress(Exception):
+                self.close()
 
     # ------------------------------------------------------------------ state dicts and broadcasts
 
