@@ -8,6 +8,9 @@ Per step, with torchft's ``Manager`` (used duck-typed: this module never imports
    waited for and the engine learns how many replicas take part this step: it scales the
    gradients by 1/participants while copying them into the packs, as without fault
    tolerance, and the packs' sums travel on the manager's process group (:mod:`.channel`).
+   A replica that heals first compares its settings with those of the live replica it heals
+   from, whose state the quorum has brought, and leaves on a mismatch, before any collective
+   (:meth:`FaultTolerance._check_settings`).
 3. A collective that fails marks the step as failed: the engine then reads nothing back
    (:attr:`distopt.engine.GradientEngine.round_failed`), and this replica *cuts* its
    group's connections at once, so that every survivor still waiting on it fails too
@@ -121,8 +124,8 @@ class FaultTolerance:
         on_world_change: called with each :class:`MembershipEvent` (inside ``step()``), or None.
         compressor: the wrapper's compressor, whose state a discarded step puts back, or None.
         compression_key: where ``state_dict`` holds the compressor's state.
-        settings: the wrapper's settings, which a replica that heals compares with its peer's
-            (None: not compared).
+        settings: the wrapper's settings, which a replica that heals compares with its live
+            peer's once the quorum is known, before its first collective (None: not compared).
     """
 
     def __init__(self, manager: Any, *, params: List[Tensor], state_dict: Callable[[], Dict[str, Any]],

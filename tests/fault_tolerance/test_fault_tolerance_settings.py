@@ -90,11 +90,11 @@ def test_streaming_diloco_a_newcomer_with_other_sync_fragments_is_refused_and_th
     """Streaming DiLoCo (sync_every=4): the live replica syncs in 2 fragments; a newcomer built with
     sync_fragments=1 (the docs' example) raises ValueError naming sync_fragments with 1 and 2 at its first
     sync, before its exchange, and the live replica syncs on, at once, though the newcomer's process stays up
-    for 5 s after the error (as one that caught it would)."""
+    for 6 s after the error (as one that caught it would)."""
     live = dict(sync_every=4, outer=True, stream={"fragments": 2, "overlap": 0}, pace=0.01, steps=6, timeout=10.0)
     j = job()
     _refuse_newcomers(j, live, [
-        (dict(stream={"fragments": 1, "overlap": 0}, linger=5.0),
+        (dict(stream={"fragments": 1, "overlap": 0}, linger=6.0),
          r"built with sync_fragments=1, and the live replica it heals from with sync_fragments=2"),
     ])
     losses = [e["loss"] for e in j.log("live") if "loss" in e]
