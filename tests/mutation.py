@@ -91,6 +91,9 @@ MUTANTS: List[Mutant] = [
     Mutant("fault tolerance: a streaming sync voted down goes back to its anchors", "distopt/modes/streaming.py",
            "                        p.copy_(self._anchor_of(p))\n", "                        pass\n",
            ["tests/fault_tolerance/test_fault_tolerance.py", "-k", "streaming"]),
+    Mutant("fault tolerance: settings compared before the first collective", "distopt/fault_tolerance/controller.py",
+           "            self._check_settings()\n", "",
+           ["tests/unit/test_fault_tolerance_arguments.py", "tests/fault_tolerance/test_fault_tolerance_settings.py"]),
 ]
 
 

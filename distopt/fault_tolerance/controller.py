@@ -8,6 +8,9 @@ Per step, with torchft's ``Manager`` (used duck-typed: this module never imports
    waited for and the engine learns how many replicas take part this step: it scales the
    gradients by 1/participants while copying them into the packs, as without fault
    tolerance, and the packs' sums travel on the manager's process group (:mod:`.channel`).
+   A replica that heals first compares its settings with those of the live replica it heals
+   from, whose state the quorum has brought, and leaves on a mismatch, before any collective
+   (:meth:`FaultTolerance._check_settings`).
 3. A collective that fails marks the step as failed: the engine then reads nothing back
    (:attr:`distopt.engine.GradientEngine.round_failed`), and this replica *cuts* its
    group's connections at once, so that every survivor still waiting on it fails too
@@ -121,8 +124,8 @@ class FaultTolerance:
         on_world_change: called with each :class:`MembershipEvent` (inside ``step()``), or None.
         compressor: the wrapper's compressor, whose state a discarded step puts back, or None.
         compression_key: where ``state_dict`` holds the compressor's state.
-        settings: the wrapper's settings, which a replica that heals compares with its peer's
-            (None: not compared).
+        settings: the wrapper's settings, which a replica that heals compares with its live
+            peer's once the quorum is known, before its first collective (None: not compared).
     """
 
     def __init__(self, manager: Any, *, params: List[Tensor], state_dict: Callable[[], Dict[str, Any]],
@@ -209,7 +212,8 @@ class FaultTolerance:
         if not self._sized:
             self._sized = True
             manager = self.manager
-            world = int(manager.num_participants())  # waits for the quorum
+            world = int(manager.num_participants())  # waits for the quorum (and a heal's transfer)
+            self._check_settings()
             self.world_size = world
             self._rank = manager.participating_rank()
             self.participating = bool(manager.is_participating())
@@ -219,6 +223,51 @@ class FaultTolerance:
             if self.compression is not None:
                 self.compression.before_round()
             self._set_world(max(world, 1))
+
+    def _check_settings(self) -> None:
+        """Refuse to take part in this quorum when the live replica this one heals from was built
+        with other settings, before this replica issues any collective.
+
+        Why here, on the healing path: every replica that joins others behind them heals (torchft
+        heals each replica not at the quorum's step and, at step 0, every replica but the primary:
+        ``init_sync``), and the heal has fetched the live replica's snapshot, with its settings,
+        inside the quorum this method comes after (:func:`healing.arrived`). So the comparison
+        costs no message of its own, runs on the replica that joins, and is done before its
+        first collective: the live replicas never see one that does not pair with theirs (gloo
+        aborts a process on a collective whose sizes differ, whichever side it lands on). The
+        alternatives need more: torchft's quorum carries no data of the replicas through the
+        Manager, and a store key would need a second rendezvous at every quorum on a store that a
+        replica learns of only from the quorum. The live replicas define the settings: they never
+        compare, and a replica that trains alone defines them for those that come.
+
+        On a mismatch this replica leaves before it raises. It cuts its group's connections, so
+        that the live replicas, which are already in the step's first collective with it, fail
+        that step at once and discard it, as after any death. And it shuts its manager down, so
+        that it stops beating to the lighthouse: a replica that still beats but asks for no
+        quorum holds the others' next quorum back (torchft's lighthouse forms none with half of
+        the live replicas or fewer, against a split brain), for as long as a process that caught
+        the error stays up. The live replicas then go on without it.
+
+        Raises:
+            ValueError: a setting differs (:func:`healing.check_settings`: it names the setting,
+                both values and the fix).
+        """
+        if self._settings is None:
+            return
+        peer = healing.arrived(self.manager, self.key)
+        if peer is None:
+            return
+        try:
+            healing.check_settings(peer, self._settings())
+        except ValueError as error:
+            self.failed(error)
+            shutdown = getattr(self.manager, "shutdown", None)
+            if callable(shutdown):
+                shutdown(wait=False)
+            raise ValueError(
+                f"{error}. This replica issued no collective and has left the quorum (its torchft Manager is shut "
+                "down); the live replicas go on without it"
+            ) from None
 
     def _group_place(self, world: int) -> Tuple[int, int]:
         """This replica's rank in the manager's process group and the group's size (every replica of the

@@ -9,6 +9,12 @@ The state is the wrapper's whole: the parameters it tracks, ``opt.state_dict()``
 inner optimizer's state; in local SGD the anchors, the steps since the last sync and the
 outer optimizer; a compressor's state, of which the controller decides what the healer
 takes: :mod:`distopt.fault_tolerance.compressor_state`), and the step count.
+
+It also carries the live peer's wrapper settings, which the healer compares with its own
+(:func:`check_settings`) *before its first collective*: torchft fetches the state inside the
+quorum, so it is here (:func:`arrived`) once the quorum is, while the healer has sent nothing
+yet. A healer built with other settings would otherwise run that step's collectives with the
+live replicas, and a collective whose sizes differ aborts a process (gloo), a live one too.
 """
 from __future__ import annotations
 
@@ -17,7 +23,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 from torch import Tensor
 
-__all__ = ["snapshot", "check_settings", "restore"]
+__all__ = ["snapshot", "arrived", "check_settings", "restore"]
 
 
 def snapshot(params: List[Tensor], state_dict: Callable[[], Dict[str, Any]], steps: int,
@@ -33,25 +39,46 @@ def snapshot(params: List[Tensor], state_dict: Callable[[], Dict[str, Any]], ste
         }
 
 
+def arrived(manager: Any, key: str) -> Optional[Dict[str, Any]]:
+    """The :func:`snapshot` a heal has brought for the state registered under ``key``, or None.
+
+    torchft (0.2.0) fetches a live peer's state inside the quorum (``Manager._async_quorum``,
+    on its quorum thread) and keeps it, unloaded, in ``Manager._pending_state_dict`` as
+    ``{"user": {key: snapshot, ...}, "torchft": ...}`` until ``should_commit()`` loads it. So
+    once the quorum is done (``num_participants()`` waits for it) a replica that heals holds
+    its peer's snapshot, before it has issued a collective of the step. None: this replica
+    does not heal at this quorum, the fetch failed (the manager has the error, and the step
+    sends nothing), or a manager that keeps it elsewhere (the comparison then runs only as
+    the state is loaded, in ``should_commit()``).
+    """
+    pending = getattr(manager, "_pending_state_dict", None)
+    user = pending.get("user") if isinstance(pending, dict) else None
+    state = user.get(key) if isinstance(user, dict) else None
+    return state if isinstance(state, dict) else None
+
+
 def check_settings(state: Dict[str, Any], settings: Optional[Dict[str, Any]]) -> None:
     """Refuse a peer's :func:`snapshot` taken under other wrapper settings.
 
     Args:
         state: the peer's snapshot.
-        settings: this replica's wrapper settings (None: nothing to compare).
+        settings: this replica's wrapper settings (None: nothing to compare), in the wrapper's
+            order: the first that differs is named (the user's arguments come before the mode,
+            which only backs them up).
 
     Raises:
-        ValueError: a setting differs; the error names it and both values. Every replica must
-            issue the same collectives, which these settings decide.
+        ValueError: a setting differs; the error names it, both values and the fix. Every
+            replica must issue the same collectives, which these settings decide.
     """
     theirs = state.get("settings")
     if settings is None or theirs is None or theirs == settings:
         return
-    key = next(k for k in sorted(set(theirs) | set(settings), key=str) if theirs.get(k) != settings.get(k))
+    key = next(k for k in [*settings, *(k for k in theirs if k not in settings)] if theirs.get(k) != settings.get(k))
     raise ValueError(
-        f"this replica's DistributedOptimizer was built with {key}={settings.get(key)!r}, and the live peer it "
-        f"heals from with {key}={theirs.get(key)!r}; every replica must pass the same arguments (they decide "
-        "which collectives the replicas issue together)"
+        f"this replica's DistributedOptimizer was built with {key}={settings.get(key)!r}, and the live replica it "
+        f"heals from with {key}={theirs.get(key)!r}; every replica must pass the same arguments, since they decide "
+        f"which collectives the replicas issue together: restart this replica with {key}={theirs.get(key)!r} (or, "
+        "to change the setting, restart every replica with the new value)"
     )
 
 

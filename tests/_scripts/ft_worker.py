@@ -20,7 +20,10 @@ the first step) and ``batches`` (the replica has that many
 batches: it trains inside ``opt.join()`` while the committed step count is below it, then
 shadows the others; after the block it logs ``final`` with the hash and saves its parameters
 to ``<out>.pt``). A ``kill`` with ``"where": "shadow"`` SIGKILLs a replica that has joined
-after it shadowed ``after`` steps.
+after it shadowed ``after`` steps. ``until_file``: the replica trains on past ``steps`` until that
+file exists (a test that starts other replicas against it says when it is done). A ``ValueError``
+from a step (a replica refused, e.g. built with other settings than the live ones) is logged as
+``refused`` before it ends the process, ``linger`` seconds later.
 """
 import hashlib
 import json
@@ -216,7 +219,12 @@ while "batches" not in spec:
         log(dying="between", step=manager.current_step())
         os.kill(os.getpid(), signal.SIGKILL)
     t0 = time.time()
-    loss, ok = train_step()
+    try:
+        loss, ok = train_step()
+    except ValueError as error:
+        log(refused=str(error), step=manager.current_step(), world=opt.fault_tolerance.world_size)
+        time.sleep(spec.get("linger", 0.0))  # as a process that caught it would stay up (its manager too)
+        raise
     dt = time.time() - t0
     ft = opt.stats.fault_tolerance
     synced = not local or ft["committed"] != last_committed  # local SGD: hashes compared right after a sync
@@ -233,7 +241,8 @@ while "batches" not in spec:
     if pace:
         time.sleep(pace)
     streak = streak + 1 if ft["world_size"] == until_world else 0
-    if manager.current_step() >= spec["steps"] and (until_world is None or streak >= spec.get("streak", 3)):
+    if (manager.current_step() >= spec["steps"] and (until_world is None or streak >= spec.get("streak", 3))
+            and ("until_file" not in spec or os.path.exists(spec["until_file"]))):
         break
     # Waiting for a replacement is bounded by time, not steps: under a loaded host a survivor once took
     # 10x the steps (4 s) before the replacement, slower to start, asked for its first quorum.

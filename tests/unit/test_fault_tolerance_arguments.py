@@ -189,7 +189,53 @@ def test_a_replica_that_heals_from_a_peer_built_with_other_settings_is_told_whic
     mine, manager = build(sync_fragments=1)
     (peer_load, peer_save), = peer.registered.values()
     (load, save), = manager.registered.values()
-    with pytest.raises(ValueError, match=r"built with sync_fragments=1, and the live peer it heals from with "
+    with pytest.raises(ValueError, match=r"built with sync_fragments=1, and the live replica it heals from with "
                                          r"sync_fragments=2; every replica must pass the same arguments"):
         load(peer_save())
     load(save())  # the same settings: taken
+
+
+class HealingManager(RecordingManager):
+    """A manager whose quorum has fetched a live peer's state, unloaded, as torchft 0.2.0 keeps it: this
+    replica heals at this step. Records the calls that reach it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: List[str] = []
+        self._pending_state_dict: Dict[str, Any] = {"user": {}, "torchft": {"step": 5, "batches_committed": 5}}
+
+    def allreduce(self, tensor: torch.Tensor, reduce_op: Any = None) -> Any:
+        self.calls.append("allreduce")
+
+    def participating_rank(self) -> Any: return None
+    def is_participating(self) -> bool: return False
+    def current_step(self) -> int: return 5
+    def report_error(self, error: Exception) -> None: self.calls.append("report_error")
+    def shutdown(self, wait: bool = True) -> None: self.calls.append("shutdown")
+
+
+def test_a_replica_whose_live_peer_has_other_settings_stops_before_its_first_collective_and_leaves() -> None:
+    """The peer's state, with its settings, arrives inside the quorum: the first backward's first pack waits for
+    the quorum, compares, and raises ValueError naming the setting and both values before the pack is sent;
+    the replica reports the step failed and shuts its manager down (it leaves the quorum). With the same
+    settings the pack goes out."""
+    peer_manager = RecordingManager()
+    distopt.DistributedOptimizer(_opt(), fault_tolerance=peer_manager, pack_threshold=4096)
+    (_, peer_save), = peer_manager.registered.values()
+    for threshold, refused in ((1024, True), (4096, False)):
+        manager = HealingManager()
+        model = torch.nn.Linear(2, 2)
+        opt = distopt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), fault_tolerance=manager,
+                                           pack_threshold=threshold)
+        manager._pending_state_dict["user"] = {key: peer_save() for key in manager.registered}
+        opt.zero_grad()
+        if refused:
+            with pytest.raises(ValueError, match=r"built with pack_threshold=1024, and the live replica it heals from "
+                                                 r"with pack_threshold=4096; .* restart this replica with "
+                                                 r"pack_threshold=4096 .* This replica issued no collective and has "
+                                                 r"left the quorum"):
+                model(torch.ones(1, 2)).sum().backward()
+            assert manager.calls == ["report_error", "shutdown"]
+        else:
+            model(torch.ones(1, 2)).sum().backward()
+            assert manager.calls[:1] == ["allreduce"]
