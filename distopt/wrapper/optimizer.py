@@ -179,7 +179,8 @@ class DistributedOptimizer(InnerOptimizerSurface):
             (docs/fault-tolerance.md). None: a fixed world (default: None).
 
     Raises:
-        TypeError: if ``optimizer`` is not a ``torch.optim.Optimizer``.
+        TypeError: if ``optimizer`` is not a ``torch.optim.Optimizer``, or a parameter is a DTensor
+            (FSDP2's ``fully_shard``), which is not supported yet (on every rank, before any collective).
         ValueError: on a bad argument value or parameters that differ between ranks.
 
     Example::
@@ -272,6 +273,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
             )
         self.root_rank = root_rank
         self._names_by_id = checks.names_by_id(named_parameters, optimizer)
+        checks.no_dtensors(optimizer, self._names_by_id)  # before the engine's first collective
         self._engine = self._build_engine(backward_passes_per_step=int(backward_passes_per_step))
         self._mode: Mode = choose(ModeArguments(
             rank=self.rank, world_size=self.world_size, local=local, shard_state=self.shard_state,
@@ -351,6 +353,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
 
         Raises:
             RuntimeError: called between ``backward()`` and ``step()``.
+            TypeError: a DTensor parameter (FSDP2), which is not supported yet; the group is not added.
         """
         if self._engine.state != RoundState.OPEN:
             raise RuntimeError(
@@ -358,6 +361,11 @@ class DistributedOptimizer(InnerOptimizerSurface):
                 "backward() or after step()"
             )
         self.optimizer.add_param_group(param_group)
+        try:
+            checks.no_dtensors(self.optimizer, self._names_by_id, first_group=len(self.optimizer.param_groups) - 1)
+        except TypeError:
+            self.optimizer.param_groups.pop()
+            raise
         self._track_new_params()
 
     # ------------------------------------------------------------------ training loop
