@@ -26,6 +26,7 @@ class Cast(Compressor):
         dtype: ``torch.float16`` or ``torch.bfloat16``.
 
     Raises:
+        TypeError: ``dtype`` is not a ``torch.dtype`` (``"float16"``).
         ValueError: ``dtype`` is not a 16-bit float type.
 
     Example::
@@ -35,6 +36,9 @@ class Cast(Compressor):
     """
 
     def __init__(self, dtype: torch.dtype) -> None:
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"Cast(dtype=) must be a torch.dtype (torch.float16 or torch.bfloat16), got "
+                            f"{type(dtype).__name__} {dtype!r}")
         if dtype not in _NAMES:
             raise ValueError(f"Cast(dtype=) must be torch.float16 or torch.bfloat16, got {dtype!r}")
         self.dtype = dtype

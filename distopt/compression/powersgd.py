@@ -26,6 +26,7 @@ from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import Tensor
 
+from . import arguments
 from .feedback import Key, keyed_state, load_keyed_state
 from .protocol import AllReduce, Codec, Collective, Compressor, PackLayout, Round
 
@@ -56,6 +57,7 @@ class PowerSGD(Compressor):
             than from a fresh random one (default: True).
 
     Raises:
+        TypeError: a setting of the wrong type (``seed="x"``, ``rank=2.0``), naming it.
         ValueError: a setting out of range.
 
     Example::
@@ -70,21 +72,21 @@ class PowerSGD(Compressor):
 
     def __init__(self, rank: int = 4, start_step: int = 0, min_compression_rate: float = 2.0, seed: int = 0,
                  error_feedback: bool = True, warm_start: bool = True) -> None:
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+        rank = arguments.integer("PowerSGD", "rank", rank, ">= 1")
+        start_step = arguments.integer("PowerSGD", "start_step", start_step, ">= 0")
+        min_compression_rate = arguments.real("PowerSGD", "min_compression_rate", min_compression_rate, "> 0")
+        if rank < 1:
             raise ValueError(f"PowerSGD(rank=) must be an int >= 1, got {rank!r}")
-        if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
+        if start_step < 0:
             raise ValueError(f"PowerSGD(start_step=) must be an int >= 0, got {start_step!r}")
         if not min_compression_rate > 0:
             raise ValueError(f"PowerSGD(min_compression_rate=) must be > 0, got {min_compression_rate!r}")
         self.rank = rank
         self.start_step = start_step
-        self.min_compression_rate = float(min_compression_rate)
-        self.seed = int(seed)
-        for name, value in (("error_feedback", error_feedback), ("warm_start", warm_start)):
-            if not isinstance(value, bool):
-                raise TypeError(f"PowerSGD({name}=) must be True or False, got {value!r}")
-        self.error_feedback = error_feedback
-        self.warm_start = warm_start
+        self.min_compression_rate = min_compression_rate
+        self.seed = arguments.integer("PowerSGD", "seed", seed, "any integer, the same on every rank")
+        self.error_feedback = arguments.boolean("PowerSGD", "error_feedback", error_feedback)
+        self.warm_start = arguments.boolean("PowerSGD", "warm_start", warm_start)
         # Keyed by (exchange, parameter index): gradients and a mode's exchanges keep theirs apart.
         self.residuals: Dict[Key, Tensor] = {}
         # Q is kept transposed (rank x cols): both of a step's products with M then read M row
@@ -131,7 +133,9 @@ class PowerSGD(Compressor):
     def first_q(self, index: int, cols: int, like: Tensor, step: int = 0) -> Tensor:
         """The same ``Qᵀ`` (``rank x cols``) on every rank: drawn from a generator seeded by the seed and
         the parameter (and the step, without a warm start)."""
-        gen = torch.Generator().manual_seed((self.seed * 1_000_003 + index) * 1_000_033 + step)
+        # Modulo 2**64, as torch takes a negative seed: any int seed works (2**31 overflowed torch's seed
+        # mid-backward), and every seed that worked before draws the same Q.
+        gen = torch.Generator().manual_seed(((self.seed * 1_000_003 + index) * 1_000_033 + step) % 2**64)
         return torch.randn(self.rank, cols, generator=gen, dtype=torch.float32).to(like.device, like.dtype)
 
     def state_dict(self) -> Dict[str, Any]:

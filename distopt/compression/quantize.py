@@ -41,6 +41,7 @@ from typing import Any, Dict, Iterator, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
+from . import arguments
 from .feedback import Key, PackResiduals, keyed_state, load_residuals
 from .protocol import AllGather, AllToAll, Codec, Collective, Compressor, PackLayout, Round
 
@@ -117,6 +118,7 @@ class Quantize(Compressor):
         block_size: values per scale; a multiple of 8 (default: 256).
 
     Raises:
+        TypeError: ``bits`` or ``block_size`` is not an int (``bits=8.0``).
         ValueError: ``bits`` is not 8 or 4, or ``block_size`` is not a positive multiple of 8.
 
     Example::
@@ -128,9 +130,11 @@ class Quantize(Compressor):
     per_rank_keys = ("residuals",)
 
     def __init__(self, bits: int = 8, block_size: int = 256) -> None:
-        if bits not in (4, 8) or isinstance(bits, bool):
+        bits = arguments.integer("Quantize", "bits", bits, "8 or 4")
+        block_size = arguments.integer("Quantize", "block_size", block_size, "a positive multiple of 8")
+        if bits not in (4, 8):
             raise ValueError(f"Quantize(bits=) must be 8 or 4, got {bits!r}")
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 8 or block_size % 8:
+        if block_size < 8 or block_size % 8:
             # a multiple of 8 keeps every chunk's scales 4-byte aligned in the messages, at 4 bits too
             raise ValueError(f"Quantize(block_size=) must be a positive multiple of 8, got {block_size!r}")
         self.bits = bits

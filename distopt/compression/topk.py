@@ -38,6 +38,7 @@ from typing import Any, Dict, Iterator, Optional, Sequence
 import torch
 from torch import Tensor
 
+from . import arguments
 from .feedback import Key, PackResiduals, keyed_state, load_residuals
 from .protocol import AllGather, Codec, Collective, Compressor, PackLayout, Round
 
@@ -74,6 +75,7 @@ class TopK(Compressor):
         group_size: values per group, of which one travels: a power of two from 2 to 256 (default: 64).
 
     Raises:
+        TypeError: ``group_size`` is not an int.
         ValueError: ``group_size`` is not a power of two from 2 to 256.
 
     Example::
@@ -87,8 +89,8 @@ class TopK(Compressor):
     per_rank_keys = ("residuals",)
 
     def __init__(self, group_size: int = 64) -> None:
-        if (isinstance(group_size, bool) or not isinstance(group_size, int) or not 2 <= group_size <= 256
-                or group_size & (group_size - 1)):
+        group_size = arguments.integer("TopK", "group_size", group_size, "a power of two from 2 to 256")
+        if not 2 <= group_size <= 256 or group_size & (group_size - 1):
             # A power of two: the row travels in the low bits of the selection's keys, and in one byte.
             raise ValueError(f"TopK(group_size=) must be a power of two from 2 to 256, got {group_size!r}")
         self.group_size = group_size

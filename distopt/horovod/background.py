@@ -214,6 +214,9 @@ class _Worker:
             if item is None:
                 return
             _run(*item)
+            # Not kept while waiting for the next: the launch's closure holds its group, which a
+            # script that never calls hvd.shutdown() would keep alive past the group's destruction at exit.
+            del item
 
     def stop(self) -> None:
         self.queue.put(None)

@@ -10,17 +10,28 @@ differently from the run that saved it. A shard loads directly only into the
 same rank of a wrapper with the same world size and owners; anything else must
 go through :func:`merge_state_dicts`, and is refused with a ``ValueError``
 rather than dropping state.
+
+Besides the optimizer state a shard carries what is each rank's own anyway (the
+wrapper adds the compressor's residuals and PowerSGD's ``Q``). One merged dict
+cannot hold every rank's residuals in one, so it keeps them by rank under
+:data:`PER_RANK_KEY`, and :func:`own_part` hands a rank its own when the world
+size is the save's.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence
+from typing import Any, Dict, List, Sequence, Tuple
 
+from torch import Tensor
 from torch.optim import Optimizer
 
-__all__ = ["SHARD_KEY", "merge_state_dicts", "shard_of", "check_shard", "whole"]
+__all__ = ["SHARD_KEY", "PER_RANK_KEY", "merge_state_dicts", "shard_of", "check_shard", "whole", "own_part"]
 
 #: The key under which a shard records where it comes from.
 SHARD_KEY = "shard"
+#: The key under which a merged dict keeps what the shards held besides the optimizer state, by rank:
+#: ``{"world_size": W, "ranks": [{key: value}, ...]}`` (rank r's entries at index r).
+PER_RANK_KEY = "distopt_per_rank"
+_OPTIMIZER_KEYS = ("state", "param_groups", SHARD_KEY)
 
 _FIX = ("merge every rank's shard of that save with distopt.merge_state_dicts([torch.load(f) for f in files]) "
         "and load the full state dict on every rank")
@@ -47,7 +58,14 @@ def merge_state_dicts(shards: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
 
     Returns:
         What ``opt.state_dict()`` would have gathered: loads into a plain optimizer, an
-        unsharded wrapper or a sharded one at any world size.
+        unsharded wrapper or a sharded one at any world size. What the shards carry
+        besides the optimizer state, each rank's own (the compressor's residuals and
+        PowerSGD's ``Q``), cannot become one rank's: the merged dict keeps it by rank
+        under :data:`PER_RANK_KEY`. A wrapper at the save's world size loads its own
+        rank's, so a resume is bitwise the uninterrupted run; at another world size no
+        rank's residuals fit, so the wrapper warns and error feedback starts over
+        (what compression had left out at the save is dropped). A plain optimizer
+        ignores the key.
 
     Raises:
         ValueError: the shards are not one complete save (missing or repeated ranks, or
@@ -72,7 +90,43 @@ def merge_state_dicts(shards: Sequence[Dict[str, Any]]) -> Dict[str, Any]:
     state: Dict[int, Any] = {}
     for shard in shards:
         state.update(shard["state"])
-    return {"state": {k: state[k] for k in sorted(state)}, "param_groups": shards[0]["param_groups"]}
+    merged = {"state": {k: state[k] for k in sorted(state)}, "param_groups": shards[0]["param_groups"]}
+    by_rank = {shard[SHARD_KEY]["rank"]: {k: v for k, v in shard.items() if k not in _OPTIMIZER_KEYS}
+               for shard in shards}
+    if any(by_rank.values()):
+        merged[PER_RANK_KEY] = {"world_size": world, "ranks": [by_rank[r] for r in range(world)]}
+    return merged
+
+
+def own_part(state_dict: Dict[str, Any], rank: int, world_size: int) -> Tuple[Dict[str, Any], Dict[str, Any], bool]:
+    """Split a merged dict's per-rank entries off: ``(the rest, rank's own entries, whether any were dropped)``.
+
+    Args:
+        state_dict: any state dict (one without :data:`PER_RANK_KEY` comes back as it is, with ``{}``).
+        rank, world_size: the loading wrapper's.
+
+    Returns:
+        The dict without the key; this rank's entries of a save at the same world size (``{}`` at
+        another, where no rank's fit); and True when entries holding tensors were dropped that way.
+    """
+    kept = state_dict.get(PER_RANK_KEY)
+    if kept is None:
+        return state_dict, {}, False
+    rest = {k: v for k, v in state_dict.items() if k != PER_RANK_KEY}
+    ranks = kept.get("ranks", [])
+    if kept.get("world_size") == world_size and 0 <= rank < len(ranks):
+        return rest, dict(ranks[rank]), False
+    return rest, {}, any(_holds_tensors(entries) for entries in ranks)
+
+
+def _holds_tensors(value: Any) -> bool:
+    if isinstance(value, Tensor):
+        return True
+    if isinstance(value, dict):
+        return any(_holds_tensors(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return any(_holds_tensors(v) for v in value)
+    return False
 
 
 def whole(state_dict: Dict[str, Any]) -> Dict[str, Any]:

@@ -7,6 +7,19 @@ ended, where nothing hides it. Their sum is least at ``s = sqrt(G a b)``: on loo
 sites far less, since there each pack's tail costs most. A compressor that sends a
 fraction ``f`` of the bytes makes both costs ``f`` times the bytes it sends, and its
 packs grow by ``1 / sqrt(f)``.
+
+Robust to noise by construction:
+
+* ``a b`` is the bytes the link moves in one latency, so only the *ratio* of the two
+  timings counts: a machine that is slower across the board chooses the same.
+* A large all-reduce that is not measurably slower than a small one (less than
+  :data:`RESOLUTION` of the small one's time more) is taken to cost that much more,
+  so a link too fast to time at this size gets a bounded pack, not the largest.
+* The choice is a power of two, and at most a quarter of the gradients' bytes, so
+  the first packs travel during backward.
+
+Hence: between two runs whose median timings of each size differ by at most 20%,
+the choices are equal or one power of two apart (``tests/unit/test_link.py``).
 """
 from __future__ import annotations
 
@@ -14,11 +27,14 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-__all__ = ["LinkTiming", "AUTO_MIN", "AUTO_MAX", "fit_link", "choose_threshold"]
+__all__ = ["LinkTiming", "AUTO_MIN", "AUTO_MAX", "RESOLUTION", "fit_link", "choose_threshold"]
 
-#: The smallest and largest pack ``"auto"`` picks.
+#: The smallest and largest pack ``"auto"`` picks (powers of two).
 AUTO_MIN = 64 << 10
 AUTO_MAX = 64 << 20
+#: The least extra time, as a share of the small all-reduce's, that a large one is taken to cost:
+#: below it the difference is lost in the noise of timing collectives.
+RESOLUTION = 0.25
 
 
 @dataclass(frozen=True)
@@ -31,15 +47,21 @@ class LinkTiming:
 
 def fit_link(small_bytes: int, small_seconds: Sequence[float], large_bytes: int,
              large_seconds: Sequence[float]) -> LinkTiming:
-    """Latency and bandwidth from timed all-reduces of two sizes (medians, so one hiccup does not count)."""
-    small = _median(small_seconds)
+    """Latency and bandwidth from timed all-reduces of two sizes (medians, so one hiccup does not count).
+
+    The large ones are taken to cost at least :data:`RESOLUTION` times the small ones' time more,
+    so that a difference too small to measure gives a bounded bandwidth rather than an endless one.
+    """
+    small = max(_median(small_seconds), 1e-7)
     large = _median(large_seconds)
-    extra = max(large - small, 1e-9)
-    return LinkTiming(latency=max(small, 1e-7), bandwidth=(large_bytes - small_bytes) / extra)
+    extra = max(large - small, RESOLUTION * small)
+    return LinkTiming(latency=small, bandwidth=(large_bytes - small_bytes) / extra)
 
 
 def choose_threshold(link: LinkTiming, total_bytes: int, wire_fraction: float = 1.0) -> int:
-    """The pack size for a round of ``total_bytes`` over ``link``, within [:data:`AUTO_MIN`, :data:`AUTO_MAX`].
+    """The pack size for a round of ``total_bytes`` over ``link``: the power of two nearest the balance
+    ``sqrt(G a b / f)``, within [:data:`AUTO_MIN`, :data:`AUTO_MAX`] and at most a quarter of
+    ``total_bytes`` (the largest power of two not above it; never below :data:`AUTO_MIN`).
 
     Args:
         link: the link's timing.
@@ -49,8 +71,13 @@ def choose_threshold(link: LinkTiming, total_bytes: int, wire_fraction: float = 
             ``f s = sqrt(f G a b)``, so compressed packs hold ``1 / sqrt(f)`` times more.
     """
     fraction = min(max(wire_fraction, 1e-6), 1.0)
-    best = math.sqrt(max(total_bytes, 1) * link.latency * link.bandwidth / fraction)
-    return int(min(max(best, AUTO_MIN), AUTO_MAX))
+    total = max(total_bytes, 1)
+    best = math.sqrt(total * link.latency * link.bandwidth / fraction)
+    # Rounded in log space: choices within a factor of sqrt(2) of each other mostly coincide.
+    nearest = 1 << max(0, round(math.log2(max(best, 1.0))))
+    # A quarter of the gradients at most: one pack as large as the round would all travel after backward.
+    quarter = 1 << max(0, (total // 4).bit_length() - 1) if total >= 4 else 1
+    return max(AUTO_MIN, min(nearest, AUTO_MAX, quarter))
 
 
 def _median(values: Sequence[float]) -> float:

@@ -15,17 +15,19 @@ _SMALL = 1 << 10
 _LARGE = 1 << 20
 
 
-def measure_link(group: dist.ProcessGroup, device: torch.device, repeats: int = 5) -> LinkTiming:
+def measure_link(group: dist.ProcessGroup, device: torch.device, repeats: int = 7) -> LinkTiming:
     """Time all-reduces of 1 KiB and 1 MiB over ``group`` (every rank calls it, alike) and fit the link.
 
+    The two sizes take turns, so that a passing slowdown (another job's burst, a page fault)
+    lands on both rather than on one size's every timing; the fit takes each size's median.
     Each rank gets its own timing; the caller makes one rank's the decision.
     """
-    timings: List[List[float]] = []
-    for nbytes in (_SMALL, _LARGE):
-        tensor = torch.zeros(nbytes // 4, dtype=torch.float32, device=device)
+    tensors = [torch.zeros(nbytes // 4, dtype=torch.float32, device=device) for nbytes in (_SMALL, _LARGE)]
+    for tensor in tensors:
         dist.all_reduce(tensor, group=group)  # the first of a size sets up buffers: not timed
-        seconds = []
-        for _ in range(repeats):
+    timings: List[List[float]] = [[], []]
+    for _ in range(repeats):
+        for seconds, tensor in zip(timings, tensors):
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             start = time.perf_counter()
@@ -33,5 +35,4 @@ def measure_link(group: dist.ProcessGroup, device: torch.device, repeats: int = 
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             seconds.append(time.perf_counter() - start)
-        timings.append(seconds)
     return fit_link(_SMALL, timings[0], _LARGE, timings[1])

@@ -32,6 +32,7 @@ __all__ = [
     "seconds",
     "shard_state",
     "names_by_id",
+    "no_dtensors",
     "positions",
     "claim",
     "release",
@@ -284,6 +285,35 @@ def names_by_id(named_parameters: Optional[Iterable[Tuple[str, Tensor]]], optimi
             f"(first: {unnamed[0]}); pass the model's named_parameters() for every parameter the optimizer holds"
         )
     return names
+
+
+def no_dtensors(optimizer: Optimizer, names: Dict[int, str], first_group: int = 0) -> None:
+    """Refuse DTensor parameters (FSDP2's ``fully_shard``, ``distribute_tensor``), from ``first_group`` on.
+
+    A DTensor parameter holds one shard per rank, and its gradient's collectives go through
+    DTensor's dispatch, which has no strategy for the wrapper's broadcasts and all-reduces: the
+    first one failed on one rank and left the others blaming a rank that was gone. The check
+    is local and every rank holds such parameters alike, so every rank raises it, before any
+    collective.
+
+    Raises:
+        TypeError: naming the first DTensor parameter and what to do instead.
+    """
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a torch built without distributed support has no DTensor
+        return
+    for g, group in enumerate(optimizer.param_groups[first_group:], start=first_group):
+        for j, p in enumerate(group["params"]):
+            if isinstance(p, DTensor):
+                name = names.get(id(p), f"param_groups[{g}][{j}]")
+                raise TypeError(
+                    f"parameter {name!r} is a DTensor (placements {tuple(p.placements)}, e.g. from FSDP2's "
+                    "fully_shard or distribute_tensor): DistributedOptimizer does not support FSDP2/DTensor "
+                    "parameters yet. Build the wrapper over the plain, unsharded model (shard_state=True shards "
+                    "the optimizer state, ZeRO-1), or train the FSDP2 model with its plain torch.optim optimizer, "
+                    "without DistributedOptimizer"
+                )
 
 
 def positions(optimizer: Optimizer, only: Optional[List[Tensor]]) -> List[Tuple[int, int, Tensor]]:

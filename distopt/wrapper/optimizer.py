@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import time
+import warnings
 import weakref
 from datetime import timedelta
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
@@ -178,7 +179,8 @@ class DistributedOptimizer(InnerOptimizerSurface):
             (docs/fault-tolerance.md). None: a fixed world (default: None).
 
     Raises:
-        TypeError: if ``optimizer`` is not a ``torch.optim.Optimizer``.
+        TypeError: if ``optimizer`` is not a ``torch.optim.Optimizer``, or a parameter is a DTensor
+            (FSDP2's ``fully_shard``), which is not supported yet (on every rank, before any collective).
         ValueError: on a bad argument value or parameters that differ between ranks.
 
     Example::
@@ -271,6 +273,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
             )
         self.root_rank = root_rank
         self._names_by_id = checks.names_by_id(named_parameters, optimizer)
+        checks.no_dtensors(optimizer, self._names_by_id)  # before the engine's first collective
         self._engine = self._build_engine(backward_passes_per_step=int(backward_passes_per_step))
         self._mode: Mode = choose(ModeArguments(
             rank=self.rank, world_size=self.world_size, local=local, shard_state=self.shard_state,
@@ -350,6 +353,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
 
         Raises:
             RuntimeError: called between ``backward()`` and ``step()``.
+            TypeError: a DTensor parameter (FSDP2), which is not supported yet; the group is not added.
         """
         if self._engine.state != RoundState.OPEN:
             raise RuntimeError(
@@ -357,6 +361,11 @@ class DistributedOptimizer(InnerOptimizerSurface):
                 "backward() or after step()"
             )
         self.optimizer.add_param_group(param_group)
+        try:
+            checks.no_dtensors(self.optimizer, self._names_by_id, first_group=len(self.optimizer.param_groups) - 1)
+        except TypeError:
+            self.optimizer.param_groups.pop()
+            raise
         self._track_new_params()
 
     # ------------------------------------------------------------------ training loop
@@ -590,17 +599,21 @@ class DistributedOptimizer(InnerOptimizerSurface):
         large models: one file per rank); :func:`distopt.merge_state_dicts` rebuilds the full dict.
 
         In a world of one it is the only shard, the whole state, so a script that saves one
-        file per rank runs unchanged.
+        file per rank runs unchanged. With compression it holds this rank's compressor state
+        under ``"distopt_compression"``, as :meth:`state_dict` does (residuals are each rank's
+        own), so that loading each rank's own shard resumes error feedback exactly.
 
         Raises:
             RuntimeError: the wrapper does not shard its state.
         """
         shard = self._mode.sharded_state_dict(self._context)
-        if shard is not None:
-            return shard
-        if not self.shard_state:
-            raise RuntimeError("sharded_state_dict() needs shard_state=True; use state_dict()")
-        return shards.shard_of(self.optimizer, 0, 1, [0] * sum(len(g["params"]) for g in self.param_groups))
+        if shard is None:
+            if not self.shard_state:
+                raise RuntimeError("sharded_state_dict() needs shard_state=True; use state_dict()")
+            shard = shards.shard_of(self.optimizer, 0, 1, [0] * sum(len(g["params"]) for g in self.param_groups))
+        if self.compressor is not None:
+            shard[COMPRESSION_KEY] = self.compressor.state_dict()
+        return shard
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Load a state dict from this wrapper or a plain optimizer (with ``shard_state``, from any world size).
@@ -608,10 +621,25 @@ class DistributedOptimizer(InnerOptimizerSurface):
         A shard from :meth:`sharded_state_dict` loads as it is into the same rank of a sharded
         wrapper with the same world size and owners, and anywhere if it was saved at world size 1.
 
+        The compressor's state loads from ``"distopt_compression"`` (a rank's own
+        :meth:`state_dict` or shard), or from a merged dict's per-rank entries at the save's
+        world size; at another world size a merged dict has no residuals that fit this rank,
+        and error feedback starts over, with a ``RuntimeWarning``.
+
         Raises:
             ValueError: a shard that lacks state this wrapper needs (merge the save's shards
                 with :func:`distopt.merge_state_dicts`), or a state dict of another optimizer.
         """
+        state_dict, own, dropped = shards.own_part(state_dict, self.rank, self.world_size)
+        if COMPRESSION_KEY in own and COMPRESSION_KEY not in state_dict:
+            state_dict = dict(state_dict, **{COMPRESSION_KEY: own[COMPRESSION_KEY]})
+        elif dropped and self.compressor is not None and COMPRESSION_KEY not in state_dict:
+            warnings.warn(
+                "load_state_dict() got a state dict merged from a save at another world size: the compressor "
+                "residuals in it are each rank's own at that world size and fit no rank here, so error feedback "
+                "starts over (what compression had left out at the save is dropped). For a resume that is "
+                "exactly the uninterrupted run, resume at the save's world size (each rank loading its own shard)",
+                RuntimeWarning, stacklevel=2)
         compressed = state_dict.get(COMPRESSION_KEY)
         if compressed is not None:
             state_dict = {k: v for k, v in state_dict.items() if k != COMPRESSION_KEY}

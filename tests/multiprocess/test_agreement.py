@@ -387,6 +387,29 @@ def ddp_elsewhere_worker():
 # ---------------------------------------------------------------------- 8: arguments and helpers
 
 
+def fsdp2_worker():
+    """A model sharded by FSDP2's fully_shard (DTensor parameters), at construction and in add_param_group."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    sharded = make_model()
+    fully_shard(sharded, mesh=init_device_mesh("cpu", (dist.get_world_size(),)))
+    made = outcome(lambda: built(DistributedOptimizer(torch.optim.SGD(sharded.parameters(), lr=0.1),
+                                                      named_parameters=sharded.named_parameters())))
+    model = make_model()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+    added = outcome(lambda: opt.add_param_group({"params": list(sharded.parameters())[2:]}))
+    groups = len(opt.param_groups)
+    # The refusals ran no collective on any rank, so the ranks still pair: a step trains alike.
+    x, y = data(1)[0]
+    opt.zero_grad()
+    loss_of(model, shard(x), shard(y)).backward()
+    opt.step()
+    identical = identical_on_all_ranks(list(model.parameters()))
+    opt.close()
+    return made, added, groups, identical
+
+
 def outside_group_worker():
     group = dist.new_group([0, 1])  # every rank creates it; rank 2 is not in it
     model = make_model()
@@ -533,6 +556,7 @@ def world2_checks():
         "create_graph": create_graph_worker(),
         "ddp": ddp_worker(),
         "ddp_elsewhere": ddp_elsewhere_worker(),
+        "fsdp2": fsdp2_worker(),
         "int16": int16_worker(),
         "threshold_types": threshold_types_worker(),
         "extra_step_all": extra_step_worker("all"),
@@ -669,6 +693,16 @@ def test_ddp_over_other_parameters_trains_and_the_forward_hook_goes_at_the_first
     for status, value in [r["ddp_elsewhere"][:2] for r in results(2)]:
         assert status == "ok", value
         assert value == (1, 0)  # watching until the first step, then nothing left on every module call
+
+
+def test_fsdp2_dtensor_parameters_are_refused_on_every_rank_before_any_collective_saying_what_to_do():
+    fsdp = r"is a DTensor \(placements \(Shard\(dim=0\),\), e.g. from FSDP2's fully_shard.*does not support " \
+           r"FSDP2/DTensor parameters yet. Build the wrapper over the plain, unsharded model"
+    same_error_everywhere([r["fsdp2"][0] for r in results(2)], "TypeError", r"parameter '0.weight' " + fsdp)
+    same_error_everywhere([r["fsdp2"][1] for r in results(2)], "TypeError", r"parameter 'param_groups\[1\]\[0\]' "
+                          + fsdp)
+    for _, _, groups, identical in [r["fsdp2"] for r in results(2)]:
+        assert groups == 1 and identical  # the refused group was not added; the ranks still train alike
 
 
 def test_create_graph_is_refused_with_what_to_do_instead():

@@ -7,13 +7,16 @@ same order however their backward passes are timed.
 """
 import io
 import random
+import re
 import time
+import warnings
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
 
+import distopt
 from distopt import DistributedOptimizer
 from distopt.compression import AllReduce, Codec, Compressor, PowerSGD, Quantize, TopK
 from distopt.planning.link import AUTO_MAX, AUTO_MIN
@@ -104,6 +107,41 @@ def resume_check(name, sync_every):
     opt2.load_state_dict(state["opt"])
     train(again, opt2, 6, first=5)
     return {"bitwise": torch.equal(straight, flat(again)), "has_state": "distopt_compression" in state["opt"]}
+
+
+def sharded_resume_check(name):
+    """Resume from each rank's own ``sharded_state_dict()`` and from the merged shards (world 2), and load the
+    merged shards at world 1, where no rank's residuals fit."""
+    model = make_model()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9),
+                               compression=compressor(name), pack_threshold=4096, shard_state=True)
+    train(model, opt, 5)
+    saved = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.sharded_state_dict()}, saved)
+    train(model, opt, 6, first=5)
+    straight = flat(model)
+    saved.seek(0)
+    state = torch.load(saved, weights_only=False)
+    merged = distopt.merge_state_dicts(distopt.all_gather_object(state["opt"]))
+    out = {"has_state": "distopt_compression" in state["opt"]}
+    for how, loaded in (("own shard", state["opt"]), ("merged", merged)):
+        again = make_model(seed=1)
+        opt2 = DistributedOptimizer(torch.optim.SGD(again.parameters(), lr=0.05, momentum=0.9),
+                                    compression=compressor(name), pack_threshold=4096, shard_state=True)
+        again.load_state_dict(state["model"])
+        opt2.load_state_dict(loaded)
+        train(again, opt2, 6, first=5)
+        out[how] = torch.equal(straight, flat(again))
+        opt2.close()
+    solo_group = [dist.new_group([r]) for r in range(2)][dist.get_rank()]
+    solo = DistributedOptimizer(torch.optim.SGD(make_model().parameters(), lr=0.05, momentum=0.9),
+                                compression=compressor(name), process_group=solo_group, shard_state=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        solo.load_state_dict(merged)
+    out["warned at world 1"] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    solo.close()
+    return out
 
 
 def shard_check(name):
@@ -276,6 +314,8 @@ for _name in ("powersgd", "int8"):
     CASES[f"accumulate {_name}"] = (2, accumulate_check, (_name,))
     CASES[f"overflow {_name}"] = (2, overflow_check, (_name,))
     CASES[f"jitter {_name}"] = (2, jitter_check, (_name,))
+for _name in ("powersgd", "topk"):
+    CASES[f"resume sharded {_name}"] = (2, sharded_resume_check, (_name,))
 CASES["resume int8 local"] = (2, resume_check, ("int8", 3))
 CASES["join int8 local"] = (2, join_check, ("int8", 3))
 # TopK is meant for local SGD's pseudo-gradients; its overflow and timing cases are a gradient round's.
@@ -329,6 +369,15 @@ def test_compressed_training_keeps_the_ranks_bitwise_identical_and_learns_like_u
 def test_a_checkpoint_with_the_residuals_resumes_bitwise(case, no_leftover_processes):
     for r in results(case):
         assert r == {"bitwise": True, "has_state": True}
+
+
+@pytest.mark.parametrize("name", ["powersgd", "topk"])
+def test_a_sharded_checkpoint_carries_each_ranks_residuals_and_resumes_bitwise(name, no_leftover_processes):
+    for r in results(f"resume sharded {name}"):
+        warned = r.pop("warned at world 1")
+        assert r == {"has_state": True, "own shard": True, "merged": True}
+        assert len(warned) == 1 and re.search(r"merged from a save at another world size: the compressor residuals "
+                                              r".*error feedback starts over", warned[0]), warned
 
 
 @pytest.mark.parametrize("name", ["powersgd", "int8"])

@@ -55,6 +55,50 @@ def test_bad_compressor_settings_name_the_setting_and_the_value(build, match):
         build()
 
 
+@pytest.mark.parametrize("build, match", [
+    (lambda: Quantize(bits=8.0), r"Quantize\(bits=\) must be an int \(8 or 4\), got float 8.0"),
+    (lambda: Quantize(bits="8"), r"Quantize\(bits=\) must be an int \(8 or 4\), got str '8'"),
+    (lambda: Quantize(bits=True), r"Quantize\(bits=\) must be an int \(8 or 4\), got bool True"),
+    (lambda: Quantize(block_size=64.0), r"Quantize\(block_size=\) must be an int .*, got float 64.0"),
+    (lambda: PowerSGD(seed="x"), r"PowerSGD\(seed=\) must be an int \(any integer, the same on every rank\), "
+                                 r"got str 'x'"),
+    (lambda: PowerSGD(seed=1.5), r"PowerSGD\(seed=\) must be an int .*, got float 1.5"),
+    (lambda: PowerSGD(rank=2.0), r"PowerSGD\(rank=\) must be an int \(>= 1\), got float 2.0"),
+    (lambda: PowerSGD(start_step="10"), r"PowerSGD\(start_step=\) must be an int \(>= 0\), got str '10'"),
+    (lambda: PowerSGD(min_compression_rate="2"),
+     r"PowerSGD\(min_compression_rate=\) must be a number \(> 0\), got str '2'"),
+    (lambda: PowerSGD(min_compression_rate=None), r"PowerSGD\(min_compression_rate=\) must be a number"),
+    (lambda: PowerSGD(error_feedback="yes"), r"PowerSGD\(error_feedback=\) must be True or False, got 'yes'"),
+    (lambda: TopK(group_size=64.0), r"TopK\(group_size=\) must be an int \(a power of two from 2 to 256\), "
+                                    r"got float 64.0"),
+    (lambda: Cast("float16"), r"Cast\(dtype=\) must be a torch.dtype \(torch.float16 or torch.bfloat16\), "
+                              r"got str 'float16'"),
+    (lambda: Cast([torch.float16]), r"Cast\(dtype=\) must be a torch.dtype"),
+])
+def test_a_compressor_setting_of_the_wrong_type_is_refused_at_construction_naming_it(build, match):
+    with pytest.raises(TypeError, match=match):
+        build()
+
+
+def test_powersgd_min_compression_rate_nan_is_out_of_range():
+    with pytest.raises(ValueError, match=r"PowerSGD\(min_compression_rate=\) must be > 0, got nan"):
+        PowerSGD(min_compression_rate=float("nan"))
+
+
+@pytest.mark.parametrize("seed", [2**31, 2**63, -2**70])
+def test_powersgd_takes_any_int_seed_and_agrees_on_every_rank(seed):
+    layout = layout_of([(64, 32)])
+    codecs = [PowerSGD(rank=2, seed=seed).codec(layout) for _ in range(2)]
+    datas = [torch.randn(2048), torch.randn(2048)]
+    simulate(codecs, datas)
+    assert torch.equal(datas[0], datas[1])
+    # Seeds that worked before draw the Q they drew then.
+    like = torch.empty(0)
+    old = torch.Generator().manual_seed((12345 * 1_000_003 + 3) * 1_000_033 + 2)
+    assert torch.equal(PowerSGD(rank=2, seed=12345).first_q(3, 16, like, step=2),
+                       torch.randn(2, 16, generator=old, dtype=torch.float32))
+
+
 # ---------------------------------------------------------------------------- blockwise quantisation
 
 
