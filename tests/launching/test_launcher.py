@@ -243,6 +243,71 @@ def _environment_variable(name):
     return os.environ.get(name)
 
 
+def _random_draws():
+    import random
+
+    import numpy as np
+
+    return {"torch": torch.rand(1).item(), "torch seed": torch.initial_seed(), "numpy": float(np.random.rand()),
+            "random": random.random()}
+
+
+@pytest.mark.timeout(180)
+def test_workers_draw_their_own_random_numbers_on_every_rank_and_in_every_launch():
+    # As spawned workers (fresh interpreters) do: unseeded initialisation, dropout masks, shuffles
+    # and numpy augmentation differ between ranks, and between one launch and the next.
+    draws = launch(_random_draws, 2) + launch(_random_draws, 2)
+    for generator in ("torch", "torch seed", "numpy", "random"):
+        values = [d[generator] for d in draws]
+        assert len(set(values)) == len(values), f"{generator}: {values}"
+
+
+def _compile_disabled():
+    import torch._dynamo
+
+    return torch._dynamo.config.disable
+
+
+@pytest.mark.timeout(180)
+def test_an_environment_variable_set_between_launches_reaches_what_the_workers_import(monkeypatch):
+    # torch._dynamo reads TORCH_COMPILE_DISABLE as it is imported; a spawned worker imports it after the
+    # variable was set, so a worker from a server that imported it before must see the same.
+    monkeypatch.delenv("TORCH_COMPILE_DISABLE", raising=False)
+    assert launch(_compile_disabled, 2) == [False, False]
+    monkeypatch.setenv("TORCH_COMPILE_DISABLE", "1")
+    assert launch(_compile_disabled, 2) == [True, True]
+
+
+def _start_a_child_and_raise(pid_file):
+    if dist.get_rank() == 1:
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        Path(pid_file).write_text(str(child.pid))
+        raise ValueError("boom after starting a child process")
+    dist.barrier()
+    time.sleep(600)
+
+
+def _ended(pid):
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE  # orphaned: init reaps it in its time
+    except psutil.NoSuchProcess:
+        return True
+
+
+@pytest.mark.timeout(180)
+def test_a_failed_workers_own_child_processes_end_with_the_launch(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    with pytest.raises(WorkerFailedError, match=r"worker rank 1 .*raised ValueError"):
+        launch(_start_a_child_and_raise, 2, args=(str(pid_file),), timeout=120)
+    child = int(pid_file.read_text())
+    # The child was orphaned when the worker exited, out of this process's tree, where the fixture looks.
+    alive = not _ended(child)
+    if alive:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            psutil.Process(child).kill()
+    assert not alive, f"the failed worker's child process {child} outlived the launch"
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 def test_nccl_without_gpu_is_a_clear_error():
     with pytest.raises(ValueError, match="needs CUDA and NCCL.*use backend='gloo'"):
