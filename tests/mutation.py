@@ -91,6 +91,15 @@ MUTANTS: List[Mutant] = [
     Mutant("fault tolerance: a streaming sync voted down goes back to its anchors", "distopt/modes/streaming.py",
            "                        p.copy_(self._anchor_of(p))\n", "                        pass\n",
            ["tests/fault_tolerance/test_fault_tolerance.py", "-k", "streaming"]),
+    Mutant("launch: each worker seeds its random generators anew", "distopt/launching/worker.py",
+           "    _reseed()\n", "",
+           ["tests/launching/test_launcher.py", "-k", "random_numbers"]),
+    Mutant("launch: the fork server follows the launch's environment", "distopt/launching/fork_server.py",
+           'pid == _started.get("pid") and environ == _started.get("environ")', 'pid == _started.get("pid")',
+           ["tests/launching/test_launcher.py", "-k", "environment_at_the_launch"]),
+    Mutant("launch: a failed worker's children end with it", "distopt/launching/supervisor.py",
+           "failed = [proc.pid for proc in started if proc not in alive and proc.exitcode != 0]", "failed = []",
+           ["tests/launching/test_launcher.py", "-k", "own_child"]),
 ]
 
 

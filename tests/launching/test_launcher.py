@@ -230,17 +230,23 @@ def test_bad_arguments_fail_before_spawning(call, error, match):
 
 @pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
 def test_workers_started_either_way_see_the_launching_processs_environment_at_the_launch(start_method, monkeypatch):
+    monkeypatch.delenv("TORCH_COMPILE_DISABLE", raising=False)
     if start_method == "forkserver":  # the server starts with today's environment (spawned workers keep nothing)
-        launch(_rank_and_world, 2, start_method=start_method)
+        assert launch(_environment_variable, 2, args=("DISTOPT_TEST_SET_AFTER_THE_SERVER",),
+                      start_method=start_method) == [(None, False)] * 2
     monkeypatch.setenv("DISTOPT_TEST_SET_AFTER_THE_SERVER", start_method)
+    # torch._dynamo reads this one as it is imported, which a server started before imported already.
+    monkeypatch.setenv("TORCH_COMPILE_DISABLE", "1")
     assert launch(_environment_variable, 2, args=("DISTOPT_TEST_SET_AFTER_THE_SERVER",),
-                  start_method=start_method) == [start_method] * 2
+                  start_method=start_method) == [(start_method, True)] * 2
 
 
 def _environment_variable(name):
     import os
 
-    return os.environ.get(name)
+    import torch._dynamo
+
+    return os.environ.get(name), torch._dynamo.config.disable
 
 
 def _random_draws():
@@ -262,22 +268,6 @@ def test_workers_draw_their_own_random_numbers_on_every_rank_and_in_every_launch
         assert len(set(values)) == len(values), f"{generator}: {values}"
 
 
-def _compile_disabled():
-    import torch._dynamo
-
-    return torch._dynamo.config.disable
-
-
-@pytest.mark.timeout(180)
-def test_an_environment_variable_set_between_launches_reaches_what_the_workers_import(monkeypatch):
-    # torch._dynamo reads TORCH_COMPILE_DISABLE as it is imported; a spawned worker imports it after the
-    # variable was set, so a worker from a server that imported it before must see the same.
-    monkeypatch.delenv("TORCH_COMPILE_DISABLE", raising=False)
-    assert launch(_compile_disabled, 2) == [False, False]
-    monkeypatch.setenv("TORCH_COMPILE_DISABLE", "1")
-    assert launch(_compile_disabled, 2) == [True, True]
-
-
 def _start_a_child_and_raise(pid_file):
     if dist.get_rank() == 1:
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
@@ -292,6 +282,36 @@ def _ended(pid):
         return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE  # orphaned: init reaps it in its time
     except psutil.NoSuchProcess:
         return True
+
+
+def _shut_down_while_an_error_is_handled():
+    model = torch.nn.Linear(2, 1)
+    opt = distopt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    def step():
+        opt.zero_grad()
+        model(torch.ones(1, 2)).sum().backward()
+        opt.step()
+
+    step()
+    if dist.get_rank() == 1:
+        try:
+            raise ValueError("a bad batch")
+        except ValueError:
+            distopt.shutdown()  # a script's error handler, before its sys.exit(1)
+        return None
+    try:
+        step()
+    except RuntimeError as exc:
+        return str(exc)
+    return "rank 0 stepped alone"
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_that_shuts_down_while_handling_an_error_is_named_as_crashed_not_as_finished():
+    told = launch(_shut_down_while_an_error_is_handled, 2, timeout=120)[0]
+    assert "rank 1 is gone: it crashed (ValueError: a bad batch)" in told, told
+    assert "same number of batches" not in told, told
 
 
 @pytest.mark.timeout(180)
