@@ -100,6 +100,9 @@ MUTANTS: List[Mutant] = [
     Mutant("launch: a failed worker's children end with it", "distopt/launching/supervisor.py",
            "failed = [proc.pid for proc in started if proc not in alive and proc.exitcode != 0]", "failed = []",
            ["tests/launching/test_launcher.py", "-k", "own_child"]),
+    Mutant("shutdown during an error is no finish", "distopt/launching/process_group.py",
+           "if error is None or (isinstance(error, SystemExit) and error.code in (None, 0)):", "if True:",
+           ["tests/launching/test_launcher.py", "-k", "shuts_down_while"]),
 ]
 
 
