@@ -270,18 +270,23 @@ def test_workers_draw_their_own_random_numbers_on_every_rank_and_in_every_launch
 
 def _start_a_child_and_raise(pid_file):
     if dist.get_rank() == 1:
-        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+        # The pid file's name on the command line tells this child from a later process given its pid.
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", pid_file])
         Path(pid_file).write_text(str(child.pid))
         raise ValueError("boom after starting a child process")
     dist.barrier()
     time.sleep(600)
 
 
-def _ended(pid):
+def _still_running(pid, marker):
+    """The process ``pid`` if it is alive and has ``marker`` on its command line, else None."""
     try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE  # orphaned: init reaps it in its time
-    except psutil.NoSuchProcess:
-        return True
+        process = psutil.Process(pid)
+        if process.status() != psutil.STATUS_ZOMBIE and marker in process.cmdline():  # a zombie: init reaps it
+            return process
+    except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+        pass
+    return None
 
 
 def _shut_down_while_an_error_is_handled():
@@ -321,11 +326,11 @@ def test_a_failed_workers_own_child_processes_end_with_the_launch(tmp_path):
         launch(_start_a_child_and_raise, 2, args=(str(pid_file),), timeout=120)
     child = int(pid_file.read_text())
     # The child was orphaned when the worker exited, out of this process's tree, where the fixture looks.
-    alive = not _ended(child)
-    if alive:
+    survivor = _still_running(child, str(pid_file))
+    if survivor is not None:
         with contextlib.suppress(psutil.NoSuchProcess):
-            psutil.Process(child).kill()
-    assert not alive, f"the failed worker's child process {child} outlived the launch"
+            survivor.kill()
+    assert survivor is None, f"the failed worker's child process {child} outlived the launch"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
