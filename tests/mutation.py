@@ -95,7 +95,7 @@ MUTANTS: List[Mutant] = [
            "    _reseed()\n", "",
            ["tests/launching/test_launcher.py", "-k", "random_numbers"]),
     Mutant("launch: the fork server follows the launch's environment", "distopt/launching/fork_server.py",
-           'pid == _started.get("pid") and environ == _started.get("environ")', 'pid == _started.get("pid")',
+           'if ours and environ == _started.get("environ"):', "if ours:",
            ["tests/launching/test_launcher.py", "-k", "environment_at_the_launch"]),
     Mutant("launch: a failed worker's children end with it", "distopt/launching/supervisor.py",
            "failed = [proc.pid for proc in started if proc not in alive and proc.exitcode != 0]", "failed = []",

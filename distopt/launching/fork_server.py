@@ -27,8 +27,18 @@ STARTING = threading.Lock()
 # for it would cost every test's launch a fresh import of torch.
 _VOLATILE = frozenset({"PYTEST_CURRENT_TEST"})
 
-# The server this module started: its pid and the environment it started with.
+# The server this module started: its pid, the environment it started with, and the process that started it.
 _started: Dict[str, Any] = {}
+
+
+def _own_child(pid: int) -> bool:
+    """Whether ``pid`` is a child of this process (False where that cannot be told: no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()  # after the command name, which may hold anything
+    except (OSError, IndexError):
+        return False
+    return int(fields[1]) == os.getpid()
 
 
 def fork_server_context(preload: List[str]) -> Any:
@@ -36,7 +46,9 @@ def fork_server_context(preload: List[str]) -> Any:
 
     The server is started (with ``preload`` imported) on first use, and started again when the
     environment has changed since, or when it is not the one this module started (another
-    library's, whose environment is unknown). Call it with :data:`STARTING` held.
+    library's, whose environment is unknown). A server is only ever stopped by the process
+    that started it: a process forked from the launching process inherits the record of its
+    parent's server, which is not its own to stop. Call it with :data:`STARTING` held.
 
     Args:
         preload: the modules the server imports once, for all the workers it forks.
@@ -44,17 +56,19 @@ def fork_server_context(preload: List[str]) -> Any:
     Returns:
         multiprocessing's ``forkserver`` context; its ``spawn`` context when the server would have to
         be restarted but cannot be: this process has other multiprocessing children, which could
-        be the server's (they would die with it), or this Python's fork server lacks what the
-        restart relies on.
+        be the server's (they would die with it), the server is not this process's child, or
+        this Python's fork server lacks what the restart relies on.
     """
     ctx = mp.get_context("forkserver")
     server = getattr(multiprocessing.forkserver, "_forkserver", None)
     pid = getattr(server, "_forkserver_pid", None)
     environ = {name: value for name, value in os.environ.items() if name not in _VOLATILE}
-    if pid is not None and pid == _started.get("pid") and environ == _started.get("environ"):
+    ours = pid is not None and pid == _started.get("pid") and _started.get("owner") == os.getpid()
+    if ours and environ == _started.get("environ"):
         return ctx
     if pid is not None:
-        if mp.active_children() or not callable(getattr(server, "_stop", None)):
+        if (mp.active_children() or not (ours or _own_child(pid))
+                or not callable(getattr(server, "_stop", None))):
             return mp.get_context("spawn")
         # The pipe whose closing ends the server may be held open by a process that one of its
         # workers forked and left behind: a signal ends it at once. It is this process's
@@ -66,5 +80,5 @@ def fork_server_context(preload: List[str]) -> Any:
         server._stop()  # closes this process's end of that pipe, reaps the server
     ctx.set_forkserver_preload(preload)
     multiprocessing.forkserver.ensure_running()
-    _started.update(pid=getattr(server, "_forkserver_pid", None), environ=environ)
+    _started.update(pid=getattr(server, "_forkserver_pid", None), environ=environ, owner=os.getpid())
     return ctx
