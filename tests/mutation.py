@@ -101,6 +101,18 @@ MUTANTS: List[Mutant] = [
     Mutant("fault tolerance: settings compared before the first collective", "distopt/fault_tolerance/controller.py",
            "            self._check_settings()\n", "",
            ["tests/unit/test_fault_tolerance_arguments.py", "tests/fault_tolerance/test_fault_tolerance_settings.py"]),
+    Mutant("launch: each worker seeds its random generators anew", "distopt/launching/worker.py",
+           "    _reseed()\n", "",
+           ["tests/launching/test_launcher.py", "-k", "random_numbers"]),
+    Mutant("launch: the fork server follows the launch's environment", "distopt/launching/fork_server.py",
+           'if ours and environ == _started.get("environ"):', "if ours:",
+           ["tests/launching/test_launcher.py", "-k", "environment_at_the_launch"]),
+    Mutant("launch: a failed worker's children end with it", "distopt/launching/supervisor.py",
+           "failed = [proc.pid for proc in started if proc not in alive and proc.exitcode != 0]", "failed = []",
+           ["tests/launching/test_launcher.py", "-k", "own_child"]),
+    Mutant("shutdown during an error is no finish", "distopt/launching/process_group.py",
+           "if error is None or (isinstance(error, SystemExit) and error.code in (None, 0)):", "if True:",
+           ["tests/launching/test_launcher.py", "-k", "shuts_down_while"]),
 ]
 
 

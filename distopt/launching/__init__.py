@@ -7,13 +7,16 @@ the process group of a script that ``torchrun`` started.
 
 The only environment variables read or written are torchrun's ``env://``
 contract: ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
-``MASTER_ADDR`` and ``MASTER_PORT``.
+``MASTER_ADDR`` and ``MASTER_PORT``. Beyond them, a worker takes the launching
+process's environment whole, and the fork server is started again when that
+environment changed; neither acts on any variable's value.
 
 Modules, each depending only on those listed before it:
 
 - :mod:`.errors`: what :func:`launch` raises when a worker fails or the job times out.
 - :mod:`.process_group`: :func:`init`, :func:`shutdown` and the backend defaults.
 - :mod:`.worker`: a spawned worker, from process start to its report.
+- :mod:`.fork_server`: the fork server the workers start from, kept in step with the environment.
 - :mod:`.supervisor`: the launching process starting, watching and stopping the workers.
 - :mod:`.api`: :func:`launch` and :func:`launcher`, with their argument checks.
 

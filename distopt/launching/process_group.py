@@ -182,11 +182,18 @@ def shutdown() -> None:
 
     Warns if the default group outlives this call (something still references it),
     since its threads would then run into interpreter exit, where they can abort the process.
+    Called while an exception is being handled or is on its way out (in an ``except`` block
+    before ``sys.exit(1)``, in a ``finally``), this rank did not finish: the peers are told
+    that it crashed, with that exception (``SystemExit`` with code 0 or None counts as finishing).
     """
     if not (dist.is_available() and dist.is_initialized()):
         return
     # Before the groups go: a peer whose collective fails when ours close reads why we left.
-    stalls.mark_exit("finished")
+    error = sys.exc_info()[1]
+    if error is None or (isinstance(error, SystemExit) and error.code in (None, 0)):
+        stalls.mark_exit("finished")
+    else:
+        stalls.mark_exit(f"crashed ({type(error).__name__}: {error})")
     stalls.stop()
     groups = private_groups.destroy_all()
     groups.append(weakref.ref(dist.distributed_c10d._get_default_group()))

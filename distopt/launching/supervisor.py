@@ -3,8 +3,9 @@
 :func:`run_workers` starts one process per local rank and hands them to a
 :class:`_Supervisor`, which collects their results as they arrive and stops at
 the first failure or at the timeout. Whatever happens, :func:`_stop` then
-terminates every worker still alive (SIGTERM, and SIGKILL after a grace period)
-and reaps them all, so no process outlives the call.
+terminates every worker still alive, and what any worker that did not finish
+cleanly started (SIGTERM, and SIGKILL after a grace period), and reaps them all,
+so no process outlives the call.
 """
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .errors import LaunchTimeoutError, WorkerFailedError, WorkerFailure
+from .fork_server import fork_server_context, STARTING
 from .worker import worker_main, WorkerSpec
 
 __all__: List[str] = ["run_workers", "check_start_method"]
@@ -36,24 +38,25 @@ def run_workers(job: bytes, nprocs: int, world_size: int, first_rank: int, backe
                  start_method: Optional[str] = None) -> List[Any]:
     """Start the workers and supervise them for ``timeout`` seconds (the launch's ``reported_timeout``
     less what starting the store took)."""
-    ctx = _start_context(start_method)
     # Workers give up on the store a little before the launch does, so their error names the store.
     store_deadline = None if timeout is None else time.time() + timeout - min(5.0, 0.2 * timeout)
     procs: List[BaseProcess] = []
     readers: List[Connection] = []
     try:
-        for local in range(nprocs):
-            spec = WorkerSpec(first_rank + local, local, world_size, nprocs, master_addr, master_port,
-                               backend, os.getpid(), store_deadline, collective_timeout, dict(os.environ))
-            reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=worker_main, args=(spec, job, writer), name=f"distopt-rank{spec.rank}")
-            readers.append(reader)
-            procs.append(proc)
-            try:
-                proc.start()
-            finally:
-                # Our copy of the write end must go, or a dead worker's pipe never reports EOF.
-                writer.close()
+        with STARTING:
+            ctx = _start_context(start_method)
+            for local in range(nprocs):
+                spec = WorkerSpec(first_rank + local, local, world_size, nprocs, master_addr, master_port,
+                                   backend, os.getpid(), store_deadline, collective_timeout, dict(os.environ))
+                reader, writer = ctx.Pipe(duplex=False)
+                proc = ctx.Process(target=worker_main, args=(spec, job, writer), name=f"distopt-rank{spec.rank}")
+                readers.append(reader)
+                procs.append(proc)
+                try:
+                    proc.start()
+                finally:
+                    # Our copy of the write end must go, or a dead worker's pipe never reports EOF.
+                    writer.close()
         return _Supervisor(procs, readers, first_rank).wait(timeout, reported_timeout)
     finally:
         _stop(procs)
@@ -79,17 +82,18 @@ def _start_context(start_method: Optional[str] = None) -> Any:
     optimizer); one forked from the server starts in milliseconds, and is as
     clean as a spawned one: the server is a fresh single-threaded interpreter that has
     only imported modules (nothing runs at import in distopt), never touched CUDA or a
-    process group. The server outlives a launch and ends with this process. Where
-    there is no fork server (Windows), workers are spawned.
+    process group, and started under this process's environment as it is now (it is
+    started again when that changed: :mod:`.fork_server`); the worker takes the launch's
+    environment and seeds its random generators anew (:mod:`.worker`). The server
+    outlives a launch and ends with this process. Where there is no fork server
+    (Windows), workers are spawned. Call it with :data:`.fork_server.STARTING` held.
     """
     if start_method == "spawn" or "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
     # torch, torch.distributed and the worker; and torch._dynamo, which the first torch.optim optimizer
     # imports (1.2 s of CPU in each worker otherwise, more than the rest of a small test's work). Only
     # modules: it starts no thread. A module that fails to import here is skipped by multiprocessing.
-    ctx.set_forkserver_preload([worker_main.__module__, "torch._dynamo"])
-    return ctx
+    return fork_server_context([worker_main.__module__, "torch._dynamo"])
 
 
 #: Seconds the supervisor blocks at most before looking at signals and the deadline again.
@@ -232,17 +236,49 @@ def _signal_worker(proc: BaseProcess, sig: int) -> None:
         pass
 
 
+def _signal_group(pgid: int, sig: int) -> bool:
+    """Send ``sig`` to process group ``pgid``; False when the group has no process left."""
+    if not hasattr(os, "killpg"):
+        return False
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # a member under another user: not ours to end
+        pass
+    return True
+
+
 def _stop(procs: Sequence[BaseProcess]) -> None:
-    """SIGTERM every live worker, SIGKILL what is left after a grace period, and reap all."""
+    """SIGTERM every live worker and what every worker that did not finish cleanly started,
+    SIGKILL what is left after a grace period, and reap all.
+
+    What a worker starts (data-loader workers, a subprocess) is in the worker's process group
+    (:func:`.worker.worker_main` makes one). A worker that failed has already exited, but its
+    group lives on in its children, orphaned: the group is ended here too. The group's id
+    stays the dead worker's pid while any member lives, and the kernel hands that pid to no
+    other process meanwhile, so the signal reaches no unrelated process. A worker that
+    finished cleanly (exit code 0) is left alone with what it left running, as a spawned
+    process's would be.
+    """
     started = [proc for proc in procs if proc.pid is not None]
     alive = [proc for proc in started if proc.is_alive()]
+    failed = [proc.pid for proc in started if proc not in alive and proc.exitcode != 0]
     for proc in alive:
         _signal_worker(proc, signal.SIGTERM)
+    for pgid in failed:
+        _signal_group(pgid, signal.SIGTERM)
     deadline = time.monotonic() + _TERMINATE_GRACE
     for proc in alive:
         proc.join(max(0.0, deadline - time.monotonic()))
     for proc in alive:
         if proc.is_alive():
             _signal_worker(proc, signal.SIGKILL)
+    # What the workers started gets the rest of the grace period (it is not this process's to wait for).
+    groups = [proc.pid for proc in alive] + failed
+    while time.monotonic() < deadline and any(_signal_group(pgid, 0) for pgid in groups):
+        time.sleep(0.05)
+    for pgid in groups:
+        _signal_group(pgid, signal.SIGKILL)
     for proc in started:
         proc.join()

@@ -4,7 +4,7 @@
 module level so that the start methods (the fork server's, or ``spawn``) can
 find it by name. A worker ties its life to the launching process, takes the
 launching process's environment and torchrun's ``env://`` variables (the only
-environment variables it writes), joins the process group through the
+environment variables it writes), seeds its random generators anew, joins the process group through the
 parent's rendezvous store, runs the job and sends its result, or its traceback,
 back through a pipe. The job's format is defined here too, by
 :func:`pickle_job`, next to the code that reads it.
@@ -14,6 +14,7 @@ from __future__ import annotations
 import ctypes
 import os
 import pickle
+import random
 import signal
 import sys
 import time
@@ -71,6 +72,24 @@ def _die_with_parent(launcher_pid: int) -> None:
         pass
 
 
+def _reseed() -> None:
+    """Seed the global random generators from fresh OS randomness, as a new interpreter seeds them.
+
+    A worker forked from the fork server starts with a copy of the server's generators, the same
+    in every worker and in every launch: unseeded initialisation, dropout masks, shuffles and
+    augmentation would repeat on every rank. torch's default CPU generator and numpy's global
+    RandomState (when the server imported numpy; a worker that imports it later seeds it anew)
+    are reseeded as a fresh interpreter seeds them, and Python's ``random`` too (CPython reseeds
+    it after a fork already). CUDA's generators are left alone: the server never touched CUDA,
+    so they are made in the worker when it first uses CUDA, as in a new process.
+    """
+    torch.default_generator.seed()
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        numpy_random.seed()
+    random.seed()
+
+
 def pickle_job(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any], *, unwrap: bool) -> bytes:
     """Pickle what a worker runs, or say why it cannot be sent to the workers.
 
@@ -102,6 +121,7 @@ def worker_main(spec: WorkerSpec, job: bytes, conn: Connection) -> None:
     # take the launching process's, as a spawned worker would have.
     os.environ.clear()
     os.environ.update(spec.environ)
+    _reseed()
     _send(conn, ("started",))
     if hasattr(os, "setpgrp"):
         # Its own process group lets the parent stop the worker together with

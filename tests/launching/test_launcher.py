@@ -230,17 +230,107 @@ def test_bad_arguments_fail_before_spawning(call, error, match):
 
 @pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
 def test_workers_started_either_way_see_the_launching_processs_environment_at_the_launch(start_method, monkeypatch):
+    monkeypatch.delenv("TORCH_COMPILE_DISABLE", raising=False)
     if start_method == "forkserver":  # the server starts with today's environment (spawned workers keep nothing)
-        launch(_rank_and_world, 2, start_method=start_method)
+        assert launch(_environment_variable, 2, args=("DISTOPT_TEST_SET_AFTER_THE_SERVER",),
+                      start_method=start_method) == [(None, False)] * 2
     monkeypatch.setenv("DISTOPT_TEST_SET_AFTER_THE_SERVER", start_method)
+    # torch._dynamo reads this one as it is imported, which a server started before imported already.
+    monkeypatch.setenv("TORCH_COMPILE_DISABLE", "1")
     assert launch(_environment_variable, 2, args=("DISTOPT_TEST_SET_AFTER_THE_SERVER",),
-                  start_method=start_method) == [start_method] * 2
+                  start_method=start_method) == [(start_method, True)] * 2
 
 
 def _environment_variable(name):
     import os
 
-    return os.environ.get(name)
+    import torch._dynamo
+
+    return os.environ.get(name), torch._dynamo.config.disable
+
+
+def _random_draws():
+    import random
+
+    import numpy as np
+
+    return {"torch": torch.rand(1).item(), "torch seed": torch.initial_seed(), "numpy": float(np.random.rand()),
+            "random": random.random()}
+
+
+@pytest.mark.timeout(180)
+def test_workers_draw_their_own_random_numbers_on_every_rank_and_in_every_launch():
+    # As spawned workers (fresh interpreters) do: unseeded initialisation, dropout masks, shuffles
+    # and numpy augmentation differ between ranks, and between one launch and the next.
+    draws = launch(_random_draws, 2) + launch(_random_draws, 2)
+    for generator in ("torch", "torch seed", "numpy", "random"):
+        values = [d[generator] for d in draws]
+        assert len(set(values)) == len(values), f"{generator}: {values}"
+
+
+def _start_a_child_and_raise(pid_file):
+    if dist.get_rank() == 1:
+        # The pid file's name on the command line tells this child from a later process given its pid.
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)", pid_file])
+        Path(pid_file).write_text(str(child.pid))
+        raise ValueError("boom after starting a child process")
+    dist.barrier()
+    time.sleep(600)
+
+
+def _still_running(pid, marker):
+    """The process ``pid`` if it is alive and has ``marker`` on its command line, else None."""
+    try:
+        process = psutil.Process(pid)
+        if process.status() != psutil.STATUS_ZOMBIE and marker in process.cmdline():  # a zombie: init reaps it
+            return process
+    except (psutil.NoSuchProcess, psutil.ZombieProcess, psutil.AccessDenied):
+        pass
+    return None
+
+
+def _shut_down_while_an_error_is_handled():
+    model = torch.nn.Linear(2, 1)
+    opt = distopt.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+
+    def step():
+        opt.zero_grad()
+        model(torch.ones(1, 2)).sum().backward()
+        opt.step()
+
+    step()
+    if dist.get_rank() == 1:
+        try:
+            raise ValueError("a bad batch")
+        except ValueError:
+            distopt.shutdown()  # a script's error handler, before its sys.exit(1)
+        return None
+    try:
+        step()
+    except RuntimeError as exc:
+        return str(exc)
+    return "rank 0 stepped alone"
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_that_shuts_down_while_handling_an_error_is_named_as_crashed_not_as_finished():
+    told = launch(_shut_down_while_an_error_is_handled, 2, timeout=120)[0]
+    assert "rank 1 is gone: it crashed (ValueError: a bad batch)" in told, told
+    assert "same number of batches" not in told, told
+
+
+@pytest.mark.timeout(180)
+def test_a_failed_workers_own_child_processes_end_with_the_launch(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    with pytest.raises(WorkerFailedError, match=r"worker rank 1 .*raised ValueError"):
+        launch(_start_a_child_and_raise, 2, args=(str(pid_file),), timeout=120)
+    child = int(pid_file.read_text())
+    # The child was orphaned when the worker exited, out of this process's tree, where the fixture looks.
+    survivor = _still_running(child, str(pid_file))
+    if survivor is not None:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            survivor.kill()
+    assert survivor is None, f"the failed worker's child process {child} outlived the launch"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
