@@ -47,7 +47,8 @@ class PowerSGD(Compressor):
 
     Args:
         rank: the factors' rank r; higher is closer to the exact mean, and sends more (default: 4).
-        start_step: steps sent uncompressed before compression starts (default: 0).
+        start_step: rounds sent uncompressed before compression starts (``Round.step``: steps, and in
+            local SGD syncs) (default: 0).
         min_compression_rate: a matrix ``n x m`` is compressed only if ``n m`` is at least this
             many times ``r (n + m)`` (default: 2.0).
         seed: the seed of every rank's first ``Q`` (they must match) (default: 0).
