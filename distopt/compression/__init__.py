@@ -22,11 +22,11 @@ import torch
 
 from .casts import Cast
 from .powersgd import PowerSGD
-from .protocol import AllGather, AllReduce, AllToAll, Codec, Collective, Compressor, PackLayout, Round
+from .protocol import AllGather, AllReduce, AllToAll, Codec, Collective, Compressor, Outcome, PackLayout, Round
 from .quantize import Quantize
 from .topk import TopK
 
-__all__ = ["Compressor", "Codec", "PackLayout", "Round", "AllReduce", "AllGather", "AllToAll", "Collective",
+__all__ = ["Compressor", "Codec", "PackLayout", "Round", "Outcome", "AllReduce", "AllGather", "AllToAll", "Collective",
            "Cast", "PowerSGD", "Quantize", "TopK", "NAMES", "resolve"]
 
 #: The names ``compression=`` accepts, and what each builds.

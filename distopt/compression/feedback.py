@@ -2,7 +2,11 @@
 
 A compressor that sends less than its values (a rounding, a selection, a low-rank
 approximation) keeps what it left out as a *residual* and adds it to the parameter's
-next values, so errors are delayed, never dropped. Residuals are keyed by
+next values, so errors are delayed, never dropped. A residual is kept in *applied
+units*, what it amounts to once the engine has multiplied a round's sum by its factor
+(the mean over the ranks that contributed, :mod:`distopt.compression.protocol`), so a
+value left out while one number of ranks contributed is applied at that round's mean
+whenever it is sent. Residuals are keyed by
 ``(exchange, parameter index)``: gradients and a mode's exchanges (local SGD's
 pseudo-gradients) keep theirs apart, and the index is stable for the wrapper's life.
 

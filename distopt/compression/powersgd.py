@@ -48,7 +48,8 @@ class PowerSGD(Compressor):
 
     Args:
         rank: the factors' rank r; higher is closer to the exact mean, and sends more (default: 4).
-        start_step: steps sent uncompressed before compression starts (default: 0).
+        start_step: rounds sent uncompressed before compression starts (``Round.step``: steps, and in
+            local SGD syncs) (default: 0).
         min_compression_rate: a matrix ``n x m`` is compressed only if ``n m`` is at least this
             many times ``r (n + m)`` (default: 2.0).
         seed: the seed of every rank's first ``Q`` (they must match) (default: 0).
@@ -165,6 +166,8 @@ class _PowerSGDCodec(Codec):
             yield AllReduce(data, last=True)
             return
         # Each matrix's M: its value plus its residual, in the residual's own storage (no copy kept).
+        # Residuals are kept in applied units (protocol.py): this round's sum is multiplied by its factor.
+        expected = round.factor
         ms: List[Tensor] = []
         for m in self.matrices:
             value = data[m.offset:m.offset + m.rows * m.cols].view(m.rows, m.cols)
@@ -172,6 +175,8 @@ class _PowerSGDCodec(Codec):
                 residual = owner.residuals.get((round.exchange, m.index))
                 if residual is None:
                     residual = owner.residuals[(round.exchange, m.index)] = torch.zeros_like(value)
+                if expected != 1.0:
+                    residual.div_(expected)
                 ms.append(residual.add_(value))
             else:  # a rank that has joined adds nothing, and keeps its residual for later
                 ms.append(value)
@@ -205,13 +210,19 @@ class _PowerSGDCodec(Codec):
             torch.mm(p.t(), m_, out=qt)
         yield AllReduce(second, last=True)
         finite = bool(torch.isfinite(second).all())
+        # The flags are back (Round.outcome): how many ranks contributed, and the factor the sum is applied at.
+        contributors, factor = round.final_contributors, round.final_factor
         for m, m_, p, qt in zip(self.matrices, ms, ps, new_qts):
             value = data[m.offset:m.offset + m.rows * m.cols].view(m.rows, m.cols)
             if feedback:
                 if finite:
-                    # The residual: this rank's M less its share of the sum's approximation P Qᵀ, so
-                    # that the ranks' residuals add up to what the approximation left out.
-                    m_.addmm_(p, qt, alpha=-1.0 / (round.contributors or round.world_size))
+                    if factor != expected:  # a rank joined in this round: M = x + r / expected becomes x + r / factor,
+                        m_.sub_(value).mul_(expected / factor).add_(value)  # so the old residual is applied as owed
+                    # The residual: this rank's M less its share of the sum's approximation P Qᵀ (the contributors'
+                    # residuals add up to what the approximation left out), in applied units.
+                    m_.addmm_(p, qt, alpha=-1.0 / contributors)
+                    if factor != 1.0:
+                        m_.mul_(factor)
                 else:
                     m_.zero_()
             torch.mm(p, qt, out=value)

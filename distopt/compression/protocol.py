@@ -24,6 +24,25 @@ through it: the engine sums them exactly, in a small collective of their own, or
 front of each rank's part of the codec's first collective where that is an all-gather
 (the codec's tensors are copied in and out, and it sees only them).
 
+Once the round is back the engine multiplies the sum by the round's *factor*:
+``world / contributors`` where ranks have joined (``join()``: the mean is over the ranks
+that contributed), else 1. Which ranks contribute is known only from the round's flags,
+but those are back before a codec is resumed after its first collective: the engine then
+fills in :attr:`Round.outcome`, so the codec knows the round's contributors and factor
+before its later stages, and before it settles what it keeps for the next round.
+
+**Error feedback across a change of contributors.** A codec that keeps what it left out
+(a *residual*, added to its next values) keeps it in *applied units*: what it amounts to
+once the engine's factor is applied. Before its first collective it adds
+``residual / round.factor`` (the factor expected, as the last round's flags said) to its
+values ``x``; once ``outcome`` is known, with ``f = round.final_factor`` and ``v`` what
+this rank sent of ``x + residual / round.factor``, the residual becomes
+``round.factor * (x + residual / round.factor - v) + (f - round.factor) * (x - v)``,
+that is the old residual plus ``f * (x - v)``. So every value left out is applied exactly
+once, at the factor of the round that left it out, however the contributors change
+before it is sent (a rank joins, a join block ends). The two factors differ only in the
+round in which a rank joins; outside join blocks both are 1 and nothing is rescaled.
+
 Example of a compressor a user might write (values sent as bfloat16 with error feedback
 would follow the same shape)::
 
@@ -40,13 +59,13 @@ would follow the same shape)::
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
-__all__ = ["PackLayout", "Round", "AllReduce", "AllGather", "AllToAll", "Collective", "Codec", "Compressor"]
+__all__ = ["PackLayout", "Outcome", "Round", "AllReduce", "AllGather", "AllToAll", "Collective", "Codec", "Compressor"]
 
 
 @dataclass(frozen=True)
@@ -73,6 +92,26 @@ class PackLayout:
     device: torch.device
 
 
+@dataclass
+class Outcome:
+    """What a round's control flags say, for its codecs (see the module).
+
+    The engine fills it in once the flags are back: before a codec is resumed after its
+    first collective. None until then (and where no engine fills it in).
+
+    Attributes:
+        contributors: ranks whose values the sum holds (the others have joined and sent zeros).
+        factor: what the engine multiplies the sum by: ``world / contributors`` for the mean
+            over the ranks that contributed, else 1.
+        exchange: whether the contributors' values are a mode's exchange; filled in where a rank
+            has joined, which cannot tell before (its :attr:`Round.exchange` is a guess), else None.
+    """
+
+    contributors: Optional[int] = None
+    factor: Optional[float] = None
+    exchange: Optional[bool] = None
+
+
 @dataclass(frozen=True)
 class Round:
     """What a codec knows of the round it reduces in.
@@ -80,9 +119,14 @@ class Round:
     Attributes:
         rank: this rank within the group the collectives span.
         world_size: ranks in that group (every one of them issues every collective).
-        step: the optimizer steps taken so far, the same on every rank of the round (under
-            fault tolerance: the committed steps the quorum agrees on, so that a replica
-            that heals in this round issues the same collectives; in local SGD, the syncs).
+        step: the rounds this wrapper sent before this one. Every rank's n-th round pairs
+            with every other rank's n-th, so it is the same on every rank, one that has
+            joined included (it shadows the others' rounds). It counts the optimizer steps
+            in synchronous training (and each call of a closure, and a step ``GradScaler``
+            skipped), the syncs in local SGD (after ``local_warmup``'s steps), each
+            fragment's sync in streaming local SGD. Under fault tolerance: the committed
+            steps the quorum agrees on, so that a replica that heals in this round issues
+            the same collectives (in local SGD, the syncs).
         contributing: False on a rank that has joined (``join()``), or on a replica that
             heals under fault tolerance: its values are zeros, and it must add nothing of
             its own state (error feedback) to the sum. It still issues every collective,
@@ -92,7 +136,11 @@ class Round:
         contributors: ranks whose values the sum is meant to hold, as known before the
             round: the mean's count (``world_size``, but under fault tolerance the replicas
             taking part, without those that heal). None: ``world_size``. Ranks that join
-            are learned only after the round, from its flags.
+            are learned from the round's flags: :attr:`final_contributors`.
+        factor: what the engine expects to multiply the sum by (the last round's, as its
+            flags said); the round's own is :attr:`final_factor`, which differs only in
+            the round in which a rank joins.
+        outcome: the round's contributors and factor, from its flags, once they are back.
     """
 
     rank: int
@@ -101,6 +149,20 @@ class Round:
     contributing: bool = True
     exchange: bool = False
     contributors: Optional[int] = None
+    factor: float = 1.0
+    outcome: Outcome = field(default_factory=Outcome, compare=False)
+
+    @property
+    def final_contributors(self) -> int:
+        """The ranks whose values the sum holds: from the flags once they are back, else as expected."""
+        if self.outcome.contributors is not None:
+            return self.outcome.contributors
+        return self.contributors if self.contributors is not None else self.world_size
+
+    @property
+    def final_factor(self) -> float:
+        """What the engine multiplies the sum by: from the flags once they are back, else as expected."""
+        return self.outcome.factor if self.outcome.factor is not None else self.factor
 
 
 @dataclass
@@ -146,7 +208,8 @@ class Codec(abc.ABC):
 
         Args:
             data: the pack's flat values (already scaled by the mean's ``1/world``).
-            round: the round's rank, world size, step and kind.
+            round: the round's rank, world size, step and kind; its :attr:`Round.outcome`
+                is filled in before the codec is resumed after its first collective.
 
         Yields:
             The next collective; the generator resumes once it is complete.

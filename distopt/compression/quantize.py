@@ -36,7 +36,7 @@ the sum of the true values.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -182,8 +182,26 @@ class _QuantizeCodec(Codec):
         residual = self.residuals.buffer(round.exchange, padded, data.device)
         if not round.contributing:  # a joined rank sends zeros and keeps its residual for later
             return torch.zeros(padded, dtype=torch.float32, device=data.device), residual
+        if round.factor != 1.0:  # kept in applied units (protocol.py); this round's sum is applied at its factor
+            residual.div_(round.factor)
         residual[:data.numel()].add_(data)
         return residual, residual
+
+    @staticmethod
+    def _settle(residual: Tensor, data: Tensor, round: Round, sent: Callable[[], Tensor]) -> None:
+        """A contributor's residual, which holds its values plus its residual less what it sent (in this
+        round's units), back in applied units once the round's factor is known (see protocol.py).
+
+        Args:
+            sent: what this rank sent (decoded), padded; asked for only in the round in which a rank joins.
+        """
+        expected, factor = round.factor, round.final_factor
+        if expected == 1.0 and factor == 1.0:
+            return
+        residual.mul_(expected)
+        if factor != expected:  # a rank joined in this round: the residual grows by factor * (values - sent)
+            residual[:data.numel()].add_(data, alpha=factor - expected)
+            residual.add_(sent(), alpha=expected - factor)
 
     def _gather_whole(self, data: Tensor, round: Round) -> Iterator[Collective]:
         """Every rank's whole codes in one all-gather; each rank decodes them all and adds them in rank order."""
@@ -201,6 +219,8 @@ class _QuantizeCodec(Codec):
         yield AllGather(piece, scratch.gathered.view(-1), last=True)
         decoded = [dequantize_blocks(row[:code_bytes], row[code_bytes:].view(torch.float32), bits, block, out)
                    for row, out in zip(scratch.gathered, (scratch.work, scratch.other))]
+        if round.contributing:  # before ``data`` takes the sum: it is still this rank's values
+            self._settle(residual, data, round, lambda: decoded[round.rank])
         self._drop_poisoned(scratch.gathered[:, code_bytes:], residual)
         if world == 1:
             data.copy_(decoded[0][:n])
@@ -229,10 +249,20 @@ class _QuantizeCodec(Codec):
         for source in range(world):  # in rank order: the same float sum wherever it is done
             row = recv[source]
             mine.add_(dequantize_blocks(row[:code_bytes], row[code_bytes:].view(torch.float32), bits, block, decoded))
-        own = None
-        if round.contributing:  # what re-quantising the sum leaves out goes into this rank's next values
-            own = residual[round.rank * chunk:(round.rank + 1) * chunk].add_(mine)
+        if round.contributing:  # the flags are back: stage 1's residual in applied units (``work`` is free again)
+            self._settle(residual, data, round, lambda: self._decode_rows(send, bits, block, work))
+        # What re-quantising the sum leaves out goes into the chunk owner's next values, a joined rank's too
+        # (it keeps them for after its block), applied units at this round's factor: it is part of this sum.
+        factor = round.final_factor
+        if not round.contributing and round.outcome.exchange is not None:  # a joined rank learns what the round was
+            residual = self.residuals.buffer(round.outcome.exchange, padded, data.device)
+        own = residual[round.rank * chunk:(round.rank + 1) * chunk]
+        if factor != 1.0:
+            own.div_(factor)
+        own.add_(mine)
         codes2, scales2 = quantize_blocks(mine, bits, block, work[:chunk], own)
+        if factor != 1.0:
+            own.mul_(factor)
         piece, gathered = scratch.piece, scratch.gathered
         piece[:code_bytes].copy_(codes2)
         piece[code_bytes:].copy_(scales2.view(torch.uint8))
@@ -244,6 +274,17 @@ class _QuantizeCodec(Codec):
                               total[source * chunk:(source + 1) * chunk])
         self._drop_poisoned(gathered[:, code_bytes:], residual)
         data.copy_(total[:n])
+
+    @staticmethod
+    def _decode_rows(rows: Tensor, bits: int, block: int, out: Tensor) -> Tensor:
+        """Every chunk of this rank's all-to-all message (one row per destination), decoded into ``out``."""
+        world = rows.shape[0]
+        chunk = out.numel() // world
+        code_bytes = chunk * bits // 8
+        for j in range(world):
+            dequantize_blocks(rows[j, :code_bytes], rows[j, code_bytes:].view(torch.float32), bits, block,
+                              out[j * chunk:(j + 1) * chunk])
+        return out
 
     @staticmethod
     def _drop_poisoned(scale_bytes: Tensor, residual: Tensor) -> None:

@@ -157,7 +157,10 @@ class _TopKCodec(Codec):
         if scratch is None or scratch.work.numel() != padded or scratch.world != world:
             scratch = self.scratch = _Scratch.make(world, padded, size, data.device)
         values, rows = scratch.piece[:2 * groups].view(torch.bfloat16), scratch.piece[2 * groups:]
+        expected = round.factor
         if round.contributing:
+            if expected != 1.0:  # kept in applied units (protocol.py); this round's sum is applied at its factor
+                residual.div_(expected)
             residual[:n].add_(data)
             chosen = select_largest(residual, size, scratch.work)
             positions = chosen.to(torch.int64).mul_(groups).add_(scratch.columns)
@@ -170,6 +173,15 @@ class _TopKCodec(Codec):
             values.zero_()
             rows.zero_()
         yield AllGather(scratch.piece, scratch.gathered.view(-1), last=True)
+        factor = round.final_factor  # the flags are back
+        if round.contributing and (expected != 1.0 or factor != expected):
+            # Back to applied units: what was left out of this round at the factor expected, and, where a
+            # rank joined in it, (factor - expected) times what this rank's values lacked of what it sent,
+            # so that the residual grows by factor * (values - sent) (protocol.py). ``data`` is still the values.
+            residual.mul_(expected)
+            if factor != expected:
+                residual[:n].add_(data, alpha=factor - expected)
+                residual.index_add_(0, positions, values.to(torch.float32), alpha=expected - factor)
         gathered = scratch.gathered
         everyones = gathered[:, :2 * groups].view(torch.bfloat16).to(torch.float32)
         if not bool(torch.isfinite(everyones).all()):  # the same bytes on every rank: each drops its poisoned residual

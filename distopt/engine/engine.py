@@ -64,7 +64,7 @@ from torch import Tensor
 from torch.autograd import Variable
 
 from .. import collectives
-from ..compression.protocol import AllGather, AllReduce, AllToAll, Collective, Compressor, Round
+from ..compression.protocol import AllGather, AllReduce, AllToAll, Collective, Compressor, Outcome, Round
 from ..planning import replanning
 from ..planning.fragments import fragment_of, split_fragments
 from ..planning.control import CONTROL_FLAGS, Control, Totals
@@ -166,6 +166,11 @@ class GradientEngine:
         self.root_rank = root_rank
         self.stats = StepStats()
         self.steps = 0  # the owner's steps taken; its parity travels in the control flags
+        # Rounds opened so far. Every rank's n-th round pairs with every other rank's n-th (a rank that has
+        # joined shadows the others'), so the count is the same on every rank, whatever each rank's own step
+        # count: a codec's Round.step, from which its collectives may be decided.
+        self.rounds = 0
+        self._round_step = 0  # the round being sent: its place among the rounds
         self._slowest_wait = 0.0  # seconds, of the waits at the end of backward that finished
         # The wait at the end of backward: max(backward_patience, patience_growth * slowest wait).
         self.backward_patience = BACKWARD_PATIENCE
@@ -345,8 +350,26 @@ class GradientEngine:
         """Begin counting a round launched outside backward (``phase`` says where, for the control flags)."""
         self.stats = StepStats()
         self._phase = phase
+        self._next_round()
         if self.on_round_open is not None:
             self.on_round_open()
+
+    def _next_round(self) -> None:
+        """A round opens (on every rank, shadow rounds included): it takes the next place among the rounds."""
+        self._round_step = self.rounds
+        self.rounds += 1
+
+    def expected_factor(self) -> float:
+        """What this round's mean will be rescaled by, as the last round's flags said (every rank alike):
+        ``world / contributors`` inside a join block once ranks have joined, else 1.
+
+        Only a join changes it, and only learned from a round's flags; outside join blocks every rank
+        contributes, so it is 1 (under fault tolerance the world is the quorum of each step).
+        """
+        count = self.contributors
+        if not self.in_join or not self.mean or self.divide_by_world or count in (0, self.world_size):
+            return 1.0
+        return self.world_size / count
 
     def forbid_rows(self) -> None:
         """Never send a gradient as its rows (a mode that exchanges parameters).
@@ -415,6 +438,7 @@ class GradientEngine:
         if self._pass_reduces:
             self.state = RoundState.IN_FLIGHT
             self.stats = StepStats()
+            self._next_round()
             if self.on_round_open is not None:
                 self.on_round_open()
         if self.progress is not None:
@@ -484,12 +508,13 @@ class GradientEngine:
                 if not contributing:
                     pack.data.zero_()  # what Round.contributing=False promises the codec
                 group = self.channel.group
+                outcome = Outcome()  # filled in once the flags are back, before the codec resumes (_fill_outcome)
                 codec = pack.codec.reduce(pack.data, Round(
                     rank=group.rank(), world_size=group.size(),
-                    step=self.steps if self.quorum_step is None else self.quorum_step,
+                    step=self._round_step if self.quorum_step is None else self.quorum_step,
                     contributing=contributing, exchange=self.exchange_fill is not None,
-                    contributors=self.world_size))
-                self._resume_codec(codec, pack, index, first=True)
+                    contributors=self.world_size, factor=self.expected_factor(), outcome=outcome))
+                self._resume_codec(codec, pack, index, first=True, outcome=outcome)
             else:
                 self._send(pack.buffer if pack.wire is None else pack.wire, pack, index, carries_flags=True)
         self.stats.packs += 1
@@ -516,13 +541,14 @@ class GradientEngine:
         self.stats.bytes += tensor.numel() * tensor.element_size()
 
     def _resume_codec(self, codec: Iterator[Collective], pack: Pack, index: int, after_last: bool = False,
-                      first: bool = False) -> bool:
+                      first: bool = False, outcome: Optional[Outcome] = None) -> bool:
         """Run a compressed pack's codec up to its next collective and issue that; False once it is done.
 
         Args:
             first: the codec's first collective, as the pack launches: the pack's flags go with it
                 where it can carry them (:mod:`distopt.engine.carrier`), else in a collective of
                 their own, issued just before it.
+            outcome: the codec's :attr:`Round.outcome`, filled in before it is resumed (:meth:`_fill_outcome`).
 
         Raises:
             TypeError: the codec yielded a collective after one it marked ``last``.
@@ -562,7 +588,7 @@ class GradientEngine:
         seq = self.progress.issue() if self.progress is not None else 0
         self.inflight.append(Sent(work, pack, index, seq, carries_flags=carrier is not None, codec=codec,
                                   last=collective.last, carrier=carrier, gathered_into=None if carrier is None else
-                                  collective.out))
+                                  collective.out, outcome=outcome))
         self.stats.all_reduces += 1
         self.stats.bytes += sent.numel() * sent.element_size()
         return True
@@ -719,12 +745,10 @@ class GradientEngine:
                 self._touched |= any(p.grad is not grad for p, grad in zip(self.params, self._pending_grads))
                 self._pending_versions = self._pending_grads = None
             overflowed = False
+            self._sum_copies()  # first: a compressed pack's flags may be among them, for its codec to resume with
             resumed = self._resume_codecs()
             for k, sent in list(enumerate(self.inflight)):
-                if sent.copies is not None:
-                    sum_copies(sent.copies, sent.into, self.channel.group.rank(), self.world_size)
-                    self.inflight[k] = sent._replace(copies=None, into=None)
-                elif sent.gathered:
+                if sent.gathered:
                     self.inflight[k] = sent._replace(gathered=False)
                     if not sparse_rows.settle(sent.pack.rows, sent.pack.data):
                         # Some rank had more rows than the gather held: the gradient (this rank's
@@ -735,6 +759,29 @@ class GradientEngine:
                         overflowed = True
             if not overflowed and not resumed:
                 return True
+
+    def _sum_copies(self) -> None:
+        """Add up the gathered copies of the small sums that are back (all of those in flight)."""
+        for k, sent in enumerate(self.inflight):
+            if sent.copies is not None:
+                sum_copies(sent.copies, sent.into, self.channel.group.rank(), self.world_size)
+                self.inflight[k] = sent._replace(copies=None, into=None)
+
+    def _fill_outcome(self, sent: Sent) -> None:
+        """Tell a codec what its round's flags say (:class:`Outcome`), before it is resumed after its first
+        collective: the pack's flags are back and summed by then (carried in that collective, or sent just
+        before it). Outside a join block every rank contributes and nothing is read."""
+        outcome = sent.outcome
+        if outcome is None or outcome.factor is not None:
+            return
+        if not self.in_join:
+            outcome.contributors, outcome.factor = self.world_size, 1.0
+            return
+        totals = Totals.read(sent.pack.flags[-CONTROL_FLAGS:].tolist(), self.world_size,
+                             averaged=self.op == dist.ReduceOp.AVG)
+        outcome.contributors, outcome.factor = totals.contributing, totals.rescale(self.world_size, self.mean)
+        if totals.contributing:  # contributors count their steps in gradient rounds only, never in an exchange
+            outcome.exchange = not totals.counts_steps
 
     def _resume_codecs(self) -> bool:
         """Every compressed pack's codec on to its next collective, pack after pack in the plan's
@@ -753,7 +800,8 @@ class GradientEngine:
             if sent.carrier is not None:  # the codec's parts out, the flags summed; the flags stay to be read back
                 sent.carrier.unpack(sent.pack.flags, sent.gathered_into, averaged=self.op == dist.ReduceOp.AVG)
                 self.inflight.append(sent._replace(codec=None, carrier=None, gathered_into=None, last=False))
-            self._resume_codec(sent.codec, sent.pack, sent.index, after_last=sent.last)
+            self._fill_outcome(sent)
+            self._resume_codec(sent.codec, sent.pack, sent.index, after_last=sent.last, outcome=sent.outcome)
         return True
 
     def _totals(self, flags: List[float]) -> Totals:
@@ -937,10 +985,11 @@ class GradientEngine:
             The exchange, for :meth:`arrive_partial` and :meth:`finish_partial`.
         """
         with self.lock:
+            round_state = (self.inflight, self._control, self._phase, self.exchange_fill, self._round_step)
+            self._next_round()
             if not self.packs:  # nothing trainable: the flags travel, at once, as a joined rank's shadow does
                 self.control_round()
                 return empty_exchange()
-            round_state = (self.inflight, self._control, self._phase, self.exchange_fill)
             self.inflight, self._control, self._phase, self.exchange_fill = [], None, Phase.EXCHANGE, fill
             try:
                 for k in packs:
@@ -948,7 +997,7 @@ class GradientEngine:
                 held = [(self.packs[k], self.packs[k].data, list(self.packs[k].views)) for k in packs]
                 return PartialExchange(list(packs), self.inflight, held)
             finally:
-                self.inflight, self._control, self._phase, self.exchange_fill = round_state
+                self.inflight, self._control, self._phase, self.exchange_fill, self._round_step = round_state
 
     def arrive_partial(self, exchange: PartialExchange) -> None:
         """Wait for ``exchange``'s collectives; its values are then the mean over the contributors.
@@ -982,11 +1031,17 @@ class GradientEngine:
             if exchange.arrived or not exchange.staged():
                 return
             staged = [sent for sent in exchange.sent if sent.staged]
-            travelling = [sent for sent in exchange.sent if not sent.staged]
+            # With them, their packs' flags where they travel apart (issued just before the codecs' first
+            # collectives, so back by now): the codecs resume knowing the round's contributors.
+            packs = {id(sent.pack) for sent in staged}
+            flags = [sent for sent in exchange.sent if sent.codec is None and sent.carries_flags
+                     and id(sent.pack) in packs]
+            travelling = [sent for sent in exchange.sent if not sent.staged and not any(sent is f for f in flags)]
             round_state = (self.inflight, self._phase)
-            self.inflight, self._phase = staged, Phase.EXCHANGE
+            self.inflight, self._phase = flags + staged, Phase.EXCHANGE
             try:
                 self.wait(None)
+                self._sum_copies()
                 self._resume_codecs()
                 exchange.sent = travelling + self.inflight
             finally:
@@ -1020,6 +1075,7 @@ class GradientEngine:
         with self.lock:
             self.stats = StepStats()
             self.joined = True
+            self._next_round()
             if self.on_round_open is not None:  # fault tolerance: the shadow round's quorum
                 self.on_round_open()
             if not self.packs:  # nothing trainable: only the control flags travel, at once

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..compression.protocol import Collective
+from ..compression.protocol import Collective, Outcome
 from .carrier import Carrier
 from .packs import Pack
 from ..transport.waiting import completed_failure
@@ -51,6 +51,7 @@ class Sent(NamedTuple):
     last: bool = False  # ``work`` is the codec's last collective: resuming it only finishes it
     carrier: Optional[Carrier] = None  # ``work`` also carries the pack's flags: unpack it before resuming the codec
     gathered_into: Optional[Tensor] = None  # with a carrier: the codec's all-gather output, to unpack into
+    outcome: Optional[Outcome] = None  # the codec's Round.outcome: filled in from the flags before it resumes
 
     @property
     def staged(self) -> bool:

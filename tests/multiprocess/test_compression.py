@@ -169,6 +169,97 @@ def join_check(name, sync_every):
     return {"identical": same_on_every_rank(flat(model)), "finite": bool(torch.isfinite(flat(model)).all())}
 
 
+# A linear loss, (model(x) * y).sum(): its gradient is fixed by the batch whatever the parameters, so plain
+# SGD's end point is known in float64 without training, and so is what compression has still to send.
+LINEAR_LR = 0.01
+EXACT_MODES = {"sync": {}, "shard": {"shard_state": True}, "local": {"sync_every": 2}}
+
+
+def linear_batch(rank, step):
+    g = torch.Generator().manual_seed(100 * rank + step + 1)
+    return (torch.randint(-3, 4, (4, 16), generator=g).double(),
+            torch.randint(-3, 4, (4, 16), generator=g).double())
+
+
+def linear_gradient(rank, step):
+    x, y = linear_batch(rank, step)
+    return torch.cat([(y.t() @ x).reshape(-1), y.sum(0)])  # weight, bias
+
+
+def meant_end(start, counts, every):
+    """Single-process SGD in float64: each sync (every step, or every ``every`` in local SGD) applies the
+    mean over the ranks that still have data of what they took since the last one."""
+    end = start.clone()
+    for n in range(-(-max(counts) // every)):
+        live = [r for r, count in enumerate(counts) if count > n * every]
+        end -= sum(LINEAR_LR * linear_gradient(r, t) for r in live
+                   for t in range(n * every, min((n + 1) * every, counts[r]))) / len(live)
+    return end
+
+
+def join_exact_check(name, mode, counts):
+    """Rank r trains on counts[r] batches in a join block; returns how far the end point, less what the ranks'
+    residuals still owe, is from single-process SGD on each step's mean over the ranks with data."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.Linear(16, 16).double()
+    make = {"powersgd": lambda: PowerSGD(rank=2, start_step=2),  # a rank that joins at once does so before 2
+            "topk": lambda: TopK(group_size=16), "int8": lambda: Quantize(bits=8, block_size=64)}[name]
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LINEAR_LR), compression=make(),
+                               **EXACT_MODES[mode])
+    start = flat(model).clone()
+    with opt.join():
+        for t in range(counts[rank]):
+            x, y = linear_batch(rank, t)
+            opt.zero_grad()
+            (model(x) * y).sum().backward()
+            opt.step()
+    owed = torch.zeros_like(start)  # in parameter units: a gradient's residual is applied times the rate
+    offsets = [0]
+    for p in model.parameters():
+        offsets.append(offsets[-1] + p.numel())
+    for (exchange, index), residual in opt.compressor.residuals.items():
+        owed[offsets[index]:offsets[index + 1]] += residual.reshape(-1).double() * (1.0 if exchange else LINEAR_LR)
+    dist.all_reduce(owed)
+    meant = meant_end(start, counts, 2 if mode == "local" else 1)
+    error = (flat(model) - owed - meant).abs().max() / (meant - start).abs().max()
+    return {"error": error.item(), "identical": same_on_every_rank(flat(model))}
+
+
+class _Steps(Compressor):
+    """Sends packs as they are, and notes the Round.step of each round its codecs see."""
+
+    def __init__(self):
+        self.seen = []
+
+    def codec(self, layout):
+        return _StepsCodec(self.seen) if layout.dtype.is_floating_point else None
+
+
+class _StepsCodec(Codec):
+    def __init__(self, seen):
+        self.seen = seen
+
+    def reduce(self, data, round):
+        self.seen.append(round.step)
+        yield AllReduce(data, last=True)
+
+
+def round_steps_check(counts, **settings):
+    """The Round.step every codec saw, in order, on this rank, through a join block."""
+    rank = dist.get_rank()
+    model = make_model()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), compression=_Steps(),
+                               pack_threshold=0, **settings)  # one pack per parameter
+    with opt.join():
+        for t in range(counts[rank]):
+            x, y = batch(rank, t)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+    return opt.compressor.seen
+
+
 def accumulate_check(name):
     rank = dist.get_rank()
     model = make_model()
@@ -332,6 +423,15 @@ for _name in ("topk", "int8", "int4", "powersgd"):
     CASES[f"collectives {_name}"] = (2, collectives_check, (_name,))
     CASES[f"skipped batch {_name}"] = (2, skipped_batch_check, (_name,))
 CASES["collectives int8, 3 ranks"] = (3, collectives_check, ("int8",))
+for _name in ("powersgd", "topk", "int8"):
+    for _mode in EXACT_MODES:
+        for _counts in ([6, 0], [6, 3], [5, 5, 1]):
+            CASES[f"join exactly {_name} {_mode} {_counts}"] = (len(_counts), join_exact_check, (_name, _mode, _counts))
+ROUND_STEPS = {"sync": {}, "shard": {"shard_state": True}, "local": {"sync_every": 2},
+               "streaming": {"sync_every": 4, "sync_fragments": 2}}
+for _mode, _settings in ROUND_STEPS.items():
+    for _counts in ([6, 0], [6, 3], [5, 5, 1]):
+        CASES[f"round steps {_mode} {_counts}"] = (len(_counts), round_steps_check, (_counts,), _settings)
 CASES["mismatch"] = (2, mismatch_check, ())
 CASES["yields after last"] = (2, yields_after_last_check, ())
 CASES["auto"] = (2, auto_check, ())
@@ -391,6 +491,28 @@ def test_shard_state_trains_bitwise_like_unsharded_with_the_same_compressor(name
 def test_join_with_a_compressor_ends_with_every_rank_identical(case, no_leftover_processes):
     for r in results(case):
         assert r == {"identical": True, "finite": True}
+
+
+@pytest.mark.parametrize("counts", [[6, 0], [6, 3], [5, 5, 1]], ids=str)
+@pytest.mark.parametrize("mode", list(EXACT_MODES))
+@pytest.mark.parametrize("name", ["powersgd", "topk", "int8"])
+def test_a_join_with_a_compressor_trains_like_single_process_sgd_less_what_is_still_owed(name, mode, counts,
+                                                                                        no_leftover_processes):
+    # Every value compression left out is applied once, at the mean of the round that left it out, or is
+    # still owed in a residual: PowerSGD's residuals are float64 here (float64 values), the others' float32.
+    # PowerSGD starts at round 2, after rank 1 of [6, 0] and rank 2 of [5, 5, 1] joined.
+    for r in results(f"join exactly {name} {mode} {counts}"):
+        assert r["identical"]
+        assert r["error"] < (1e-10 if name == "powersgd" else 1e-6), r["error"]
+
+
+@pytest.mark.parametrize("counts", [[6, 0], [6, 3], [5, 5, 1]], ids=str)
+@pytest.mark.parametrize("mode", list(ROUND_STEPS))
+def test_every_ranks_codecs_see_the_same_round_step_through_a_join(mode, counts, no_leftover_processes):
+    # A rank that has joined shadows the others' rounds: its codecs must decide their collectives alike.
+    seen = results(f"round steps {mode} {counts}")
+    assert all(steps == seen[0] for steps in seen), seen
+    assert seen[0] and seen[0] == sorted(seen[0]), seen[0]
 
 
 @pytest.mark.parametrize("name", ["powersgd", "int8"])

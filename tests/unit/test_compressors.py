@@ -13,7 +13,7 @@ from distopt.compression.topk import select_largest
 from distopt.engine.partial import PartialExchange
 from distopt.engine.rounds import Sent
 
-from _codec_world import layout_of, simulate
+from _codec_world import factor_of, layout_of, simulate
 
 
 #: One of each compressor that keeps state of its own, small enough for these packs.
@@ -327,6 +327,41 @@ def test_a_rank_that_has_joined_adds_nothing_and_keeps_its_residual(make):
     simulate(codecs, alone, contributing=[True, False])
     assert all(torch.equal(compressors[1].residuals[k], v) for k, v in kept.items())
     assert torch.equal(alone[0], alone[1])
+
+
+@pytest.mark.parametrize("counts", [[6, 0], [6, 3], [5, 5, 1], [2, 4, 1]], ids=str)
+@pytest.mark.parametrize("make", WITH_FEEDBACK + [lambda: Quantize(bits=4, block_size=64)],
+                         ids=["powersgd", "int8", "topk", "int4"])
+def test_what_compression_leaves_out_is_applied_once_at_its_rounds_factor_across_a_join(make, counts):
+    # A join block in which rank r contributes to rounds 0 .. counts[r] - 1, then two rounds after it in which
+    # every rank does: the engine multiplies each round's sum by world / contributors, expecting the factor
+    # the round before had. What was applied, plus what the ranks still owe (their residuals, in applied
+    # units), is what was meant: each round's mean over its contributors, every left-out value once.
+    world = len(counts)
+    layout = layout_of([(16, 16), (16,)], dtype=torch.float64)
+    compressors = [make() for _ in range(world)]
+    codecs = [c.codec(layout) for c in compressors]
+    gen = torch.Generator().manual_seed(sum(counts))
+    applied = torch.zeros(layout.numel, dtype=torch.float64)
+    meant = torch.zeros(layout.numel, dtype=torch.float64)
+    expected = 1.0
+    for t in range(max(counts) + 2):
+        contributing = [t >= max(counts) or count > t for count in counts]
+        datas = [torch.randn(layout.numel, generator=gen, dtype=torch.float64) / world if live
+                 else torch.zeros(layout.numel, dtype=torch.float64) for live in contributing]
+        meant += sum(datas) * factor_of(contributing)
+        simulate(codecs, datas, contributing=contributing, factor=expected)
+        assert all(torch.equal(d, datas[0]) for d in datas)
+        applied += datas[0] * factor_of(contributing)
+        expected = factor_of(contributing) if t + 1 < max(counts) else 1.0  # the block ends: the world is whole
+    owed = torch.zeros(layout.numel, dtype=torch.float64)
+    for c in compressors:
+        for (_, index), residual in c.residuals.items():
+            at = layout.offsets[index]
+            owed[at:at + residual.numel()] += residual.reshape(-1)
+    # PowerSGD keeps float64 residuals for float64 values; the others keep float32 ones.
+    tolerance = 1e-10 if isinstance(compressors[0], PowerSGD) else 1e-6
+    assert (applied + owed - meant).abs().max().item() < tolerance * meant.abs().max().item()
 
 
 @pytest.mark.parametrize("make", WITH_FEEDBACK, ids=["powersgd", "int8", "topk"])
