@@ -49,6 +49,9 @@ ALLOWED_PRIVATE_READS: Dict[Tuple[str, str], str] = {
     ("benchmark/mode_specs.py", "opt._engine"):
         "the benchmark's A/B variants switch one engine internal off (the join flag, the stall inspector, "
         "gathered small sums) to measure what it costs",
+    ("launching/fork_server.py", "server._stop"):
+        "CPython's forkserver has no public way to stop its server, and a launch under another environment "
+        "must restart it (a server that preloaded torch keeps the environment it started under)",
     ("horovod/optimizer.py", "opt._retired_by"):
         "the Horovod front's optimizer is a DistributedOptimizer subclass; hvd.join() skips retired ones",
 }
