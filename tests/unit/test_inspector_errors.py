@@ -110,6 +110,15 @@ def test_a_peer_killed_on_this_host_is_named_at_once_from_its_pid():
            "without it: look in the kernel's log (dmesg)" in str(error), str(error)
 
 
+def test_a_process_that_is_exiting_but_not_yet_a_zombie_has_ended():
+    # A killed process closes its links while it exits, before it turns zombie: a survivor that reads
+    # the broken link at once sees it running ("R"), with the kernel's exiting flag (0x4) in field 9.
+    running = "4242 (python3 -m x) R 1 4242 4242 0 -1 4194560 9 0 0 0"
+    exiting = "4242 (python3 -m x) R 1 4242 4242 0 -1 4194564 9 0 0 0"
+    zombie = "4242 (python3 -m x) Z 1 4242 4242 0 -1 4227332 9 0 0 0"
+    assert [stalls._stat_says_ended(s) for s in (running, exiting, zombie)] == [False, True, True]
+
+
 def test_a_peer_killed_on_this_host_with_the_store_is_named_from_the_identity_learned_before():
     pid = _ended_pid()
     survivor = _survivor()
