@@ -91,6 +91,17 @@ MUTANTS: List[Mutant] = [
     Mutant("fault tolerance: a streaming sync voted down goes back to its anchors", "distopt/modes/streaming.py",
            "                        p.copy_(self._anchor_of(p))\n", "                        pass\n",
            ["tests/fault_tolerance/test_fault_tolerance.py", "-k", "streaming"]),
+    Mutant("gone-rank verdict: a failed call's exit read as finished", "distopt/transport/stalls.py",
+           'progress.state = "exited" if state == "finished" and progress.failed else state',
+           "progress.state = state",
+           ["tests/unit/test_inspector_errors.py", "-k", "exit"]),
+    Mutant("gone-rank verdict: a survivor that failed too named as the cause", "distopt/transport/stalls.py",
+           'gone.sort(key=lambda item: (bool(item[1].get("lost")), item[1]["how"]',
+           'gone.sort(key=lambda item: (False, item[1]["how"]',
+           ["tests/unit/test_inspector_errors.py", "-k", "killed"]),
+    Mutant("gone-rank verdict: an exiting peer read as alive", "distopt/transport/stalls.py",
+           ' or bool(int(fields[6]) & _PF_EXITING)', "",
+           ["tests/unit/test_inspector_errors.py", "-k", "exiting"]),
 ]
 
 
