@@ -355,18 +355,19 @@ class ShardedMode(Mode):
             return
         limit = ctx.stall_timeout or ctx.stall_warning or 60.0
         prefix = f"distopt/{progress.group}/meet/{self.gathers}"
-        # A rank that leaves here on an error (and exits: Hydra turns it into sys.exit(1)) did not finish:
-        # the others, waiting for it in their own collectives, are told where it was.
-        with stalls.failing(progress, f"the gathering of the sharded state dict ({what})"):
-            store.set(f"{prefix}/{self.rank}", "here")
-            keys = [f"{prefix}/{r}" for r in range(self.world_size)]
-            try:
-                store.wait(keys, timedelta(seconds=limit))
-            except Exception:
-                absent = [r for r, key in enumerate(keys) if not store.check([key])]
-                store.delete_key(f"{prefix}/{self.rank}")
-                raise RuntimeError(
-                    f"{what} with shard_state=True gathers every rank's shard of the optimizer state, but ranks "
-                    f"{absent} did not call it within {limit:g} s: call opt.{what[:-2]}() on every rank at the same "
-                    "point (then save it on one rank only)"
-                ) from None
+        store.set(f"{prefix}/{self.rank}", "here")
+        keys = [f"{prefix}/{r}" for r in range(self.world_size)]
+        try:
+            store.wait(keys, timedelta(seconds=limit))
+        except Exception:
+            absent = [r for r, key in enumerate(keys) if not store.check([key])]
+            store.delete_key(f"{prefix}/{self.rank}")
+            error = RuntimeError(
+                f"{what} with shard_state=True gathers every rank's shard of the optimizer state, but ranks "
+                f"{absent} did not call it within {limit:g} s: call opt.{what[:-2]}() on every rank at the same "
+                "point (then save it on one rank only)"
+            )
+            # A rank that exits on this error (Hydra turns it into sys.exit(1)) did not finish: the others,
+            # waiting for it in their own collectives, are told where it was.
+            progress.fail(f"the gathering of the sharded state dict ({what})", error)
+            raise error from None

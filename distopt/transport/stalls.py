@@ -12,6 +12,10 @@ The waits themselves raise :class:`StallError` after ``raise_after`` seconds,
 with a text built from the store alone, so every waiting rank tells the same
 story. When a collective fails because a peer went away, :func:`translate`
 names the rank and says whether it finished, crashed, was killed or fell silent.
+A rank that one of the wrapper's calls failed on publishes that at once
+(:meth:`Progress.fail`): however it then exits, the others say where it waited and
+why, not that it finished, and a rank whose own collective lost the same peer is
+named after the cause, not as one.
 Each position also says which process published it (host and pid), and the
 inspector keeps the peers' identities once it has read them, so that a peer
 killed on this host is named even when the store went with it (a rank started
@@ -41,8 +45,8 @@ import torch.distributed as dist
 
 from ..planning.control import SAME_JOIN_BLOCK
 
-__all__ = ["StallError", "Progress", "watch", "retire", "inspected", "failing", "translate", "stall_error",
-           "mark_exit", "ending", "explain", "stop", "main_store", "closed_members"]
+__all__ = ["StallError", "Progress", "watch", "retire", "inspected", "explain", "translate", "stall_error",
+           "mark_exit", "ending", "stop", "main_store", "closed_members"]
 
 logger = logging.getLogger("distopt")
 
@@ -761,15 +765,3 @@ def explain(progress: Progress, seq: int, what: str, exc: RuntimeError) -> BaseE
         better is not None or any(word in str(exc).lower() for word in _LOST_WORDS))
     progress.fail(what, error, lost)
     return error
-
-
-@contextlib.contextmanager
-def failing(progress: Optional[Progress], what: str) -> Iterator[None]:
-    """Run ``what``, one of the wrapper's calls that waits for the other ranks outside a collective (in the
-    store); an error that leaves it is this rank's failure (:meth:`Progress.fail`)."""
-    try:
-        yield
-    except BaseException as exc:
-        if progress is not None:
-            progress.fail(what, exc)
-        raise

@@ -80,7 +80,8 @@ HOW_TOLD = {
 # it; a peer's parting words are read alike whether it finished or crashed, so the group made by a plain
 # init_process_group is checked with one of them. The snapshot on one rank is the client's script: a plain
 # group, with no distopt.shutdown() at exit. Each job is three fresh interpreters.
-JOBS = [("finish", "distopt"), ("finish", "plain"), ("crash", "distopt"), ("metric", "distopt"), ("state_dict", "plain")]
+JOBS = [("finish", "distopt"), ("finish", "plain"), ("crash", "distopt"), ("metric", "distopt"),
+        ("state_dict", "plain")]
 
 
 @pytest.fixture(scope="module")

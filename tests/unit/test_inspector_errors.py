@@ -215,8 +215,8 @@ def test_a_survivor_that_failed_because_of_the_killed_rank_is_named_after_it_and
     assert re.search(r"^rank 0 could not finish pack 1/1 of the gradient all-reduce at step 4: rank 2 was killed, "
                      r"on \S+ \(pid \d+\), last seen at step 3, before backward: its process ended without saying how "
                      r"\(SIGKILL, the out-of-memory killer, os._exit\); rank 1 failed too, in pack 1/1 of the gradient "
-                     r"all-reduce at step 4, where a peer was gone as well, on \S+ \(pid \d+\)\. The other ranks cannot "
-                     r"go on without it", text), text
+                     r"all-reduce at step 4, where a peer was gone as well, on \S+ \(pid \d+\)\. The other ranks "
+                     r"cannot go on without it", text), text
     assert "rank 1 was killed" not in text, text
 
 
@@ -289,9 +289,8 @@ def test_a_rank_whose_call_of_the_wrapper_failed_publishes_it_at_once_and_its_ex
     progress = _survivor()
     inspector = _Inspector(progress)
     monkeypatch.setattr(stalls, "_inspector", inspector)
-    with pytest.raises(RuntimeError):
-        with stalls.failing(progress, "the gathering of the sharded state dict (state_dict())"):
-            raise RuntimeError(SHARDED_STATE_DICT[len("RuntimeError: "):])
+    progress.fail("the gathering of the sharded state dict (state_dict())",
+                  RuntimeError(SHARDED_STATE_DICT[len("RuntimeError: "):]))
     published = json.loads(inspector.store.values["distopt/progress/g/0"])
     assert (published["state"], published["failed"], published["error"]) == (
         "running", "the gathering of the sharded state dict (state_dict())", SHARDED_STATE_DICT)
@@ -303,8 +302,7 @@ def test_a_rank_that_went_on_after_a_failed_call_finishes_as_finished(monkeypatc
     progress = _survivor()
     inspector = _Inspector(progress)
     monkeypatch.setattr(stalls, "_inspector", inspector)
-    with pytest.raises(RuntimeError), stalls.failing(progress, "the gathering of the sharded state dict"):
-        raise RuntimeError("not every rank called it")
+    progress.fail("the gathering of the sharded state dict (state_dict())", RuntimeError("not every rank called it"))
     progress.issue()  # the next collective: it caught the error and trained on
     stalls.mark_exit("finished")
     assert json.loads(inspector.store.values["distopt/progress/g/0"])["state"] == "finished"
