@@ -122,8 +122,19 @@ MUTANTS: List[Mutant] = [
            "failed = [proc.pid for proc in started if proc not in alive and proc.exitcode != 0]", "failed = []",
            ["tests/launching/test_launcher.py", "-k", "own_child"]),
     Mutant("shutdown during an error is no finish", "distopt/launching/process_group.py",
-           "if error is None or (isinstance(error, SystemExit) and error.code in (None, 0)):", "if True:",
+           "    stalls.mark_exit(stalls.ending())\n", '    stalls.mark_exit("finished")\n',
            ["tests/launching/test_launcher.py", "-k", "shuts_down_while"]),
+    Mutant("gone-rank verdict: a failed call's exit read as finished", "distopt/transport/stalls.py",
+           'progress.state = "exited" if state == "finished" and progress.failed else state',
+           "progress.state = state",
+           ["tests/unit/test_inspector_errors.py", "-k", "exit"]),
+    Mutant("gone-rank verdict: a survivor that failed too named as the cause", "distopt/transport/stalls.py",
+           'gone.sort(key=lambda item: (bool(item[1].get("lost")), item[1]["how"]',
+           'gone.sort(key=lambda item: (False, item[1]["how"]',
+           ["tests/unit/test_inspector_errors.py", "-k", "killed"]),
+    Mutant("gone-rank verdict: an exiting peer read as alive", "distopt/transport/stalls.py",
+           ' or bool(int(fields[6]) & _PF_EXITING)', "",
+           ["tests/unit/test_inspector_errors.py", "-k", "exiting"]),
 ]
 
 

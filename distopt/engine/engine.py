@@ -646,7 +646,7 @@ class GradientEngine:
                 for sent in self.inflight:
                     what = f"pack {sent.index + 1}/{len(self.packs)} of the {kind}"
                     if not waiting.wait_for(sent.work, sent.pack.buffer.is_cuda, self.progress, sent.seq, what,
-                                            deadline):
+                                            deadline, from_every_rank=True):
                         return False
             return True
         finally:

@@ -188,12 +188,9 @@ def shutdown() -> None:
     """
     if not (dist.is_available() and dist.is_initialized()):
         return
-    # Before the groups go: a peer whose collective fails when ours close reads why we left.
-    error = sys.exc_info()[1]
-    if error is None or (isinstance(error, SystemExit) and error.code in (None, 0)):
-        stalls.mark_exit("finished")
-    else:
-        stalls.mark_exit(f"crashed ({type(error).__name__}: {error})")
+    # Before the groups go: a peer whose collective fails when ours close reads why we left (called in a
+    # ``finally`` block an exception passes through, it is that exception).
+    stalls.mark_exit(stalls.ending())
     stalls.stop()
     groups = private_groups.destroy_all()
     groups.append(weakref.ref(dist.distributed_c10d._get_default_group()))

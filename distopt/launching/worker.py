@@ -163,7 +163,7 @@ def worker_main(spec: WorkerSpec, job: bytes, conn: Connection) -> None:
         shutdown()
     except BaseException as exc:
         code = exc.code if isinstance(exc, SystemExit) and isinstance(exc.code, int) else 1
-        stalls.mark_exit(f"crashed ({type(exc).__name__}: {exc})")
+        stalls.mark_exit(stalls.ending(exc))
         _report_and_exit(conn, traceback.format_exc(), code)
     conn.close()
 

@@ -362,8 +362,12 @@ class ShardedMode(Mode):
         except Exception:
             absent = [r for r, key in enumerate(keys) if not store.check([key])]
             store.delete_key(f"{prefix}/{self.rank}")
-            raise RuntimeError(
+            error = RuntimeError(
                 f"{what} with shard_state=True gathers every rank's shard of the optimizer state, but ranks "
                 f"{absent} did not call it within {limit:g} s: call opt.{what[:-2]}() on every rank at the same "
                 "point (then save it on one rank only)"
-            ) from None
+            )
+            # A rank that exits on this error (Hydra turns it into sys.exit(1)) did not finish: the others,
+            # waiting for it in their own collectives, are told where it was.
+            progress.fail(f"the gathering of the sharded state dict ({what})", error)
+            raise error from None

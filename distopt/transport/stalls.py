@@ -12,6 +12,10 @@ The waits themselves raise :class:`StallError` after ``raise_after`` seconds,
 with a text built from the store alone, so every waiting rank tells the same
 story. When a collective fails because a peer went away, :func:`translate`
 names the rank and says whether it finished, crashed, was killed or fell silent.
+A rank that one of the wrapper's calls failed on publishes that at once
+(:meth:`Progress.fail`): however it then exits, the others say where it waited and
+why, not that it finished, and a rank whose own collective lost the same peer is
+named after the cause, not as one.
 Each position also says which process published it (host and pid), and the
 inspector keeps the peers' identities once it has read them, so that a peer
 killed on this host is named even when the store went with it (a rank started
@@ -41,8 +45,8 @@ import torch.distributed as dist
 
 from ..planning.control import SAME_JOIN_BLOCK
 
-__all__ = ["StallError", "Progress", "watch", "retire", "inspected", "translate", "stall_error", "mark_exit", "stop",
-           "main_store", "closed_members"]
+__all__ = ["StallError", "Progress", "watch", "retire", "inspected", "explain", "translate", "stall_error",
+           "mark_exit", "ending", "stop", "main_store", "closed_members"]
 
 logger = logging.getLogger("distopt")
 
@@ -59,6 +63,10 @@ _STALLED = "crashed (StallError)"
 _TIMEOUT_WORDS = ("timed out", "timeout")
 # gloo's wordings of a link a peer closed ("Connection closed by peer", "Connection reset by peer").
 _LOST_WORDS = ("connection", "peer", "broken pipe", "socket")
+# The longest error of a rank's failure that its position carries to the peers' errors.
+_ERROR_CHARS = 600
+# The kernel's flag of a process that is exiting (field 9 of /proc/PID/stat).
+_PF_EXITING = 0x4
 
 
 class StallError(RuntimeError):
@@ -91,6 +99,15 @@ class Progress:
         closed: the wrapper was closed (``close()``, or garbage-collected); its position is no
             longer published, so its age says nothing.
         in_join: the wrapper is inside a join block (``with opt.join():``) on this rank.
+        failed: the call of the wrapper that an error left last (a collective, ``state_dict()``'s
+            meeting), in words, or "" (cleared by the next collective issued); published at once.
+        failed_step: the step it failed at.
+        error: that error, as ``"Type: message"``.
+        lost: that error was a peer gone away: this rank failed because of another's end.
+        met: the last collective every member is known to have issued: it completed here, and
+            each member's contribution was in it.
+        met_step: the step it completed at.
+        met_what: it, in words.
     """
 
     group: str
@@ -108,6 +125,13 @@ class Progress:
     state: str = "running"
     closed: bool = False
     in_join: bool = False
+    failed: str = ""
+    failed_step: int = 0
+    error: str = ""
+    lost: bool = False
+    met: int = 0
+    met_step: int = 0
+    met_what: str = ""
     warned: int = 0
     last_wait: int = 0
     cuda_works: Deque[Tuple[int, str, float, Any]] = field(default_factory=lambda: deque(maxlen=64))
@@ -117,7 +141,29 @@ class Progress:
     def issue(self) -> int:
         """Count one more collective; return its number."""
         self.issued += 1
+        self.failed = ""  # it went on after the error: what ends it later is something else
         return self.issued
+
+    def meet(self, seq: int, what: str) -> None:
+        """Collective ``seq``, to which every member contributed, completed here."""
+        if seq > self.met:
+            self.met, self.met_step, self.met_what = seq, self.step, what
+
+    def fail(self, what: str, error: BaseException, lost: bool = False) -> None:
+        """``error`` leaves ``what``, one of the wrapper's calls: publish it at once, for the peers.
+
+        A rank that exits now did not finish: the peers' errors say where it was and why
+        (:func:`mark_exit` publishes it as "exited", whatever its exit status).
+
+        Args:
+            what: the call, in words.
+            error: the error raised to the caller.
+            lost: ``error`` says that a peer went away.
+        """
+        self.failed, self.failed_step, self.lost = what, self.step, lost
+        text = f"{type(error).__name__}: {error}"
+        self.error = text if len(text) <= _ERROR_CHARS else text[:_ERROR_CHARS - 3] + "..."
+        _publish(self)
 
     @contextlib.contextmanager
     def aside(self) -> Iterator[None]:
@@ -152,6 +198,8 @@ class Progress:
     def payload(self) -> str:
         return json.dumps({"step": self.step, "phase": self.phase, "issued": self.issued, "waiting": self.waiting,
                            "what": self.what, "state": self.state, "closed": self.closed, "in_join": self.in_join,
+                           "failed": self.failed, "failed_step": self.failed_step, "error": self.error,
+                           "lost": self.lost,
                            "t": time.time(), **_identity()})
 
 
@@ -184,10 +232,23 @@ def _process_ended(identity: Optional[Dict[str, Any]]) -> bool:
         return True
     except OSError:  # another user's process: alive
         return False
-    # A zombie still has its pid until its parent reaps it, but it has ended.
-    with contextlib.suppress(OSError, IndexError):
+    with contextlib.suppress(OSError):
         with open(f"/proc/{identity['pid']}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+            return _stat_says_ended(f.read())
+    return False
+
+
+def _stat_says_ended(stat: str) -> bool:
+    """Whether a process's ``/proc/PID/stat`` says that it has ended, or is ending.
+
+    A zombie still has its pid until its parent reaps it, but it has ended. A killed process
+    closes its connections while it exits, before it turns zombie: a peer that reads the broken
+    link at once finds it still running (once in 20 kills of an idle process, more under load),
+    but already marked as exiting, from the first instant of its exit.
+    """
+    with contextlib.suppress(IndexError, ValueError):
+        fields = stat.rsplit(")", 1)[1].split()  # the name, in parentheses, may hold spaces
+        return fields[0] in ("Z", "X") or bool(int(fields[6]) & _PF_EXITING)
     return False
 
 
@@ -278,14 +339,48 @@ def retire(progress: Progress) -> None:
 
 
 def mark_exit(state: str) -> None:
-    """Publish how this process ends ("finished", "crashed (...)"), at once, for the peers' errors."""
+    """Publish how this process ends (see :func:`ending`), at once, for the peers' errors.
+
+    A wrapper whose last call failed (:meth:`Progress.fail`) did not finish, whatever the
+    process says: it is published as "exited", and its failure tells the peers where it was.
+    """
     if _inspector is None or _inspector.stopping.is_set():  # stopped: the store is gone
         return
     for progress in _inspector.live() + list(_inspector.retired):
         if progress.state == "running":
-            progress.state = state
+            progress.state = "exited" if state == "finished" and progress.failed else state
         with contextlib.suppress(Exception):
             _inspector.store.set(_key(progress.group, progress.rank), progress.payload())
+
+
+def ending(error: Optional[BaseException] = None) -> str:
+    """How a process that ends now ends, in the words the peers' errors use.
+
+    Args:
+        error: the exception it ends with; by default the one this thread is handling, or that
+            is passing through the ``finally`` block this is called from, if any.
+
+    Returns:
+        "finished", "exited with status N" (``sys.exit(N)``, N not 0) or "crashed (Type: message)".
+    """
+    if error is None:
+        error = sys.exc_info()[1]
+    if error is None:
+        return "finished"
+    if isinstance(error, SystemExit):
+        if error.code in (None, 0):
+            return "finished"
+        # sys.exit("text") prints the text and exits with status 1.
+        return f"exited with status {error.code if isinstance(error.code, int) else 1}"
+    return f"crashed ({type(error).__name__}{f': {error}' if str(error) else ''})"
+
+
+def _publish(progress: Progress) -> None:
+    """Publish ``progress`` now, from the calling thread (a failure the peers must read before this rank ends)."""
+    if _inspector is None or _inspector.stopping.is_set():
+        return
+    with contextlib.suppress(Exception):
+        _inspector.store.set(_key(progress.group, progress.rank), progress.payload())
 
 
 def stop() -> None:
@@ -298,8 +393,10 @@ def stop() -> None:
 
 
 def _at_exit() -> None:
+    # An uncaught exception is in sys.last_value; the status of sys.exit() at the top is not known here
+    # (the interpreter keeps it to itself), but a failed call of the wrapper is (see mark_exit).
     error = getattr(sys, "last_value", None)
-    mark_exit("finished" if error is None else f"crashed ({type(error).__name__}: {error})")
+    mark_exit("finished" if error is None else ending(error))
     stop()
 
 
@@ -468,7 +565,8 @@ def _gone(progress: Progress, store: Any, window: float) -> Tuple[List[Tuple[int
     "closed" (its wrapper was closed while this one's was not), or "silent" (no position for
     longer than the silence threshold). Retried for ``window`` seconds:
     a peer publishes as it leaves, and one killed on another host only falls silent after
-    ``_SILENT_TICKS`` ticks.
+    ``_SILENT_TICKS`` ticks. A peer that failed because a peer went away (its published
+    ``lost``) is not the cause: while only such are gone, the retries go on for the cause.
     """
     deadline = time.monotonic() + window
     answers = store is not None
@@ -497,7 +595,7 @@ def _gone(progress: Progress, store: Any, window: float) -> Tuple[List[Tuple[int
             elif position is not None and time.time() - position["t"] > _SILENT_TICKS * TICK:
                 gone.append((rank, dict(position, how="silent")))
         # Without the store, only a peer on this host can be found gone, and at once: waiting tells nothing.
-        if gone or closed or not answers or now > deadline:
+        if any(not p.get("lost") for _, p in gone) or closed or not answers or now > deadline:
             return sorted(gone + closed), answers
         time.sleep(0.1)
 
@@ -506,19 +604,36 @@ def _on(position: Dict[str, Any]) -> str:
     return "" if position.get("pid") is None else f", on {position['host']} (pid {position['pid']})"
 
 
-def _gone_text(rank: int, position: Dict[str, Any]) -> str:
+def _last_seen(position: Dict[str, Any], progress: Progress) -> str:
+    """Where a peer that ended without a word was last: its position, or a collective it took part in since."""
+    if progress.met > position.get("issued", progress.met):
+        # A position is published once a tick; a collective that completed here since is later news.
+        return (f"last seen at step {progress.met_step}, in {progress.met_what}, which it took part in (its own last "
+                f"report, older, said step {position['step']}, {position['phase']})")
+    return f"last seen at step {position['step']}, {position['phase']}"
+
+
+def _gone_text(rank: int, position: Dict[str, Any], progress: Progress) -> str:
     on = _on(position)
+    if position.get("failed"):
+        if position.get("lost"):  # a consequence: its own collective lost a peer
+            return (f"rank {rank} failed too, in {position['failed']} at step {position['failed_step']}, where a peer "
+                    f"was gone as well{on}")
+        state = position.get("state", "")
+        ended = "crashed" if state.startswith("crashed") else state if state.startswith("exited") else "exited"
+        return (f"rank {rank} is gone: it {ended} while it waited for the other ranks in {position['failed']} at "
+                f"step {position['failed_step']}{on}: {position['error']}")
     if position["how"] == "killed":
         how = "its process ended without saying how (SIGKILL, the out-of-memory killer, os._exit)"
         if not position.get("known", True):
             return f"rank {rank} was killed{on}: {how}; what it was doing is unknown, since the rendezvous store " \
                    "does not answer either"
-        return f"rank {rank} was killed{on}, last seen at step {position['step']}, {position['phase']}: {how}"
+        return f"rank {rank} was killed{on}, {_last_seen(position, progress)}: {how}"
     if position["how"] == "closed":
         return (f"rank {rank} closed its DistributedOptimizer (close(), or it was garbage-collected there) at step "
                 f"{position['step']}{on}, and this rank's is still in use")
     if position["how"] == "silent":
-        return (f"rank {rank} stopped answering{on}, last seen at step {position['step']}, {position['phase']}: "
+        return (f"rank {rank} stopped answering{on}, {_last_seen(position, progress)}: "
                 "it was killed, froze or became unreachable")
     return f"rank {rank} is gone: it {position['state']} after step {position['step']} ({position['phase']}){on}"
 
@@ -589,26 +704,31 @@ def translate(progress: Progress, seq: int, what: str, exc: BaseException,
             f"{' (on ' + ', '.join(hosts) + ')' if hosts else ''} could not be checked from here: see "
             f"{'its' if len(unchecked) == 1 else 'their'} log, and the kernel's log (dmesg) for the out-of-memory "
             "killer")
-    # The rank that was killed or fell silent is the cause; ranks that then failed because of it follow.
-    gone.sort(key=lambda item: (item[1]["how"] not in ("killed", "silent"), item[0]))
+    # The rank that was killed or fell silent is the cause; ranks that then failed because of it (a collective
+    # of theirs lost a peer too) follow, and the hint is about the cause.
+    gone.sort(key=lambda item: (bool(item[1].get("lost")), item[1]["how"] not in ("killed", "silent"), item[0]))
+    causes = [(r, p) for r, p in gone if not p.get("lost")] or gone
     hint = ""
-    if any(p["how"] in ("killed", "silent") for _, p in gone):
+    if any(p["how"] in ("killed", "silent") and not p.get("failed") for _, p in causes):
         hint = (". The other ranks cannot go on without it: look in the kernel's log (dmesg) for the out-of-memory "
                 "killer, and restart every rank from the last checkpoint (torchrun --max-restarts does)")
-    elif progress.in_join and any(_left(p) and not p.get("in_join") for _, p in gone):
-        outside = [r for r, p in gone if _left(p) and not p.get("in_join")]
+    elif progress.in_join and any(_left(p) and not p.get("in_join") for _, p in causes):
+        outside = [r for r, p in causes if _left(p) and not p.get("in_join")]
         hint = (f". This rank is inside a join block of this optimizer and {_ranks(outside)} "
                 f"{'was' if len(outside) == 1 else 'were'} not when it left: {SAME_JOIN_BLOCK}")
-    elif any(p["how"] == "closed" for _, p in gone):
+    elif any(p["how"] == "closed" for _, p in causes):
         hint = (". Keep the DistributedOptimizers you step alive on every rank, and close (or drop) them alike "
                 "on every rank")
-    elif any(p["state"] == "finished" for _, p in gone):
+    elif any(p.get("failed") or p.get("state", "").startswith("exited") for _, p in causes):
+        # It did not finish: it ended on an error, maybe one caught and turned into sys.exit(1) (Hydra does).
+        hint = ". See that rank's output for the cause"
+    elif any(p["state"] == "finished" for _, p in causes):
         hint = (". A rank that finishes while others still train leaves them waiting: give every rank the same "
                 "number of batches (e.g. DistributedSampler(drop_last=True)), or wrap the loop in "
                 "`with opt.join():`")
-    elif any(p["state"].startswith("crashed") for _, p in gone):
+    elif any(p["state"].startswith("crashed") for _, p in causes):
         hint = ". See that rank's traceback for the cause"
-    return RuntimeError(head + "; ".join(_gone_text(r, p) for r, p in gone) + hint)
+    return RuntimeError(head + "; ".join(_gone_text(r, p, progress) for r, p in gone) + hint)
 
 
 @contextlib.contextmanager
@@ -622,9 +742,26 @@ def inspected(progress: Optional[Progress], what: str) -> Iterator[None]:
     try:
         yield
     except RuntimeError as exc:
-        better = translate(progress, seq, what, exc)
-        if better is None:
+        better = explain(progress, seq, what, exc)
+        if better is exc:
             raise
         raise better from exc
+    except BaseException as exc:  # KeyboardInterrupt, or sys.exit() from a signal handler: it did not finish
+        progress.fail(what, exc)
+        raise
     finally:
         progress.end()
+
+
+def explain(progress: Progress, seq: int, what: str, exc: RuntimeError) -> BaseException:
+    """:func:`translate` the transport's ``exc`` in collective ``seq``, and record the result as this rank's failure.
+
+    Returns:
+        The error to raise: ``exc`` itself where :func:`translate` keeps it.
+    """
+    better = translate(progress, seq, what, exc)
+    error = exc if better is None else better
+    lost = not isinstance(error, StallError) and (
+        better is not None or any(word in str(exc).lower() for word in _LOST_WORDS))
+    progress.fail(what, error, lost)
+    return error

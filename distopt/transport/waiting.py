@@ -35,7 +35,7 @@ def completed_failure(work: Any) -> Optional[RuntimeError]:
 
 
 def wait_for(work: Any, is_cuda: bool, progress: Optional[Progress], seq: int, what: str,
-             deadline: Optional[float]) -> bool:
+             deadline: Optional[float], from_every_rank: bool = False) -> bool:
     """Wait for ``work``, collective number ``seq`` of the wrapper's group.
 
     Args:
@@ -45,6 +45,10 @@ def wait_for(work: Any, is_cuda: bool, progress: Optional[Progress], seq: int, w
         seq: the collective's number, for the inspector.
         what: the collective, in words.
         deadline: ``time.perf_counter()`` at which to give up, or None.
+        from_every_rank: every member contributes to the collective (an all-reduce, an all-gather;
+            not a broadcast, whose root is done once it has sent): once it completes, every member
+            is known to have issued it (:meth:`Progress.meet`), news that may be later than a
+            killed peer's last published position.
 
     Returns:
         False if it gave up at ``deadline``: the all-reduce goes on.
@@ -53,6 +57,8 @@ def wait_for(work: Any, is_cuda: bool, progress: Optional[Progress], seq: int, w
         StallError: the wait passed ``progress.raise_after``, or the collective hit the
             group's timeout.
         RuntimeError: the collective failed; names the peer that went away, when known.
+
+    Whatever leaves it raising is this rank's failure (:meth:`Progress.fail`), for the peers.
     """
     if progress is None or is_cuda:
         work.wait()
@@ -72,20 +78,28 @@ def wait_for(work: Any, is_cuda: bool, progress: Optional[Progress], seq: int, w
                     work.wait(timeout=timedelta(seconds=max(min(limits), 0.001)))
                 else:
                     work.wait()
-                return True
+                break
             except RuntimeError as exc:
                 if work.is_completed():
                     failure = completed_failure(work)
                     if failure is None:  # it completed just after the slice ran out: not a failure
-                        return True
+                        break
                     # The collective itself failed: a peer left, or the group's timeout.
-                    better = stalls.translate(progress, seq, what, failure)
-                    if better is None:
+                    better = stalls.explain(progress, seq, what, failure)
+                    if better is failure:
                         raise failure from exc
                     raise better from failure
             if progress.raise_after is not None and progress.waited() >= progress.raise_after:
-                raise stalls.stall_error(progress, seq, what)
+                error = stalls.stall_error(progress, seq, what)
+                progress.fail(what, error)
+                raise error
             if deadline is not None and time.perf_counter() >= deadline:
                 return False
+    except (KeyboardInterrupt, SystemExit) as exc:  # sys.exit() from a signal handler: it did not finish
+        progress.fail(what, exc)
+        raise
     finally:
         progress.end()
+    if from_every_rank:
+        progress.meet(seq, what)
+    return True

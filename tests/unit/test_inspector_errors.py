@@ -9,6 +9,7 @@ import json
 import re
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -110,6 +111,15 @@ def test_a_peer_killed_on_this_host_is_named_at_once_from_its_pid():
            "without it: look in the kernel's log (dmesg)" in str(error), str(error)
 
 
+def test_a_process_that_is_exiting_but_not_yet_a_zombie_has_ended():
+    # A killed process closes its links while it exits, before it turns zombie: a survivor that reads
+    # the broken link at once sees it running ("R"), with the kernel's exiting flag (0x4) in field 9.
+    running = "4242 (python3 -m x) R 1 4242 4242 0 -1 4194560 9 0 0 0"
+    exiting = "4242 (python3 -m x) R 1 4242 4242 0 -1 4194564 9 0 0 0"
+    zombie = "4242 (python3 -m x) Z 1 4242 4242 0 -1 4227332 9 0 0 0"
+    assert [stalls._stat_says_ended(s) for s in (running, exiting, zombie)] == [False, True, True]
+
+
 def test_a_peer_killed_on_this_host_with_the_store_is_named_from_the_identity_learned_before():
     pid = _ended_pid()
     survivor = _survivor()
@@ -180,3 +190,120 @@ def test_ranks_whose_join_blocks_differ_are_told_what_differs_not_to_enter_a_blo
             "block, or in a block over other optimizers): every rank must enter the same join block, with the same "
             "optimizers")):
         totals.check(2)
+
+
+# ---------------------------------------------------------------------- which rank is the cause, and where it was
+
+def _published(rank, step, phase, **fields):
+    """Rank ``rank``'s position as the store holds it, with ``fields`` (state, failed, ...) over the defaults."""
+    return json.dumps(dict(json.loads(_position(rank, step, phase)), **fields)).encode()
+
+
+def _survivor_of_three(step=4):
+    return Progress(group="g", ranks=[0, 1, 2], rank=0, warn_after=None, raise_after=None, step=step)
+
+
+def test_a_survivor_that_failed_because_of_the_killed_rank_is_named_after_it_and_not_as_killed():
+    # Rank 2 was killed; rank 1 failed in the same all-reduce, said so, and exited before it published
+    # how: its pid is gone too, but it is not a cause.
+    store = Store({1: _published(1, 4, "in backward", pid=_ended_pid(), failed="pack 1/1 of the gradient all-reduce",
+                                 failed_step=4, lost=True, error="RuntimeError: rank 1 could not finish ..."),
+                   2: _published(2, 3, "before backward", pid=_ended_pid(), issued=9)})
+    survivor = _survivor_of_three()
+    survivor.issued = 10
+    text = str(stalls.translate(survivor, 10, "pack 1/1 of the gradient all-reduce", LOST, store=store))
+    assert re.search(r"^rank 0 could not finish pack 1/1 of the gradient all-reduce at step 4: rank 2 was killed, "
+                     r"on \S+ \(pid \d+\), last seen at step 3, before backward: its process ended without saying how "
+                     r"\(SIGKILL, the out-of-memory killer, os._exit\); rank 1 failed too, in pack 1/1 of the gradient "
+                     r"all-reduce at step 4, where a peer was gone as well, on \S+ \(pid \d+\)\. The other ranks "
+                     r"cannot go on without it", text), text
+    assert "rank 1 was killed" not in text, text
+
+
+def test_a_killed_peer_whose_last_report_is_older_than_a_collective_it_took_part_in_is_last_seen_there():
+    # Killed right after it took part in step 3's all-reduce, within a tick of its construction.
+    store = Store({1: _published(1, 0, "construction", pid=_ended_pid(), issued=2)})
+    survivor = _survivor()
+    survivor.step, survivor.issued = 4, 10
+    survivor.met, survivor.met_step, survivor.met_what = 9, 3, "pack 1/1 of the gradient all-reduce"
+    text = str(stalls.translate(survivor, 10, "pack 1/1 of the gradient all-reduce", LOST, store=store))
+    assert ", last seen at step 3, in pack 1/1 of the gradient all-reduce, which it took part in (its own last " \
+           "report, older, said step 0, construction): its process ended without saying how" in text, text
+
+
+SHARDED_STATE_DICT = ("RuntimeError: state_dict() with shard_state=True gathers every rank's shard of the optimizer "
+                      "state, but ranks [0] did not call it within 60 s: call opt.state_dict() on every rank at the "
+                      "same point (then save it on one rank only)")
+
+
+def test_a_peer_that_exited_after_one_of_the_wrappers_calls_failed_is_said_to_have_exited_there_not_finished():
+    # The minGPT snapshot: state_dict() on rank 1 only; its error was caught and turned into sys.exit(1).
+    store = Store({1: _published(1, 94, "before backward", state="exited", failed_step=94, error=SHARDED_STATE_DICT,
+                                 failed="the gathering of the sharded state dict (state_dict())")})
+    text = str(stalls.translate(_survivor(), 5, "pack 1/1 of the gradient all-reduce", LOST, store=store))
+    assert "rank 1 is gone: it exited while it waited for the other ranks in the gathering of the sharded state " \
+           f"dict (state_dict()) at step 94, on " in text, text
+    assert text.endswith(f": {SHARDED_STATE_DICT}. See that rank's output for the cause"), text
+    assert "finished" not in text and "join" not in text, text
+
+
+def test_a_peer_that_exited_with_a_nonzero_status_is_not_said_to_have_finished():
+    store = Store({1: _published(1, 3, "before backward", state="exited with status 1")})
+    text = str(stalls.translate(_survivor(), 5, "pack 1/1 of the gradient all-reduce", LOST, store=store))
+    assert "rank 1 is gone: it exited with status 1 after step 3 (before backward)" in text, text
+    assert text.endswith(". See that rank's output for the cause"), text
+
+
+def test_how_a_process_ends_is_finished_only_for_a_clean_exit():
+    assert [stalls.ending(e) for e in (SystemExit(0), SystemExit(None), SystemExit(1), SystemExit("bad batch"),
+                                       ZeroDivisionError("a bad batch"))] == [
+        "finished", "finished", "exited with status 1", "exited with status 1",
+        "crashed (ZeroDivisionError: a bad batch)"]
+    try:
+        raise KeyboardInterrupt
+    except KeyboardInterrupt:
+        assert stalls.ending() == "crashed (KeyboardInterrupt)"
+    assert stalls.ending() == "finished"
+
+
+class _Inspector:
+    """The process's inspector, as far as mark_exit and a failure's publication need it."""
+
+    def __init__(self, progress):
+        self.progress, self.store, self.retired = progress, RecordingStore(), []
+        self.stopping = threading.Event()
+
+    def live(self):
+        return [self.progress]
+
+
+class RecordingStore:
+    def __init__(self):
+        self.values = {}
+
+    def set(self, key, value):
+        self.values[key] = value
+
+
+def test_a_rank_whose_call_of_the_wrapper_failed_publishes_it_at_once_and_its_exit_as_exited_not_finished(monkeypatch):
+    progress = _survivor()
+    inspector = _Inspector(progress)
+    monkeypatch.setattr(stalls, "_inspector", inspector)
+    progress.fail("the gathering of the sharded state dict (state_dict())",
+                  RuntimeError(SHARDED_STATE_DICT[len("RuntimeError: "):]))
+    published = json.loads(inspector.store.values["distopt/progress/g/0"])
+    assert (published["state"], published["failed"], published["error"]) == (
+        "running", "the gathering of the sharded state dict (state_dict())", SHARDED_STATE_DICT)
+    stalls.mark_exit("finished")  # the interpreter's exit after sys.exit(1): its status is not known
+    assert json.loads(inspector.store.values["distopt/progress/g/0"])["state"] == "exited"
+
+
+def test_a_rank_that_went_on_after_a_failed_call_finishes_as_finished(monkeypatch):
+    progress = _survivor()
+    inspector = _Inspector(progress)
+    monkeypatch.setattr(stalls, "_inspector", inspector)
+    progress.fail("the gathering of the sharded state dict (state_dict())", RuntimeError("not every rank called it"))
+    progress.issue()  # the next collective: it caught the error and trained on
+    stalls.mark_exit("finished")
+    assert json.loads(inspector.store.values["distopt/progress/g/0"])["state"] == "finished"
+
