@@ -38,7 +38,7 @@ class Mutant:
 
 MUTANTS: List[Mutant] = [
     Mutant("threshold", "distopt/planning/packing.py",
-           "if open_bytes[meta.key] >= threshold:", "if False:",
+           "if open_bytes[slot] >= threshold:", "if False:",
            ["tests/unit/test_packing.py", "tests/multiprocess/test_optimizer_dist.py", "-k",
             "several_members or pack"]),
     Mutant("re-broadcast period", "distopt/wrapper/optimizer.py",
@@ -86,8 +86,9 @@ MUTANTS: List[Mutant] = [
            "step=self.steps if self.quorum_step is None else self.quorum_step",
            ["tests/multiprocess/test_compression.py", "-k", "same_round_step"]),
     Mutant("one order of codec collectives on every rank", "distopt/engine/engine.py",
-           "        for sent in codecs:\n",
-           "        for sent in (codecs if self.channel.group.rank() == 0 else codecs[::-1]):\n",
+           "        for sent in codecs:\n            if sent.carrier is not None:",
+           "        for sent in (codecs if self.channel.group.rank() == 0 else codecs[::-1]):\n"
+           "            if sent.carrier is not None:",
            ["tests/multiprocess/test_compression.py", "-k", "pair_up"]),
     Mutant("compressor state in checkpoints", "distopt/wrapper/optimizer.py",
            "            self.compressor.load_state_dict(compressed)\n", "            pass\n",
