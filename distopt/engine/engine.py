@@ -145,7 +145,11 @@ class GradientEngine:
         self.divide_by_world = False
         self.joined = False
         self.contributors = world_size  # ranks that contributed to the last round
+        self.training = world_size  # of those, the ranks that go on training (Totals.training)
         self.contributed_last = True  # this rank contributed to the last round that had contributors
+        # Set by a mode while it launches this rank's last contributions (local SGD: the steps not averaged
+        # yet of a rank that ran out of data), so that the others learn from the flags that it has joined.
+        self.leaving = False
         # A closure's round (set by the mode while step(closure) evaluates it): the reduction of the closure's
         # loss follows it. closure_round: whether the last round back was one, on every rank alike, so that a
         # rank that has joined takes part in that reduction too.
@@ -449,6 +453,7 @@ class GradientEngine:
                 counts_steps=not self.joined and self._phase != Phase.EXCHANGE,
                 odd_steps=not self.joined and self._phase != Phase.EXCHANGE and self.steps % 2 == 1,
                 closure=not self.joined and self.closure,
+                leaving=not self.joined and self.leaving,
             ).tensor()
         return self._control
 
@@ -759,6 +764,7 @@ class GradientEngine:
     def _totals(self, flags: List[float]) -> Totals:
         totals = Totals.read(flags, self.world_size, averaged=self.op == dist.ReduceOp.AVG)
         self.closure_round = bool(totals.closure)
+        self.training = totals.training
         if totals.contributing:
             self.contributors = totals.contributing
             self.contributed_last = not self.joined

@@ -22,9 +22,13 @@ anchors) plus the outer optimizer's state (a momentum buffer each for SGD);
 :attr:`distopt.StepStats.extra_state_bytes` reports it.
 
 Join: a rank that runs out of data with local steps since the last sync sends
-them in one last exchange, as a contributor, then shadows the others'
-exchanges with zeros and a contributing flag of 0; each exchange averages over
-the ranks that contributed to it.
+them in one last exchange, as a contributor whose flags say that it contributes
+for the last time, then shadows the others' exchanges with zeros and a
+contributing flag of 0; each exchange averages over the ranks that contributed
+to it. Between two syncs no round carries flags, so the ranks still training
+learn that a rank has joined only from their next sync's: a collective of their
+own (the drift check) runs only right after a sync whose flags say that every
+rank trains on (:meth:`LocalSGDMode.ranks_training`).
 
 **Checkpoints, and taking one rank's state** (the end of a join block,
 ``broadcast_optimizer_state()``). Besides the inner optimizer, a local-SGD wrapper holds the step count, the
@@ -45,7 +49,8 @@ own (built by the factory over the anchors), so nobody else holds its groups.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -53,6 +58,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from .. import collectives
+from ..engine import GradientEngine
 from ..engine.packs import Pack
 from ..planning import drift
 from ..planning.mixing import mix_
@@ -62,7 +68,7 @@ from . import amp, shards
 from .base import Mode, ModeArguments, ModeContext, OuterFactory, SyncVote
 from .synchronous import SynchronousMode
 
-__all__ = ["LocalSGDMode", "STATE_KEY", "LAYOUT_KEY"]
+__all__ = ["LocalSGDMode", "STATE_KEY", "LAYOUT_KEY", "last_contribution"]
 
 #: The key under which ``state_dict()`` holds the mode's state, next to the inner optimizer's
 #: ``state`` and ``param_groups``: a plain ``torch.optim`` optimizer ignores it when loading.
@@ -105,6 +111,7 @@ class LocalSGDMode(Mode):
         # Fault tolerance (distopt.fault_tolerance): the commit vote of each sync, or None.
         self._vote: Optional[SyncVote] = None
         self._joined = False  # fault tolerance: this process has committed a sync, or healed in one
+        self._synced_now = False  # the last step read a round's flags (it synced, or was a warm-up step)
 
     def fault_tolerant(self, vote: SyncVote) -> None:
         """Sync under a torchft Manager: every sync is a quorum (the exchange opens it), ``vote.commit()``
@@ -130,6 +137,7 @@ class LocalSGDMode(Mode):
     def step(self, ctx: ModeContext, closure: Optional[Callable[[], Any]]) -> Any:
         step = ctx.steps
         warm = step < self.local_warmup
+        self._synced_now = warm
         if warm and amp.handed_over(ctx):
             ctx.reduce_for_step()  # unscale the averaged gradients, not local ones the reduction would replace
         # GradScaler hands every step over (``_step_supports_amp_scaling``): one rank's inf skips its
@@ -160,12 +168,21 @@ class LocalSGDMode(Mode):
             self._sync(ctx)
 
     def leaving(self, ctx: ModeContext) -> Optional[Callable[[], None]]:
-        # Steps not averaged yet are sent once, as a contributor; a rank without any just shadows.
+        # Steps not averaged yet are sent once, as a contributor for the last time; a rank without any
+        # just shadows.
         if ctx.world_size == 1 or not ctx.engine.local or self.since_sync == 0:
             return None
         self.since_sync = 0
-        self._launch(ctx)
+        self._launch(ctx, leaving=True)
         return lambda: self._finish(ctx)
+
+    def ranks_training(self, ctx: ModeContext) -> Optional[int]:
+        """Right after a sync (or a warm-up step), what its flags say; between two syncs None: no round
+        carries flags there, and the others learn that a rank ran out of data only from their next sync,
+        whose flags say that it contributes for the last time (:meth:`leaving`) or not at all."""
+        if ctx.engine.local and not self._synced_now:
+            return None
+        return super().ranks_training(ctx)
 
     def extra_state_bytes(self, ctx: ModeContext) -> int:
         # Counted when asked (opt.stats), not at every sync: it walks every anchor and outer state.
@@ -213,15 +230,17 @@ class LocalSGDMode(Mode):
         if ctx.world_size > 1 or self._vote is not None:
             self._launch(ctx)
             self._finish(ctx)
+            self._synced_now = True
             return
         with torch.no_grad():  # DiLoCo in one process: the pseudo-gradient is this rank's own
             self._apply([(p, anchor, anchor - p) for p, anchor in self._pairs(ctx)])
 
-    def _launch(self, ctx: ModeContext) -> None:
+    def _launch(self, ctx: ModeContext, leaving: bool = False) -> None:
+        """Send the pseudo-gradients (``leaving``: as this rank's last contribution, see :func:`last_contribution`)."""
         engine = ctx.engine
         if engine.progress is not None:
             engine.progress.phase = "inside step() (local SGD: averaging the pseudo-gradients)"
-        with torch.no_grad():
+        with torch.no_grad(), last_contribution(engine, leaving):
             engine.launch_exchange(self._filler(ctx))
 
     def _filler(self, ctx: ModeContext) -> Callable[[Pack], None]:
@@ -510,6 +529,17 @@ class LocalSGDMode(Mode):
             self.outer = _build_outer(self._factory, anchors)
         else:  # a new param group, or a parameter unfrozen since
             self.outer.add_param_group({"params": anchors})
+
+
+@contextmanager
+def last_contribution(engine: GradientEngine, leaving: bool = True) -> Iterator[None]:
+    """Around the launch of this rank's last contributions (``leaving``): their control flags say so, and
+    the ranks still training learn from them that it has joined, as they learn it from a shadow round's."""
+    engine.leaving = leaving
+    try:
+        yield
+    finally:
+        engine.leaving = False
 
 
 def _build_outer(factory: OuterFactory, anchors: List[Tensor]) -> Optimizer:

@@ -28,9 +28,13 @@ same collectives in the same order: the schedule is a function of the step count
 **join.** A rank that runs out of data first waits for its fragments in flight
 and merges them, then sends each fragment's progress since its last sync once
 more, as a contributor, in the others' next F exchanges (all launched at once,
-in the order the schedule launches them); then it shadows the others'
-exchanges, fragment by fragment, with zeros. These last exchanges take the
-global values whatever ``sync_mixing`` is: the end of a join block is a full sync.
+in the order the schedule launches them), their flags saying that it contributes
+for the last time; then it shadows the others' exchanges, fragment by fragment,
+with zeros. These last exchanges take the global values whatever ``sync_mixing``
+is: the end of a join block is a full sync. The ranks still training learn that a
+rank has joined only from an exchange's flags, so a collective of their own (the
+drift check) runs only right after a step that sends a fragment, once that
+fragment's exchange is back (:meth:`StreamingMode.ranks_training`).
 
 **Fault tolerance** (``fault_tolerance=manager``, :mod:`distopt.fault_tolerance`). Each
 fragment's sync is a quorum of the replicas and a commit vote, as a whole-model sync is
@@ -69,7 +73,7 @@ from ..planning.fragments import split_fragments
 from ..planning.schedule import StreamSchedule
 from ..transport import stalls
 from .base import ModeArguments, ModeContext, OuterFactory, SyncVote
-from .local_sgd import STATE_KEY, LocalSGDMode
+from .local_sgd import STATE_KEY, LocalSGDMode, last_contribution
 
 __all__ = ["StreamingMode", "STREAMING_KEY"]
 
@@ -124,6 +128,7 @@ class StreamingMode(LocalSGDMode):
         self._shadow_warm = 0  # a joined rank: gradient rounds of the others' warm-up still to shadow
         self._shadow_cycle: List[int] = []  # then the fragments, in the order the others send them
         self._shadow_next = 0
+        self._sent_now: List[PartialExchange] = []  # the exchanges sent in the last step
 
     # ------------------------------------------------------------------ the seam
 
@@ -146,6 +151,7 @@ class StreamingMode(LocalSGDMode):
         return ctx.steps + 1 - self.local_warmup
 
     def _after_local_step(self, ctx: ModeContext) -> None:
+        self._sent_now = []
         self.since_sync += 1
         if not self._needs_anchors(ctx):  # plain averaging over one rank changes nothing
             return
@@ -224,6 +230,7 @@ class StreamingMode(LocalSGDMode):
         with torch.no_grad():
             exchange = engine.launch_partial(engine.fragment_packs[fragment], self._filler(ctx))
         self._pending[fragment] = _Sync(step, exchange)
+        self._sent_now.append(exchange)
 
     def _merge(self, ctx: ModeContext, fragment: int, final: bool = False) -> None:
         """Apply ``fragment``'s sync: wait for it, move its anchors, mix its parameters.
@@ -303,7 +310,7 @@ class StreamingMode(LocalSGDMode):
         # of one before sending the next; the first is launched now, as a contributor.
         order = schedule.order_after(step)
         fill = self._filler(ctx)
-        with torch.no_grad():
+        with torch.no_grad(), last_contribution(engine):
             first = engine.launch_partial(engine.fragment_packs[order[0]], fill)
         self.since_sync = 0
 
@@ -311,13 +318,24 @@ class StreamingMode(LocalSGDMode):
             exchanges = [first]
             for f in order[1:]:
                 engine.arrive_partial(exchanges[-1])
-                with torch.no_grad():
+                with torch.no_grad(), last_contribution(engine):
                     exchanges.append(engine.launch_partial(engine.fragment_packs[f], fill))
             for f, exchange in zip(order, exchanges):
                 self._pending[f] = _Sync(step, exchange)
                 self._merge(ctx, f, final=True)
 
         return finish
+
+    def ranks_training(self, ctx: ModeContext) -> Optional[int]:
+        """Right after a step that sent a fragment, what that exchange's flags say: it is waited for here
+        (its communication only; it is merged at its own step), as every rank still training sent it in
+        this step. After any other step None: a rank may have run out of data since the last exchange
+        (a flag read at a merge is ``sync_overlap`` steps old), and sent its last exchanges unseen."""
+        if not ctx.engine.local or not self._sent_now:
+            return super().ranks_training(ctx)
+        exchange = self._sent_now[-1]
+        ctx.engine.arrive_partial(exchange)
+        return ctx.engine.training if exchange.totals is None else exchange.totals.training
 
     def _start_shadow_cycle(self, ctx: ModeContext, step: int) -> None:
         self._shadow_cycle = self.schedule(ctx).order_after(step)

@@ -337,13 +337,14 @@ def checkpoint_round_trip(steps, cut, sync_every, warmup):
             "plain_momentum": sorted(plain.state[plain.param_groups[0]["params"][0]])}
 
 
-def train_uneven(counts, sync_every, inner="sgd", outer=None, warmup=0, compression=None):
+def train_uneven(counts, sync_every, inner="sgd", outer=None, warmup=0, compression=None, check_every=100,
+                 stall_timeout=None):
     """``with opt.join():`` around a loop of ``counts[rank]`` steps."""
     rank = dist.get_rank()
     model = make_model(seed=rank)
     opt = DistributedOptimizer(INNER[inner](model.parameters()), sync_every=sync_every,
                                outer_optimizer=OUTER[outer], local_warmup=warmup, compression=compression,
-                               pack_threshold=256)
+                               pack_threshold=256, check_every=check_every, stall_timeout=stall_timeout)
     with opt.join():
         for t in range(counts[rank]):
             opt.zero_grad()
@@ -360,7 +361,39 @@ def train_uneven(counts, sync_every, inner="sgd", outer=None, warmup=0, compress
               "since_sync": mode.since_sync, "anchors_are_params": max_diff(anchors, params_of(model)),
               "inner_identical": everyone_equal(state),
               "inner_steps": sorted({float(v) for v in state if v.dim() == 0}),
-              "inner_diff": max_diff(state, final_state) if len(state) == len(final_state) else float("inf")}
+              "inner_diff": max_diff(state, final_state) if len(state) == len(final_state) else float("inf"),
+              "drift_checks": (opt.stats.drift_checks, opt.stats.drift_step)}
+    opt.close()
+    return result
+
+
+def check_drift_inside_join(counts, sync_every, outer=None):
+    """``opt.check_drift()`` after every step of a loop of ``counts[rank]`` steps inside ``with opt.join():``,
+    each outcome noted and training going on: "ran", or the RuntimeError it raised at once, "between" (between
+    two syncs) or "joined" (a sync's flags said that a rank ran out of data)."""
+    rank = dist.get_rank()
+    model = make_model(seed=rank)
+    opt = DistributedOptimizer(INNER["sgd"](model.parameters()), sync_every=sync_every, outer_optimizer=OUTER[outer],
+                               pack_threshold=256, check_every=0, stall_timeout=10)
+    outcomes = []
+    with opt.join():
+        for t in range(counts[rank]):
+            opt.zero_grad()
+            loss_of(model, *batch(rank, t)).backward()
+            opt.step()
+            try:
+                opt.check_drift()
+                outcomes.append("ran")
+            except RuntimeError as exc:
+                if "between two syncs" in str(exc):
+                    outcomes.append("between")
+                elif "after a rank ran out of data" in str(exc):
+                    outcomes.append("joined")
+                else:
+                    raise
+    _, final, _ = simulate(counts, sync_every, "sgd", outer)
+    result = {"outcomes": outcomes, "identical": everyone_equal(model.parameters()),
+              "diff": max_diff(params_of(model), final)}
     opt.close()
     return result
 
@@ -514,6 +547,12 @@ CASES = {
     "join adam, last exchanges meet, 6/5": (2, train_uneven, ([6, 5], 4), {"inner": "adam"}),
     "join adam, last exchanges meet, 7/5": (2, train_uneven, ([7, 5], 4), {"inner": "adam"}),
     "join adam, last exchanges meet, world 3": (3, train_uneven, ([5, 7, 6], 4), {"inner": "adam"}),
+    # a drift check due while a rank runs out of data: rank 1 sends its last steps at the others' sync 15 (and
+    # rank 2 at 20), whose flags must tell them that it leaves; at 100 (the default) with plain averaging
+    "join under a drift check at every step, world 3": (3, train_uneven, ([20, 12, 16], 5),
+                                                        {"outer": "nesterov", "check_every": 1, "stall_timeout": 10}),
+    "join under the default drift check": (2, train_uneven, ([104, 99], 4), {"stall_timeout": 10}),
+    "check_drift() inside join, world 3": (3, check_drift_inside_join, ([20, 12, 16], 5), {"outer": "nesterov"}),
     "root-only load at a sync": (2, root_only_resume, (6, False), {}),
     "root-only load mid-period, after add_param_group": (2, root_only_resume, (7, True), {}),
     "settings differ": (2, outer_optimizer_on_one_rank, (), {}),
@@ -625,6 +664,32 @@ def test_join_with_uneven_batches_ends_identical_and_follows_the_protocol(name, 
         if len(set(counts)) > 1:  # the ranks stopped apart: the inner state of a rank that ran longest, everywhere
             assert r["inner_identical"], r
             assert r["inner_diff"] < TOL, r
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name, checks", [("join under a drift check at every step, world 3", (2, 10)),
+                                          ("join under the default drift check", (0, 0))])
+def test_a_drift_check_due_after_a_rank_ran_out_of_data_is_skipped_on_every_rank_and_training_ends_identical(
+        name, checks, no_leftover_processes):
+    # Before: the others learned that a rank had run out only from a later sync's flags, started the check's
+    # all-reduce while it waited in the exchange it owed, and every rank failed with a StallError. Now a
+    # sync whose flags say that a rank contributes for the last time, or not at all, is followed by no check:
+    # checks at the syncs 5 and 10 only (none at 15 and 20), and none at 100 (rank 1 sent its last steps there).
+    for r in results(name):
+        assert r["drift_checks"] == checks, r
+        assert r["identical"] and r["diff"] < TOL and r["since_sync"] == 0, r
+
+
+@pytest.mark.timeout(300)
+def test_check_drift_inside_join_runs_right_after_syncs_every_rank_trains_on_and_raises_at_once_elsewhere(
+        no_leftover_processes):
+    counts, every = CASES["check_drift() inside join, world 3"][2]
+    for rank, r in enumerate(results("check_drift() inside join, world 3")):
+        # between two syncs no round says whether a rank has joined: an error at once on every rank; at the
+        # syncs 5 and 10 every rank trains on; the syncs 15 and 20 say that rank 1, then rank 2, ran out
+        assert r["outcomes"] == ["between" if t % every else "ran" if t <= min(counts) else "joined"
+                                 for t in range(1, counts[rank] + 1)], r
+        assert r["identical"] and r["diff"] < TOL, r  # the calls changed nothing; training went on
 
 
 @pytest.mark.timeout(300)

@@ -268,13 +268,15 @@ def bytes_per_step(steps, every, fragments, overlap):
     return out
 
 
-def train_uneven(counts, every, fragments, overlap, mixing=0.0, inner="sgd", outer=None, warmup=0, compression=None):
+def train_uneven(counts, every, fragments, overlap, mixing=0.0, inner="sgd", outer=None, warmup=0, compression=None,
+                 check_every=100, stall_timeout=None):
     """``with opt.join():`` around a loop of ``counts[rank]`` steps."""
     rank = dist.get_rank()
     model = make_model(seed=rank)
     opt = DistributedOptimizer(INNER[inner](model.parameters()), sync_every=every, outer_optimizer=OUTER[outer],
                                sync_fragments=fragments, sync_overlap=overlap, sync_mixing=mixing, pack_threshold=256,
-                               local_warmup=warmup, compression=compression)
+                               local_warmup=warmup, compression=compression, check_every=check_every,
+                               stall_timeout=stall_timeout)
     with opt.join():
         for t in range(counts[rank]):
             opt.zero_grad()
@@ -286,7 +288,40 @@ def train_uneven(counts, every, fragments, overlap, mixing=0.0, inner="sgd", out
     identical = everyone_equal(list(model.parameters()) + anchors_of(opt) + outer_state)
     _, final = simulate(counts, every, fragments, overlap, mixing, inner, outer, warmup)
     result = {"identical": identical, "diff": max_diff(params_of(model), final), "steps": opt._engine.steps,
-              "anchors_are_params": max_diff(anchors_of(opt), params_of(model)), "pending": len(mode._pending)}
+              "anchors_are_params": max_diff(anchors_of(opt), params_of(model)), "pending": len(mode._pending),
+              "drift_checks": (opt.stats.drift_checks, opt.stats.drift_step)}
+    opt.close()
+    return result
+
+
+def check_drift_inside_join(counts, every, fragments, overlap, outer=None):
+    """``opt.check_drift()`` after every step of a loop of ``counts[rank]`` steps inside ``with opt.join():``,
+    each outcome noted and training going on: "ran", or the RuntimeError it raised at once, "between" (after a
+    step that sent no fragment) or "joined" (the exchange's flags said that a rank ran out of data)."""
+    rank = dist.get_rank()
+    model = make_model(seed=rank)
+    opt = DistributedOptimizer(INNER["sgd"](model.parameters()), sync_every=every, outer_optimizer=OUTER[outer],
+                               sync_fragments=fragments, sync_overlap=overlap, pack_threshold=256, check_every=0,
+                               stall_timeout=10)
+    outcomes = []
+    with opt.join():
+        for t in range(counts[rank]):
+            opt.zero_grad()
+            loss_of(model, *batch(rank, t)).backward()
+            opt.step()
+            try:
+                opt.check_drift()
+                outcomes.append("ran")
+            except RuntimeError as exc:
+                if "between two syncs" in str(exc):
+                    outcomes.append("between")
+                elif "after a rank ran out of data" in str(exc):
+                    outcomes.append("joined")
+                else:
+                    raise
+    _, final = simulate(counts, every, fragments, overlap, outer=outer)
+    result = {"outcomes": outcomes, "identical": everyone_equal(model.parameters()),
+              "diff": max_diff(params_of(model), final)}
     opt.close()
     return result
 
@@ -365,6 +400,12 @@ CASES = {
     # at three ranks an all-to-all then an all-gather: one that has joined shadows both stages of each in turn
     "join int4, 3 ranks": (3, train_uneven, ([5, 9, 7], 4, 4, 2), {"outer": "nesterov", "compression": "int4"}),
     "join topk, 3 ranks": (3, train_uneven, ([5, 9, 7], 4, 4, 2), {"outer": "nesterov", "compression": "topk"}),
+    # a drift check due while a rank runs out of data: the exchanges its last steps meet must tell the others
+    "join under a drift check at every step, world 3": (3, train_uneven, ([20, 12, 16], 4, 2, 1),
+                                                        {"outer": "nesterov", "check_every": 1, "stall_timeout": 10}),
+    "join under the default drift check": (2, train_uneven, ([104, 99], 4, 2, 1),
+                                           {"outer": "nesterov", "stall_timeout": 10}),
+    "check_drift() inside join": (2, check_drift_inside_join, ([12, 7], 4, 2, 1), {"outer": "nesterov"}),
     "checkpoint": (2, checkpoint_in_flight, (12, 6), {}),
     "settings differ": (2, fragments_differ, (), {}),
     "plain F=2 tau=1, world 3": (3, train_against_simulation, (10, 4, 2, 1), {"mixing": 0.25}),
@@ -396,11 +437,13 @@ def test_streaming_follows_the_simulation_and_keeps_the_last_sync_copies_identic
         assert r["fragments"] == fragments
         assert max(r["diffs"]) < TOL, r["diffs"]
         assert all(r["anchors_identical"])
-        # the drift check (check_every=1) ran at every step, and found the last-sync copies alike
-        assert r["checks"] == [(t + 1, 0) for t in range(steps)]
         schedule = StreamSchedule(every, fragments, overlap)
-        assert ([t for t in range(steps) if r["bytes"][t]]
-                == [t for t in range(steps) if t < warmup or schedule.launches(t + 1 - warmup)])
+        sent = [t < warmup or bool(schedule.launches(t + 1 - warmup)) for t in range(steps)]
+        # the drift check, due at every step (check_every=1), ran right after each step that sent a fragment
+        # (or a warm-up step's gradients), whose flags say that every rank trains on, and found the last-sync
+        # copies alike
+        assert r["checks"] == [(sum(sent[:t + 1]), 0) for t in range(steps)]
+        assert [t for t in range(steps) if r["bytes"][t]] == [t for t in range(steps) if sent[t]]
 
 
 @pytest.mark.timeout(300)
@@ -443,6 +486,32 @@ def test_join_with_fragments_in_flight_ends_identical_and_follows_the_protocol(n
         assert r["diff"] < ({"topk": 0.1}.get(CASES[name][3].get("compression"), 5e-2) if compressed else TOL), r
         assert r["steps"] == max(counts)
         assert r["anchors_are_params"] == 0.0 and r["pending"] == 0
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name, checks", [("join under a drift check at every step, world 3", (6, 12)),
+                                          ("join under the default drift check", (0, 0))])
+def test_a_drift_check_due_after_a_rank_ran_out_of_data_is_skipped_on_every_rank(name, checks,
+                                                                                 no_leftover_processes):
+    # Before: the check ran at every step, its all-reduce met the exchanges a rank that ran out of data
+    # still owed, and every rank failed with a StallError. Now it runs right after a step that sent a
+    # fragment whose flags say that every rank trains on: 2, 4, ..., 12 (the fewest steps); not after
+    # 14-20 (rank 1's last exchanges, then rank 2's), nor at 100 (rank 1 ran out after 99).
+    for r in results(name):
+        assert r["drift_checks"] == checks, r
+
+
+@pytest.mark.timeout(300)
+def test_check_drift_inside_join_runs_right_after_a_fragment_is_sent_while_every_rank_trains(no_leftover_processes):
+    counts, every, fragments, overlap = CASES["check_drift() inside join"][2]
+    schedule = StreamSchedule(every, fragments, overlap)
+    for rank, r in enumerate(results("check_drift() inside join")):
+        # after a step that sent no fragment: an error at once; after 2, 4, 6 every rank trains on; the
+        # exchanges of 8 and 10 carry rank 1's last steps, and in 12's it contributes nothing
+        assert r["outcomes"] == ["ran" if schedule.launches(t) and t <= min(counts) else
+                                 "joined" if schedule.launches(t) else "between"
+                                 for t in range(1, counts[rank] + 1)], r
+        assert r["identical"] and r["diff"] < TOL, r
 
 
 @pytest.mark.timeout(300)
