@@ -687,11 +687,14 @@ class GradientEngine:
             if factor != 1.0:
                 pack.data.mul_(factor)
             if pack.absent:
-                present = pack.flags.tolist()
-                for j in pack.absent:
-                    # Averaged with zeros where some rank had a gradient; None where none had.
-                    index = pack.spec.members[j]
-                    self.params[index].grad = pack.views[j] if present[j] else None
+                # An exchange's values are not gradients: which members no rank sent is the mode's to read
+                # from the presence flags (local SGD: a frozen parameter has no pseudo-gradient).
+                if self._phase != Phase.EXCHANGE:
+                    present = pack.flags.tolist()
+                    for j in pack.absent:
+                        # Averaged with zeros where some rank had a gradient; None where none had.
+                        index = pack.spec.members[j]
+                        self.params[index].grad = pack.views[j] if present[j] else None
                 pack.absent.clear()
         return totals
 
@@ -902,7 +905,9 @@ class GradientEngine:
 
         Args:
             fill: called with each pack, in plan order, as it launches; it writes the
-                values into the pack's member views and must apply :attr:`scale` itself.
+                values into the pack's member views and must apply :attr:`scale` itself,
+                and lists in ``pack.absent`` the members it sends no value for (their presence
+                flags: once back, ``pack.flags[j]`` is 0 where no rank sent one).
                 Finish with :meth:`finish_exchange`.
         """
         with self.lock:

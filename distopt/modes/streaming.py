@@ -87,10 +87,8 @@ class _Sync:
 
     launched: int  # the local step it was sent after
     exchange: Optional[PartialExchange]  # its exchange (None: values known already)
-    values: List[Tuple[Tensor, Tensor]] = field(default_factory=list)  # (parameter, mean pseudo-gradient)
-
-    def arrived(self) -> List[Tuple[Tensor, Tensor]]:
-        return self.exchange.values() if self.exchange is not None else self.values
+    # (parameter, mean pseudo-gradient, None where no rank sent one)
+    values: List[Tuple[Tensor, Optional[Tensor]]] = field(default_factory=list)
 
 
 class StreamingMode(LocalSGDMode):
@@ -221,7 +219,7 @@ class StreamingMode(LocalSGDMode):
         """Send ``fragment``'s pseudo-gradient; it stays in flight until merged."""
         if not self._exchanges(ctx):  # DiLoCo in one process: the mean is this rank's own
             with torch.no_grad():
-                values = [(p, self._anchor_of(p) - p) for p in self._fragments(ctx)[fragment]]
+                values = [(p, self._pseudo_gradient_alone(p)) for p in self._fragments(ctx)[fragment]]
             self._pending[fragment] = _Sync(step, None, values)
             return
         engine = ctx.engine
@@ -253,11 +251,17 @@ class StreamingMode(LocalSGDMode):
             self._joined = self._joined or committed or self._vote.healed_now
             if not committed:  # the fragment goes back to its anchors, alike on every replica (as torchft's)
                 with torch.no_grad():
-                    for p, _ in sync.arrived():
+                    for p, _ in self._arrived(sync):
                         p.copy_(self._anchor_of(p))
                 return
         with torch.no_grad():
-            self._apply([(p, self._anchor_of(p), mean) for p, mean in sync.arrived()], alpha)
+            self._apply([(p, self._anchor_of(p), mean) for p, mean in self._arrived(sync)], alpha)
+
+    def _arrived(self, sync: _Sync) -> List[Tuple[Tensor, Optional[Tensor]]]:
+        """``(parameter, mean pseudo-gradient)`` of a sync that has arrived, None where no rank sent one."""
+        if sync.exchange is None:
+            return sync.values
+        return [item for pack, _, views in sync.exchange.held for item in self._received(pack, views)]
 
     def _exchanges(self, ctx: ModeContext) -> bool:
         """Whether syncs travel (more than one rank, or replicas under fault tolerance, however many)."""
@@ -368,10 +372,10 @@ class StreamingMode(LocalSGDMode):
             sync = self._pending[fragment]
             if sync.exchange is not None:
                 ctx.engine.arrive_partial(sync.exchange)
-            values = sync.arrived()
+            values = self._arrived(sync)
             pending.append({"fragment": fragment, "launched": sync.launched,
                             "params": [index[id(p)] for p, _ in values],
-                            "values": [mean.detach().clone() for _, mean in values]})
+                            "values": [None if mean is None else mean.detach().clone() for _, mean in values]})
         out[STATE_KEY][STREAMING_KEY] = {"pending": pending}
         return out
 
@@ -388,7 +392,7 @@ class StreamingMode(LocalSGDMode):
         params = ctx.params
         for sync in pending:
             for i, value in zip(sync["params"], sync["values"]):
-                if not 0 <= i < len(params) or tuple(value.shape) != tuple(params[i].shape):
+                if not 0 <= i < len(params) or (value is not None and tuple(value.shape) != tuple(params[i].shape)):
                     raise ValueError(
                         f"state_dict[{STATE_KEY!r}][{STREAMING_KEY!r}] holds a sync in flight for parameter {i} of shape "
                         f"{tuple(value.shape)}, which does not fit this optimizer's parameters; load a state dict "
@@ -406,10 +410,12 @@ class StreamingMode(LocalSGDMode):
         super().load_state_dict(ctx, state_dict)
         if STATE_KEY in state_dict:
             self._take_pending(ctx, [(int(sync["fragment"]), int(sync["launched"]),
-                                      [(params[i], value.to(params[i].device, params[i].dtype).clone())
+                                      [(params[i], None if value is None else
+                                        value.to(params[i].device, params[i].dtype).clone())
                                        for i, value in zip(sync["params"], sync["values"])]) for sync in pending])
 
-    def _take_pending(self, ctx: ModeContext, pending: List[Tuple[int, int, List[Tuple[Tensor, Tensor]]]]) -> None:
+    def _take_pending(self, ctx: ModeContext,
+                      pending: List[Tuple[int, int, List[Tuple[Tensor, Optional[Tensor]]]]]) -> None:
         """Replace the syncs in flight with ``pending`` (each arrived already): ours are waited for and dropped."""
         for sync in self._pending.values():
             if sync.exchange is not None:
@@ -429,15 +435,18 @@ class StreamingMode(LocalSGDMode):
             for sync in self._pending.values():
                 if sync.exchange is not None:
                     ctx.engine.arrive_partial(sync.exchange)
-        meta = [[(f, sync.launched, [index[id(p)] for p, _ in sync.arrived()]) for f, sync in self._pending.items()]
+        values = {f: self._arrived(sync) for f, sync in self._pending.items()} if is_src else {}
+        # Each sync's fragment, step, members and which of them no rank sent (no mean to travel).
+        meta = [[(f, sync.launched, [index[id(p)] for p, _ in values[f]],
+                  [k for k, (_, mean) in enumerate(values[f]) if mean is None]) for f, sync in self._pending.items()]
                 if is_src else None]
         with stalls.inspected(ctx.progress, "the broadcast of the streaming syncs in flight"):
             collectives.broadcast_object_list(meta, src=src, group=group)
         theirs = meta[0]
-        values = {f: sync.arrived() for f, sync in self._pending.items()} if is_src else {}
-        pending = [(f, launched, [(params[i], values[f][k][1] if is_src else torch.zeros_like(params[i]))
-                                  for k, i in enumerate(members)]) for f, launched, members in theirs]
-        tensors = [mean for _, _, items in pending for _, mean in items]
+        pending = [(f, launched, [(params[i], None if k in unsent else
+                                   values[f][k][1] if is_src else torch.zeros_like(params[i]))
+                                  for k, i in enumerate(members)]) for f, launched, members, unsent in theirs]
+        tensors = [mean for _, _, items in pending for _, mean in items if mean is not None]
         if tensors:
             with torch.no_grad(), stalls.inspected(ctx.progress, "the broadcast of the streaming syncs in flight"):
                 collectives.broadcast_parameters(tensors, src=src, group=group)
