@@ -310,9 +310,9 @@ def freeze_mid_training(steps, every, fragments, overlap, mixing, freeze_at):
     the simulation, and the frozen layer's values."""
     rank = dist.get_rank()
     model = make_model(seed=rank)
-    opt = DistributedOptimizer(INNER["momentum"](model.parameters()), sync_every=every, outer_optimizer=OUTER["nesterov"],
-                               sync_fragments=fragments, sync_overlap=overlap, sync_mixing=mixing, pack_threshold=256,
-                               stall_timeout=30)
+    opt = DistributedOptimizer(INNER["momentum"](model.parameters()), sync_every=every,
+                               outer_optimizer=OUTER["nesterov"], sync_fragments=fragments, sync_overlap=overlap,
+                               sync_mixing=mixing, pack_threshold=256, stall_timeout=30)
     trace, _ = simulate([steps] * dist.get_world_size(), every, fragments, overlap, mixing, "momentum", "nesterov",
                         freeze=(freeze_at, FROZEN))
     layer = [list(model.parameters())[i] for i in FROZEN]
@@ -585,7 +585,8 @@ def test_a_parameter_frozen_mid_training_moves_once_at_its_fragments_next_merge_
     for r in results("frozen mid-training"):
         assert max(r["diffs"]) < TOL, r["diffs"]
         # Before: its zero pseudo-gradient kept travelling and the outer Nesterov momentum moved it on.
-        assert all(torch.equal(a, b) for t in range(settled, steps) for a, b in zip(r["values"][t], r["values"][settled]))
+        assert all(torch.equal(a, b) for t in range(settled, steps)
+                   for a, b in zip(r["values"][t], r["values"][settled]))
         assert max_diff(r["values"][settled], r["values"][freeze_at - 1]) > 0  # not vacuous: that merge moved it
 
 
