@@ -392,10 +392,11 @@ class StreamingMode(LocalSGDMode):
         params = ctx.params
         for sync in pending:
             for i, value in zip(sync["params"], sync["values"]):
-                if not 0 <= i < len(params) or (value is not None and tuple(value.shape) != tuple(params[i].shape)):
+                shape = None if value is None else tuple(value.shape)  # None: no rank sent one (frozen)
+                if not 0 <= i < len(params) or (shape is not None and shape != tuple(params[i].shape)):
                     raise ValueError(
                         f"state_dict[{STATE_KEY!r}][{STREAMING_KEY!r}] holds a sync in flight for parameter {i} of shape "
-                        f"{tuple(value.shape)}, which does not fit this optimizer's parameters; load a state dict "
+                        f"{shape}, which does not fit this optimizer's parameters; load a state dict "
                         "saved by the same model and optimizer"
                     )
         if pending and self._vote is not None:
