@@ -136,6 +136,17 @@ MUTANTS: List[Mutant] = [
     Mutant("gone-rank verdict: an exiting peer read as alive", "distopt/transport/stalls.py",
            ' or bool(int(fields[6]) & _PF_EXITING)', "",
            ["tests/unit/test_inspector_errors.py", "-k", "exiting"]),
+    Mutant("join: a rank's last exchange says it leaves, before a drift check", "distopt/planning/control.py",
+           "        return self.contributing - self.leaving\n", "        return self.contributing\n",
+           ["tests/multiprocess/test_local_sgd.py", "tests/multiprocess/test_streaming.py", "-k",
+            "drift_check_due_after_a_rank or check_drift_inside_join"]),
+    Mutant("streaming: a drift check waits for the exchange of its step", "distopt/modes/streaming.py",
+           "        ctx.engine.arrive_partial(exchange)\n        return ctx.engine.training if",
+           "        return ctx.engine.training\n        return ctx.engine.training if",
+           ["tests/multiprocess/test_streaming.py", "-k", "drift_check_due_after_a_rank or check_drift_inside_join"]),
+    Mutant("DiLoCo: no rank sent a frozen parameter, so the outer optimizer skips it", "distopt/modes/local_sgd.py",
+           "                if not present[j]:\n", "                if present[j] < 0:\n",
+           ["tests/multiprocess/test_local_sgd.py", "tests/multiprocess/test_streaming.py", "-k", "frozen"]),
 ]
 
 

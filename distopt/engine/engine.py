@@ -145,7 +145,11 @@ class GradientEngine:
         self.divide_by_world = False
         self.joined = False
         self.contributors = world_size  # ranks that contributed to the last round
+        self.training = world_size  # of those, the ranks that go on training (Totals.training)
         self.contributed_last = True  # this rank contributed to the last round that had contributors
+        # Set by a mode while it launches this rank's last contributions (local SGD: the steps not averaged
+        # yet of a rank that ran out of data), so that the others learn from the flags that it has joined.
+        self.leaving = False
         # A closure's round (set by the mode while step(closure) evaluates it): the reduction of the closure's
         # loss follows it. closure_round: whether the last round back was one, on every rank alike, so that a
         # rank that has joined takes part in that reduction too.
@@ -473,6 +477,7 @@ class GradientEngine:
                 counts_steps=not self.joined and self._phase != Phase.EXCHANGE,
                 odd_steps=not self.joined and self._phase != Phase.EXCHANGE and self.steps % 2 == 1,
                 closure=not self.joined and self.closure,
+                leaving=not self.joined and self.leaving,
             ).tensor()
         return self._control
 
@@ -708,11 +713,14 @@ class GradientEngine:
             if factor != 1.0:
                 pack.data.mul_(factor)
             if pack.absent:
-                present = pack.flags.tolist()
-                for j in pack.absent:
-                    # Averaged with zeros where some rank had a gradient; None where none had.
-                    index = pack.spec.members[j]
-                    self.params[index].grad = pack.views[j] if present[j] else None
+                # An exchange's values are not gradients: which members no rank sent is the mode's to read
+                # from the presence flags (local SGD: a frozen parameter has no pseudo-gradient).
+                if self._phase != Phase.EXCHANGE:
+                    present = pack.flags.tolist()
+                    for j in pack.absent:
+                        # Averaged with zeros where some rank had a gradient; None where none had.
+                        index = pack.spec.members[j]
+                        self.params[index].grad = pack.views[j] if present[j] else None
                 pack.absent.clear()
         return totals
 
@@ -807,6 +815,7 @@ class GradientEngine:
     def _totals(self, flags: List[float]) -> Totals:
         totals = Totals.read(flags, self.world_size, averaged=self.op == dist.ReduceOp.AVG)
         self.closure_round = bool(totals.closure)
+        self.training = totals.training
         if totals.contributing:
             self.contributors = totals.contributing
             self.contributed_last = not self.joined
@@ -944,7 +953,9 @@ class GradientEngine:
 
         Args:
             fill: called with each pack, in plan order, as it launches; it writes the
-                values into the pack's member views and must apply :attr:`scale` itself.
+                values into the pack's member views and must apply :attr:`scale` itself,
+                and lists in ``pack.absent`` the members it sends no value for (their presence
+                flags: once back, ``pack.flags[j]`` is 0 where no rank sent one).
                 Finish with :meth:`finish_exchange`.
         """
         with self.lock:

@@ -34,7 +34,8 @@ after each shadow round, :meth:`Mode.shadow_step`; the end of the block,
 :meth:`Mode.settle_after_join` and :meth:`Mode.broadcast_state`), checkpoints
 (:meth:`Mode.state_dict`, :meth:`Mode.load_state_dict`), ``stats``
 (:meth:`Mode.extra_state_bytes`) and the drift check (:meth:`Mode.kept_identical`: what
-it keeps identical on every rank, and when). The defaults do what synchronous training needs.
+it keeps identical on every rank, and when; :meth:`Mode.ranks_training`: whether the ranks
+know at this point that none of them has joined). The defaults do what synchronous training needs.
 """
 from __future__ import annotations
 
@@ -291,6 +292,21 @@ class Mode:
     def extra_state_bytes(self, ctx: ModeContext) -> int:
         """Bytes the mode holds besides the model and the inner optimizer (for ``stats``)."""
         return 0
+
+    def ranks_training(self, ctx: ModeContext) -> Optional[int]:
+        """How many ranks train on, as the ranks still training know it right after this step.
+
+        A rank that has joined (inside ``join()``) takes part in the others' rounds only, never in a
+        collective of theirs such as the drift check or a re-broadcast, and the others learn that it
+        has joined from the control flags of a round (:attr:`distopt.planning.control.Totals.training`).
+        So such a collective may run only where a round read in this step says that every rank trains on.
+        Synchronous training reads one in every step.
+
+        Returns:
+            The count, the same on every rank still training; None where no round of this step tells
+            (local SGD between two syncs): a rank may have joined unseen.
+        """
+        return ctx.engine.training
 
     def kept_identical(self, ctx: ModeContext, scheduled: bool) -> Optional[drift.Kept]:
         """What this mode keeps identical on every rank now, for the drift check to compare.

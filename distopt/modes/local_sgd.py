@@ -12,6 +12,16 @@ the last sync minus the parameters now, so it points the way a gradient does):
   of the anchors for the *outer optimizer* (e.g. Nesterov SGD, lr 0.7,
   momentum 0.9); every rank steps it alike and takes its result.
 
+A parameter frozen mid-training (``requires_grad_(False)``, no gradient set by
+hand) that has not moved since the last sync has nothing to send: it travels with
+a presence flag of 0, and where no rank sent it, its pseudo-gradient is None on
+every rank, so the outer optimizer skips it (as a ``torch.optim`` optimizer skips
+a parameter without a gradient) and its momentum does not move it on; frozen on
+some ranks only, it is averaged with their zeros, as a gradient is in synchronous
+training. So a parameter frozen mid-training moves once more, at the sync that
+takes its progress since the last one (with streaming's mixing, to the global
+value), then never while it stays frozen.
+
 The pseudo-gradients travel through the engine's packs, in its fixed plan, one
 all-reduce per pack (:meth:`distopt.engine.GradientEngine.launch_exchange`).
 Sending the change rather than the parameters means that ``compression``
@@ -22,9 +32,13 @@ anchors) plus the outer optimizer's state (a momentum buffer each for SGD);
 :attr:`distopt.StepStats.extra_state_bytes` reports it.
 
 Join: a rank that runs out of data with local steps since the last sync sends
-them in one last exchange, as a contributor, then shadows the others'
-exchanges with zeros and a contributing flag of 0; each exchange averages over
-the ranks that contributed to it.
+them in one last exchange, as a contributor whose flags say that it contributes
+for the last time, then shadows the others' exchanges with zeros and a
+contributing flag of 0; each exchange averages over the ranks that contributed
+to it. Between two syncs no round carries flags, so the ranks still training
+learn that a rank has joined only from their next sync's: a collective of their
+own (the drift check) runs only right after a sync whose flags say that every
+rank trains on (:meth:`LocalSGDMode.ranks_training`).
 
 **Checkpoints, and taking one rank's state** (the end of a join block,
 ``broadcast_optimizer_state()``). Besides the inner optimizer, a local-SGD wrapper holds the step count, the
@@ -45,7 +59,8 @@ own (built by the factory over the anchors), so nobody else holds its groups.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from contextlib import contextmanager
+from typing import Any, Callable, Dict, Iterator, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -53,6 +68,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from .. import collectives
+from ..engine import GradientEngine
 from ..engine.packs import Pack
 from ..planning import drift
 from ..planning.mixing import mix_
@@ -62,7 +78,7 @@ from . import amp, shards
 from .base import Mode, ModeArguments, ModeContext, OuterFactory, SyncVote
 from .synchronous import SynchronousMode
 
-__all__ = ["LocalSGDMode", "STATE_KEY", "LAYOUT_KEY"]
+__all__ = ["LocalSGDMode", "STATE_KEY", "LAYOUT_KEY", "last_contribution"]
 
 #: The key under which ``state_dict()`` holds the mode's state, next to the inner optimizer's
 #: ``state`` and ``param_groups``: a plain ``torch.optim`` optimizer ignores it when loading.
@@ -105,6 +121,9 @@ class LocalSGDMode(Mode):
         # Fault tolerance (distopt.fault_tolerance): the commit vote of each sync, or None.
         self._vote: Optional[SyncVote] = None
         self._joined = False  # fault tolerance: this process has committed a sync, or healed in one
+        self._synced_now = False  # the last step read a round's flags (it synced, or was a warm-up step)
+        # ids of the parameters this rank sent no pseudo-gradient for in the exchange that last carried them
+        self._unsent: Set[int] = set()
 
     def fault_tolerant(self, vote: SyncVote) -> None:
         """Sync under a torchft Manager: every sync is a quorum (the exchange opens it), ``vote.commit()``
@@ -130,6 +149,7 @@ class LocalSGDMode(Mode):
     def step(self, ctx: ModeContext, closure: Optional[Callable[[], Any]]) -> Any:
         step = ctx.steps
         warm = step < self.local_warmup
+        self._synced_now = warm
         if warm and amp.handed_over(ctx):
             ctx.reduce_for_step()  # unscale the averaged gradients, not local ones the reduction would replace
         # GradScaler hands every step over (``_step_supports_amp_scaling``): one rank's inf skips its
@@ -160,12 +180,21 @@ class LocalSGDMode(Mode):
             self._sync(ctx)
 
     def leaving(self, ctx: ModeContext) -> Optional[Callable[[], None]]:
-        # Steps not averaged yet are sent once, as a contributor; a rank without any just shadows.
+        # Steps not averaged yet are sent once, as a contributor for the last time; a rank without any
+        # just shadows.
         if ctx.world_size == 1 or not ctx.engine.local or self.since_sync == 0:
             return None
         self.since_sync = 0
-        self._launch(ctx)
+        self._launch(ctx, leaving=True)
         return lambda: self._finish(ctx)
+
+    def ranks_training(self, ctx: ModeContext) -> Optional[int]:
+        """Right after a sync (or a warm-up step), what its flags say; between two syncs None: no round
+        carries flags there, and the others learn that a rank ran out of data only from their next sync,
+        whose flags say that it contributes for the last time (:meth:`leaving`) or not at all."""
+        if ctx.engine.local and not self._synced_now:
+            return None
+        return super().ranks_training(ctx)
 
     def extra_state_bytes(self, ctx: ModeContext) -> int:
         # Counted when asked (opt.stats), not at every sync: it walks every anchor and outer state.
@@ -213,30 +242,60 @@ class LocalSGDMode(Mode):
         if ctx.world_size > 1 or self._vote is not None:
             self._launch(ctx)
             self._finish(ctx)
+            self._synced_now = True
             return
         with torch.no_grad():  # DiLoCo in one process: the pseudo-gradient is this rank's own
-            self._apply([(p, anchor, anchor - p) for p, anchor in self._pairs(ctx)])
+            self._apply([(p, anchor, self._pseudo_gradient_alone(p)) for p, anchor in self._pairs(ctx)])
 
-    def _launch(self, ctx: ModeContext) -> None:
+    def _launch(self, ctx: ModeContext, leaving: bool = False) -> None:
+        """Send the pseudo-gradients (``leaving``: as this rank's last contribution, see :func:`last_contribution`)."""
         engine = ctx.engine
         if engine.progress is not None:
             engine.progress.phase = "inside step() (local SGD: averaging the pseudo-gradients)"
-        with torch.no_grad():
+        with torch.no_grad(), last_contribution(engine, leaving):
             engine.launch_exchange(self._filler(ctx))
 
     def _filler(self, ctx: ModeContext) -> Callable[[Pack], None]:
-        """What an exchange writes into each pack: the pseudo-gradients ``anchor - param``, scaled."""
+        """What an exchange writes into each pack: the pseudo-gradients ``anchor - param``, scaled, and
+        which members have none (:func:`_nothing_to_send`: their presence flag is 0)."""
 
         def fill(pack: Pack) -> None:
             scale = ctx.engine.scale  # read as each pack launches: under fault tolerance it is set as the round opens
-            for p, view in zip(pack.params, pack.views):
+            pack.absent.clear()
+            for j, (p, view) in enumerate(zip(pack.params, pack.views)):
                 if p.grad is view:  # left by a synchronous round: .grad stays this rank's own gradient
                     p.grad = view.clone()
                 torch.sub(self._anchor_of(p), p.detach(), out=view)
+                self._unsent.discard(id(p))
+                if _nothing_to_send(p, view):
+                    pack.absent.append(j)
+                    self._unsent.add(id(p))
                 if scale is not None:  # before a 16-bit cast, as for gradients
                     view.mul_(scale)
 
         return fill
+
+    def _pseudo_gradient_alone(self, p: Tensor) -> Optional[Tensor]:
+        """DiLoCo in one process: ``anchor - p``, this rank's own mean, or None where there is nothing to
+        send (:func:`_nothing_to_send`)."""
+        pseudo = self._anchor_of(p) - p
+        return None if _nothing_to_send(p, pseudo) else pseudo
+
+    def _received(self, pack: Pack, views: List[Tensor]) -> List[Tuple[Tensor, Optional[Tensor]]]:
+        """Each member of ``pack``, back from an exchange, with its mean pseudo-gradient (its view), or None
+        where no rank sent one. Only a member this rank did not send can be one, so only then are the
+        presence flags read (the same sums on every rank)."""
+        present: Optional[List[float]] = None
+        out: List[Tuple[Tensor, Optional[Tensor]]] = []
+        for j, (p, view) in enumerate(zip(pack.params, views)):
+            if id(p) in self._unsent:
+                if present is None:
+                    present = pack.flags[: len(pack.params)].tolist()
+                if not present[j]:
+                    out.append((p, None))
+                    continue
+            out.append((p, view))
+        return out
 
     def _finish(self, ctx: ModeContext) -> None:
         engine = ctx.engine
@@ -249,29 +308,34 @@ class LocalSGDMode(Mode):
                 for p, anchor in self._pairs(ctx):
                     p.copy_(anchor)
                 return
-            self._apply([(p, self._anchor_of(p), view)
-                         for pack in engine.packs for p, view in zip(pack.params, pack.views)])
+            self._apply([(p, self._anchor_of(p), mean)
+                         for pack in engine.packs for p, mean in self._received(pack, pack.views)])
 
-    def _apply(self, items: List[Tuple[Tensor, Tensor, Tensor]], alpha: float = 0.0) -> None:
+    def _apply(self, items: List[Tuple[Tensor, Tensor, Optional[Tensor]]], alpha: float = 0.0) -> None:
         """Move the anchors by the mean pseudo-gradient and give the parameters their values.
 
         Args:
             items: ``(parameter, anchor, mean pseudo-gradient)``; the outer optimizer steps only
                 these anchors (the others have no gradient), so it can step one fragment at a time.
+                A pseudo-gradient of None (no rank sent one: frozen and unmoved everywhere) leaves
+                its parameter and anchor as they are, the outer optimizer's state included.
             alpha: the parameters become ``alpha * param + (1 - alpha) * anchor`` (streaming's
-                mixing, :func:`distopt.planning.mixing.mix_`); 0 copies the anchors.
+                mixing, :func:`distopt.planning.mixing.mix_`); 0 copies the anchors. A frozen parameter
+                takes its anchor: it makes no local progress to keep, and is then not sent again.
         """
         if self.outer is None:
             for _, anchor, pseudo in items:
-                anchor.sub_(pseudo)
+                if pseudo is not None:
+                    anchor.sub_(pseudo)
         else:
             for _, anchor, pseudo in items:
-                anchor.grad = pseudo
+                anchor.grad = pseudo  # None: skipped, as torch optimizers skip a parameter without a gradient
             self.outer.step()
             for _, anchor, _ in items:
                 anchor.grad = None  # the pack views are reused by the next exchange
-        for p, anchor, _ in items:
-            mix_(p, anchor, alpha)
+        for p, anchor, pseudo in items:
+            if pseudo is not None:
+                mix_(p, anchor, alpha if p.requires_grad or p.grad is not None else 0.0)
 
     # ------------------------------------------------------------------ checkpoints and taking one rank's state
 
@@ -510,6 +574,24 @@ class LocalSGDMode(Mode):
             self.outer = _build_outer(self._factory, anchors)
         else:  # a new param group, or a parameter unfrozen since
             self.outer.add_param_group({"params": anchors})
+
+
+def _nothing_to_send(p: Tensor, pseudo: Tensor) -> bool:
+    """Whether ``p`` has no pseudo-gradient: frozen (no ``requires_grad``, no gradient set by hand, which the
+    inner optimizer would step) and not moved since the last sync (``pseudo``, ``anchor - p``, all zero).
+    A trainable parameter is always sent, so only frozen ones pay for the look at their values."""
+    return not p.requires_grad and p.grad is None and not bool(pseudo.any())
+
+
+@contextmanager
+def last_contribution(engine: GradientEngine, leaving: bool = True) -> Iterator[None]:
+    """Around the launch of this rank's last contributions (``leaving``): their control flags say so, and
+    the ranks still training learn from them that it has joined, as they learn it from a shadow round's."""
+    engine.leaving = leaving
+    try:
+        yield
+    finally:
+        engine.leaving = False
 
 
 def _build_outer(factory: OuterFactory, anchors: List[Tensor]) -> Optimizer:

@@ -28,9 +28,13 @@ same collectives in the same order: the schedule is a function of the step count
 **join.** A rank that runs out of data first waits for its fragments in flight
 and merges them, then sends each fragment's progress since its last sync once
 more, as a contributor, in the others' next F exchanges (all launched at once,
-in the order the schedule launches them); then it shadows the others'
-exchanges, fragment by fragment, with zeros. These last exchanges take the
-global values whatever ``sync_mixing`` is: the end of a join block is a full sync.
+in the order the schedule launches them), their flags saying that it contributes
+for the last time; then it shadows the others' exchanges, fragment by fragment,
+with zeros. These last exchanges take the global values whatever ``sync_mixing``
+is: the end of a join block is a full sync. The ranks still training learn that a
+rank has joined only from an exchange's flags, so a collective of their own (the
+drift check) runs only right after a step that sends a fragment, once that
+fragment's exchange is back (:meth:`StreamingMode.ranks_training`).
 
 **Fault tolerance** (``fault_tolerance=manager``, :mod:`distopt.fault_tolerance`). Each
 fragment's sync is a quorum of the replicas and a commit vote, as a whole-model sync is
@@ -69,7 +73,7 @@ from ..planning.fragments import split_fragments
 from ..planning.schedule import StreamSchedule
 from ..transport import stalls
 from .base import ModeArguments, ModeContext, OuterFactory, SyncVote
-from .local_sgd import STATE_KEY, LocalSGDMode
+from .local_sgd import STATE_KEY, LocalSGDMode, last_contribution
 
 __all__ = ["StreamingMode", "STREAMING_KEY"]
 
@@ -83,10 +87,8 @@ class _Sync:
 
     launched: int  # the local step it was sent after
     exchange: Optional[PartialExchange]  # its exchange (None: values known already)
-    values: List[Tuple[Tensor, Tensor]] = field(default_factory=list)  # (parameter, mean pseudo-gradient)
-
-    def arrived(self) -> List[Tuple[Tensor, Tensor]]:
-        return self.exchange.values() if self.exchange is not None else self.values
+    # (parameter, mean pseudo-gradient, None where no rank sent one)
+    values: List[Tuple[Tensor, Optional[Tensor]]] = field(default_factory=list)
 
 
 class StreamingMode(LocalSGDMode):
@@ -124,6 +126,7 @@ class StreamingMode(LocalSGDMode):
         self._shadow_warm = 0  # a joined rank: gradient rounds of the others' warm-up still to shadow
         self._shadow_cycle: List[int] = []  # then the fragments, in the order the others send them
         self._shadow_next = 0
+        self._sent_now: List[PartialExchange] = []  # the exchanges sent in the last step
 
     # ------------------------------------------------------------------ the seam
 
@@ -146,6 +149,7 @@ class StreamingMode(LocalSGDMode):
         return ctx.steps + 1 - self.local_warmup
 
     def _after_local_step(self, ctx: ModeContext) -> None:
+        self._sent_now = []
         self.since_sync += 1
         if not self._needs_anchors(ctx):  # plain averaging over one rank changes nothing
             return
@@ -215,7 +219,7 @@ class StreamingMode(LocalSGDMode):
         """Send ``fragment``'s pseudo-gradient; it stays in flight until merged."""
         if not self._exchanges(ctx):  # DiLoCo in one process: the mean is this rank's own
             with torch.no_grad():
-                values = [(p, self._anchor_of(p) - p) for p in self._fragments(ctx)[fragment]]
+                values = [(p, self._pseudo_gradient_alone(p)) for p in self._fragments(ctx)[fragment]]
             self._pending[fragment] = _Sync(step, None, values)
             return
         engine = ctx.engine
@@ -224,6 +228,7 @@ class StreamingMode(LocalSGDMode):
         with torch.no_grad():
             exchange = engine.launch_partial(engine.fragment_packs[fragment], self._filler(ctx))
         self._pending[fragment] = _Sync(step, exchange)
+        self._sent_now.append(exchange)
 
     def _merge(self, ctx: ModeContext, fragment: int, final: bool = False) -> None:
         """Apply ``fragment``'s sync: wait for it, move its anchors, mix its parameters.
@@ -246,11 +251,17 @@ class StreamingMode(LocalSGDMode):
             self._joined = self._joined or committed or self._vote.healed_now
             if not committed:  # the fragment goes back to its anchors, alike on every replica (as torchft's)
                 with torch.no_grad():
-                    for p, _ in sync.arrived():
+                    for p, _ in self._arrived(sync):
                         p.copy_(self._anchor_of(p))
                 return
         with torch.no_grad():
-            self._apply([(p, self._anchor_of(p), mean) for p, mean in sync.arrived()], alpha)
+            self._apply([(p, self._anchor_of(p), mean) for p, mean in self._arrived(sync)], alpha)
+
+    def _arrived(self, sync: _Sync) -> List[Tuple[Tensor, Optional[Tensor]]]:
+        """``(parameter, mean pseudo-gradient)`` of a sync that has arrived, None where no rank sent one."""
+        if sync.exchange is None:
+            return sync.values
+        return [item for pack, _, views in sync.exchange.held for item in self._received(pack, views)]
 
     def _exchanges(self, ctx: ModeContext) -> bool:
         """Whether syncs travel (more than one rank, or replicas under fault tolerance, however many)."""
@@ -303,7 +314,7 @@ class StreamingMode(LocalSGDMode):
         # of one before sending the next; the first is launched now, as a contributor.
         order = schedule.order_after(step)
         fill = self._filler(ctx)
-        with torch.no_grad():
+        with torch.no_grad(), last_contribution(engine):
             first = engine.launch_partial(engine.fragment_packs[order[0]], fill)
         self.since_sync = 0
 
@@ -311,13 +322,24 @@ class StreamingMode(LocalSGDMode):
             exchanges = [first]
             for f in order[1:]:
                 engine.arrive_partial(exchanges[-1])
-                with torch.no_grad():
+                with torch.no_grad(), last_contribution(engine):
                     exchanges.append(engine.launch_partial(engine.fragment_packs[f], fill))
             for f, exchange in zip(order, exchanges):
                 self._pending[f] = _Sync(step, exchange)
                 self._merge(ctx, f, final=True)
 
         return finish
+
+    def ranks_training(self, ctx: ModeContext) -> Optional[int]:
+        """Right after a step that sent a fragment, what that exchange's flags say: it is waited for here
+        (its communication only; it is merged at its own step), as every rank still training sent it in
+        this step. After any other step None: a rank may have run out of data since the last exchange
+        (a flag read at a merge is ``sync_overlap`` steps old), and sent its last exchanges unseen."""
+        if not ctx.engine.local or not self._sent_now:
+            return super().ranks_training(ctx)
+        exchange = self._sent_now[-1]
+        ctx.engine.arrive_partial(exchange)
+        return ctx.engine.training if exchange.totals is None else exchange.totals.training
 
     def _start_shadow_cycle(self, ctx: ModeContext, step: int) -> None:
         self._shadow_cycle = self.schedule(ctx).order_after(step)
@@ -350,10 +372,10 @@ class StreamingMode(LocalSGDMode):
             sync = self._pending[fragment]
             if sync.exchange is not None:
                 ctx.engine.arrive_partial(sync.exchange)
-            values = sync.arrived()
+            values = self._arrived(sync)
             pending.append({"fragment": fragment, "launched": sync.launched,
                             "params": [index[id(p)] for p, _ in values],
-                            "values": [mean.detach().clone() for _, mean in values]})
+                            "values": [None if mean is None else mean.detach().clone() for _, mean in values]})
         out[STATE_KEY][STREAMING_KEY] = {"pending": pending}
         return out
 
@@ -370,10 +392,11 @@ class StreamingMode(LocalSGDMode):
         params = ctx.params
         for sync in pending:
             for i, value in zip(sync["params"], sync["values"]):
-                if not 0 <= i < len(params) or tuple(value.shape) != tuple(params[i].shape):
+                shape = None if value is None else tuple(value.shape)  # None: no rank sent one (frozen)
+                if not 0 <= i < len(params) or (shape is not None and shape != tuple(params[i].shape)):
                     raise ValueError(
                         f"state_dict[{STATE_KEY!r}][{STREAMING_KEY!r}] holds a sync in flight for parameter {i} of shape "
-                        f"{tuple(value.shape)}, which does not fit this optimizer's parameters; load a state dict "
+                        f"{shape}, which does not fit this optimizer's parameters; load a state dict "
                         "saved by the same model and optimizer"
                     )
         if pending and self._vote is not None:
@@ -388,10 +411,12 @@ class StreamingMode(LocalSGDMode):
         super().load_state_dict(ctx, state_dict)
         if STATE_KEY in state_dict:
             self._take_pending(ctx, [(int(sync["fragment"]), int(sync["launched"]),
-                                      [(params[i], value.to(params[i].device, params[i].dtype).clone())
+                                      [(params[i], None if value is None else
+                                        value.to(params[i].device, params[i].dtype).clone())
                                        for i, value in zip(sync["params"], sync["values"])]) for sync in pending])
 
-    def _take_pending(self, ctx: ModeContext, pending: List[Tuple[int, int, List[Tuple[Tensor, Tensor]]]]) -> None:
+    def _take_pending(self, ctx: ModeContext,
+                      pending: List[Tuple[int, int, List[Tuple[Tensor, Optional[Tensor]]]]]) -> None:
         """Replace the syncs in flight with ``pending`` (each arrived already): ours are waited for and dropped."""
         for sync in self._pending.values():
             if sync.exchange is not None:
@@ -411,15 +436,18 @@ class StreamingMode(LocalSGDMode):
             for sync in self._pending.values():
                 if sync.exchange is not None:
                     ctx.engine.arrive_partial(sync.exchange)
-        meta = [[(f, sync.launched, [index[id(p)] for p, _ in sync.arrived()]) for f, sync in self._pending.items()]
+        values = {f: self._arrived(sync) for f, sync in self._pending.items()} if is_src else {}
+        # Each sync's fragment, step, members and which of them no rank sent (no mean to travel).
+        meta = [[(f, sync.launched, [index[id(p)] for p, _ in values[f]],
+                  [k for k, (_, mean) in enumerate(values[f]) if mean is None]) for f, sync in self._pending.items()]
                 if is_src else None]
         with stalls.inspected(ctx.progress, "the broadcast of the streaming syncs in flight"):
             collectives.broadcast_object_list(meta, src=src, group=group)
         theirs = meta[0]
-        values = {f: sync.arrived() for f, sync in self._pending.items()} if is_src else {}
-        pending = [(f, launched, [(params[i], values[f][k][1] if is_src else torch.zeros_like(params[i]))
-                                  for k, i in enumerate(members)]) for f, launched, members in theirs]
-        tensors = [mean for _, _, items in pending for _, mean in items]
+        pending = [(f, launched, [(params[i], None if k in unsent else
+                                   values[f][k][1] if is_src else torch.zeros_like(params[i]))
+                                  for k, i in enumerate(members)]) for f, launched, members, unsent in theirs]
+        tensors = [mean for _, _, items in pending for _, mean in items if mean is not None]
         if tensors:
             with torch.no_grad(), stalls.inspected(ctx.progress, "the broadcast of the streaming syncs in flight"):
                 collectives.broadcast_parameters(tensors, src=src, group=group)

@@ -14,7 +14,11 @@ of their own:
   step's parity: a rank that calls ``step()`` once more than the others (and then
   applies its gradients twice) is caught at the next round;
 - whether the round is a closure's (``step(closure)``, e.g. LBFGS): a reduction of
-  the closure's loss follows it, in which a rank that has joined takes part too.
+  the closure's loss follows it, in which a rank that has joined takes part too;
+- how many of the contributing ranks contribute for the last time (local SGD: a
+  rank that ran out of data sends its last local steps, then joins), so that the
+  ranks still training know who goes on with them (:attr:`Totals.training`)
+  before they run a collective of their own, such as the drift check.
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ from torch import Tensor
 __all__ = ["CONTROL_FLAGS", "Control", "Totals", "SAME_JOIN_BLOCK"]
 
 #: Flags after the presence flags of every pack.
-CONTROL_FLAGS = 9
+CONTROL_FLAGS = 10
 
 #: What to do when the ranks' join blocks differ: here, and in the stall inspector's errors.
 SAME_JOIN_BLOCK = ("every rank must enter the same join block, with the same optimizers (`with opt.join():`, or "
@@ -48,11 +52,13 @@ class Control:
     counts_steps: bool = False  # this rank's step count is comparable (a gradient round it contributes to)
     odd_steps: bool = False  # it has taken an odd number of steps
     closure: bool = False  # a closure's round: the reduction of the closure's loss follows it
+    leaving: bool = False  # it contributes for the last time: it ran out of data and has joined after this round
 
     def tensor(self, dtype: torch.dtype = torch.float32) -> Tensor:
         return torch.tensor([float(f) for f in (self.during_backward, self.inside_step, self.unfrozen,
                                                   self.contributing, self.in_join, self.divide_by_world,
-                                                  self.counts_steps, self.odd_steps, self.closure)],
+                                                  self.counts_steps, self.odd_steps, self.closure,
+                                                  self.leaving)],
                             dtype=dtype)
 
 
@@ -69,6 +75,12 @@ class Totals:
     counts_steps: int
     odd_steps: int
     closure: int
+    leaving: int = 0
+
+    @property
+    def training(self) -> int:
+        """Ranks that contributed and go on training: the others have joined, or join after this round."""
+        return self.contributing - self.leaving
 
     @classmethod
     def read(cls, flags: List[Any], world_size: int, averaged: bool) -> "Totals":

@@ -402,10 +402,12 @@ class DistributedOptimizer(InnerOptimizerSurface):
         ctx.set_steps(engine.steps + 1)
         if self.fault_tolerance is not None:
             return loss
-        # While a rank has joined it cannot take part in a broadcast or a drift check; the join block's
-        # end settles the state.
-        if engine.contributors == self.world_size:
-            rebroadcast = self.bcast_period > 0 and engine.steps % self.bcast_period == 0
+        # A rank that has joined cannot take part in a broadcast or a drift check (the join block's end
+        # settles the state), so they run only where a round of this step says that every rank trains on
+        # (in local SGD right after a sync), which the mode is asked only when one of them is due.
+        rebroadcast = self.bcast_period > 0 and engine.steps % self.bcast_period == 0
+        if ((rebroadcast or self._drift_due(rebroadcast))
+                and self._mode.ranks_training(ctx) == self.world_size):
             report = self._scheduled_drift_check(rebroadcast)
             if rebroadcast:
                 self.broadcast_parameters()
@@ -446,7 +448,15 @@ class DistributedOptimizer(InnerOptimizerSurface):
                 "rank lagged at the end of backward); call it before backward() or after step(), or call "
                 "opt.synchronize() first"
             )
-        if engine.contributors != self.world_size:
+        training = self.world_size if self.world_size == 1 else self._mode.ranks_training(ctx)
+        if training is None and engine.in_join:
+            raise RuntimeError(
+                "check_drift() was called inside a join block between two syncs of local SGD: a rank that runs out "
+                "of data cannot take part, and the others learn that one has only from a sync's flags; call it "
+                "right after a step that syncs (in streaming local SGD, one that sends a fragment), or after the "
+                "block, where every rank holds the same state again"
+            )
+        if training is not None and training != self.world_size:
             raise RuntimeError(
                 "check_drift() was called inside a join block after a rank ran out of data: that rank cannot take "
                 "part; call it after the block, where every rank holds the same state again"
@@ -459,11 +469,15 @@ class DistributedOptimizer(InnerOptimizerSurface):
                         bcast_period=self.bcast_period, stacklevel=2)
         return report
 
-    def _scheduled_drift_check(self, rebroadcast: bool) -> Optional[DriftReport]:
-        """Run the drift check if one is due at this step; with ``bcast_period``, only right before a
+    def _drift_due(self, rebroadcast: bool) -> bool:
+        """Whether a drift check is due at this step; with ``bcast_period``, only right before a
         re-broadcast, when the drift since the last one is largest and the check can say what it corrects."""
-        if self.world_size == 1 or not self._drift.due(self._engine.steps) or (self.bcast_period > 0
-                                                                               and not rebroadcast):
+        return (self.world_size > 1 and self._drift.due(self._engine.steps)
+                and (self.bcast_period <= 0 or rebroadcast))
+
+    def _scheduled_drift_check(self, rebroadcast: bool) -> Optional[DriftReport]:
+        """Run the drift check if one is due at this step (:meth:`_drift_due`)."""
+        if not self._drift_due(rebroadcast):
             return None
         kept = self._mode.kept_identical(self._context, scheduled=True)
         if kept is None:  # e.g. local SGD between two syncs: the next step tries again
@@ -957,7 +971,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
         if self.fault_tolerance is not None:
             # Nothing to exchange: every replica took the state of one that trained the longest in the last
             # shadow round's heal (they all voted it down, so none moved past it).
-            engine.contributors = self.world_size
+            engine.contributors = engine.training = self.world_size
             engine.contributed_last = True
             engine.reset_round()
             return self.fault_tolerance.rank
@@ -972,7 +986,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
         ctx.set_steps(steps[last])
         if not identical:
             self._mode.broadcast_state(ctx, last)  # after the step count, which decides its phase
-        engine.contributors = self.world_size
+        engine.contributors = engine.training = self.world_size
         engine.contributed_last = True
         engine.reset_round()
         if engine.progress is not None:

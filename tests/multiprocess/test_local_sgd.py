@@ -61,7 +61,7 @@ def max_diff(a, b):
     return max(((x - y).abs().max().item() for x, y in zip(a, b)), default=0.0)
 
 
-def simulate(counts, sync_every, inner="sgd", outer=None, warmup=0, skips=frozenset()):
+def simulate(counts, sync_every, inner="sgd", outer=None, warmup=0, skips=frozenset(), freeze=None):
     """Every rank's replica in one process, and the protocol between them.
 
     Rank r runs ``counts[r]`` steps. The first ``warmup`` steps average gradients over
@@ -71,6 +71,9 @@ def simulate(counts, sync_every, inner="sgd", outer=None, warmup=0, skips=frozen
     others' k-th (collectives pair by order); the mean over those present moves the
     anchors (minus it, or the outer optimizer steps on it) and each of them takes
     the anchors. Rank r's inner step t is skipped (but counted) where ``(r, t)`` is in ``skips``.
+    ``freeze``: ``(t, indices, ranks)``, those ranks freeze the parameters at ``indices`` before their
+    step t; a frozen parameter that has not moved since the last sync offers nothing, and one that no rank
+    offers has no mean (the outer optimizer skips it).
 
     Returns:
         ``(trace, final, final_state)``: ``trace[r][t]`` is rank r's parameters after its
@@ -85,9 +88,16 @@ def simulate(counts, sync_every, inner="sgd", outer=None, warmup=0, skips=frozen
     outer_opt = OUTER[outer](anchors) if outer else None
     trace = [[] for _ in range(world)]
 
+    def pseudo_gradients(model):
+        return [None if not p.requires_grad and not (a - p).any() else a - p.detach()
+                for a, p in zip(anchors, model.parameters())]
+
     def program(r):
         model, opt, since = models[r], opts[r], 0
         for t in range(counts[r]):
+            if freeze is not None and t == freeze[0] and r in freeze[2]:
+                for i in freeze[1]:
+                    list(model.parameters())[i].requires_grad_(False)
             opt.zero_grad()
             loss_of(model, *batch(r, t)).backward()
             if t < warmup:
@@ -106,10 +116,10 @@ def simulate(counts, sync_every, inner="sgd", outer=None, warmup=0, skips=frozen
                 since += 1
                 if since == sync_every:
                     since = 0
-                    yield "delta", [a - p.detach() for a, p in zip(anchors, model.parameters())]
+                    yield "delta", pseudo_gradients(model)
             trace[r].append(params_of(model))
         if since:
-            yield "delta", [a - p.detach() for a, p in zip(anchors, model.parameters())]
+            yield "delta", pseudo_gradients(model)
 
     programs = [program(r) for r in range(world)]
     offers = {}
@@ -123,13 +133,15 @@ def simulate(counts, sync_every, inner="sgd", outer=None, warmup=0, skips=frozen
         assert len(kinds) == 1, "the simulation paired a gradient round with an exchange"
         kind = kinds.pop()
         present = sorted(offers)
-        mean = [sum(offers[r][1][i] for r in present) / len(present) for i in range(len(anchors))]
+        sent = [[offers[r][1][i] for r in present if offers[r][1][i] is not None] for i in range(len(anchors))]
+        mean = [sum(values) / len(present) if values else None for values in sent]
         reply = mean
         if kind == "delta":
             with torch.no_grad():
                 if outer_opt is None:
                     for a, m in zip(anchors, mean):
-                        a.sub_(m)
+                        if m is not None:
+                            a.sub_(m)
                 else:
                     for a, m in zip(anchors, mean):
                         a.grad = m
@@ -337,13 +349,14 @@ def checkpoint_round_trip(steps, cut, sync_every, warmup):
             "plain_momentum": sorted(plain.state[plain.param_groups[0]["params"][0]])}
 
 
-def train_uneven(counts, sync_every, inner="sgd", outer=None, warmup=0, compression=None):
+def train_uneven(counts, sync_every, inner="sgd", outer=None, warmup=0, compression=None, check_every=100,
+                 stall_timeout=None):
     """``with opt.join():`` around a loop of ``counts[rank]`` steps."""
     rank = dist.get_rank()
     model = make_model(seed=rank)
     opt = DistributedOptimizer(INNER[inner](model.parameters()), sync_every=sync_every,
                                outer_optimizer=OUTER[outer], local_warmup=warmup, compression=compression,
-                               pack_threshold=256)
+                               pack_threshold=256, check_every=check_every, stall_timeout=stall_timeout)
     with opt.join():
         for t in range(counts[rank]):
             opt.zero_grad()
@@ -360,7 +373,69 @@ def train_uneven(counts, sync_every, inner="sgd", outer=None, warmup=0, compress
               "since_sync": mode.since_sync, "anchors_are_params": max_diff(anchors, params_of(model)),
               "inner_identical": everyone_equal(state),
               "inner_steps": sorted({float(v) for v in state if v.dim() == 0}),
-              "inner_diff": max_diff(state, final_state) if len(state) == len(final_state) else float("inf")}
+              "inner_diff": max_diff(state, final_state) if len(state) == len(final_state) else float("inf"),
+              "drift_checks": (opt.stats.drift_checks, opt.stats.drift_step)}
+    opt.close()
+    return result
+
+
+FROZEN = (4, 5)  # the last layer's weight and bias
+
+
+def freeze_mid_training(steps, sync_every, freeze_at, ranks, outer="nesterov"):
+    """DiLoCo whose last layer ``ranks`` freeze (``requires_grad_(False)``) before step ``freeze_at``, right after
+    a sync; after every step: against the simulation, how far the frozen layer has moved, and the ranks alike."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = make_model(seed=rank)
+    opt = DistributedOptimizer(INNER["momentum"](model.parameters()), sync_every=sync_every,
+                               outer_optimizer=OUTER[outer], pack_threshold=256, stall_timeout=30)
+    trace, _, _ = simulate([steps] * world, sync_every, "momentum", outer, freeze=(freeze_at, FROZEN, ranks))
+    layer = [list(model.parameters())[i] for i in FROZEN]
+    diffs, moved, identical = [], [], []
+    for t in range(steps):
+        if t == freeze_at:
+            at_freeze = [p.detach().clone() for p in layer]
+            if rank in ranks:
+                for p in layer:
+                    p.requires_grad_(False)
+        opt.zero_grad()
+        loss_of(model, *batch(rank, t)).backward()
+        opt.step()
+        diffs.append(max_diff(params_of(model), trace[rank][t]))
+        if t >= freeze_at:
+            moved.append(max_diff(layer, at_freeze))
+        identical.append(everyone_equal(model.parameters()))
+    opt.close()
+    return {"diffs": diffs, "moved": moved, "identical": identical}
+
+
+def check_drift_inside_join(counts, sync_every, outer=None):
+    """``opt.check_drift()`` after every step of a loop of ``counts[rank]`` steps inside ``with opt.join():``,
+    each outcome noted and training going on: "ran", or the RuntimeError it raised at once, "between" (between
+    two syncs) or "joined" (a sync's flags said that a rank ran out of data)."""
+    rank = dist.get_rank()
+    model = make_model(seed=rank)
+    opt = DistributedOptimizer(INNER["sgd"](model.parameters()), sync_every=sync_every, outer_optimizer=OUTER[outer],
+                               pack_threshold=256, check_every=0, stall_timeout=10)
+    outcomes = []
+    with opt.join():
+        for t in range(counts[rank]):
+            opt.zero_grad()
+            loss_of(model, *batch(rank, t)).backward()
+            opt.step()
+            try:
+                opt.check_drift()
+                outcomes.append("ran")
+            except RuntimeError as exc:
+                if "between two syncs" in str(exc):
+                    outcomes.append("between")
+                elif "after a rank ran out of data" in str(exc):
+                    outcomes.append("joined")
+                else:
+                    raise
+    _, final, _ = simulate(counts, sync_every, "sgd", outer)
+    result = {"outcomes": outcomes, "identical": everyone_equal(model.parameters()),
+              "diff": max_diff(params_of(model), final)}
     opt.close()
     return result
 
@@ -514,6 +589,15 @@ CASES = {
     "join adam, last exchanges meet, 6/5": (2, train_uneven, ([6, 5], 4), {"inner": "adam"}),
     "join adam, last exchanges meet, 7/5": (2, train_uneven, ([7, 5], 4), {"inner": "adam"}),
     "join adam, last exchanges meet, world 3": (3, train_uneven, ([5, 7, 6], 4), {"inner": "adam"}),
+    # a drift check due while a rank runs out of data: rank 1 sends its last steps at the others' sync 15 (and
+    # rank 2 at 20), whose flags must tell them that it leaves; at 100 (the default) with plain averaging
+    "join under a drift check at every step, world 3": (3, train_uneven, ([20, 12, 16], 5),
+                                                        {"outer": "nesterov", "check_every": 1, "stall_timeout": 10}),
+    "join under the default drift check": (2, train_uneven, ([104, 99], 4), {"stall_timeout": 10}),
+    "check_drift() inside join, world 3": (3, check_drift_inside_join, ([20, 12, 16], 5), {"outer": "nesterov"}),
+    "frozen mid-training": (2, freeze_mid_training, (15, 3, 6, (0, 1)), {}),
+    "frozen mid-training, world 3": (3, freeze_mid_training, (12, 4, 4, (0, 1, 2)), {}),
+    "frozen on one rank only": (2, freeze_mid_training, (15, 3, 6, (1,)), {}),
     "root-only load at a sync": (2, root_only_resume, (6, False), {}),
     "root-only load mid-period, after add_param_group": (2, root_only_resume, (7, True), {}),
     "settings differ": (2, outer_optimizer_on_one_rank, (), {}),
@@ -625,6 +709,53 @@ def test_join_with_uneven_batches_ends_identical_and_follows_the_protocol(name, 
         if len(set(counts)) > 1:  # the ranks stopped apart: the inner state of a rank that ran longest, everywhere
             assert r["inner_identical"], r
             assert r["inner_diff"] < TOL, r
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name, checks", [("join under a drift check at every step, world 3", (2, 10)),
+                                          ("join under the default drift check", (0, 0))])
+def test_a_drift_check_due_after_a_rank_ran_out_of_data_is_skipped_on_every_rank_and_training_ends_identical(
+        name, checks, no_leftover_processes):
+    # Before: the others learned that a rank had run out only from a later sync's flags, started the check's
+    # all-reduce while it waited in the exchange it owed, and every rank failed with a StallError. Now a
+    # sync whose flags say that a rank contributes for the last time, or not at all, is followed by no check:
+    # checks at the syncs 5 and 10 only (none at 15 and 20), and none at 100 (rank 1 sent its last steps there).
+    for r in results(name):
+        assert r["drift_checks"] == checks, r
+        assert r["identical"] and r["diff"] < TOL and r["since_sync"] == 0, r
+
+
+@pytest.mark.timeout(300)
+def test_check_drift_inside_join_runs_right_after_syncs_every_rank_trains_on_and_raises_at_once_elsewhere(
+        no_leftover_processes):
+    counts, every = CASES["check_drift() inside join, world 3"][2]
+    for rank, r in enumerate(results("check_drift() inside join, world 3")):
+        # between two syncs no round says whether a rank has joined: an error at once on every rank; at the
+        # syncs 5 and 10 every rank trains on; the syncs 15 and 20 say that rank 1, then rank 2, ran out
+        assert r["outcomes"] == ["between" if t % every else "ran" if t <= min(counts) else "joined"
+                                 for t in range(1, counts[rank] + 1)], r
+        assert r["identical"] and r["diff"] < TOL, r  # the calls changed nothing; training went on
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["frozen mid-training", "frozen mid-training, world 3"])
+def test_a_parameter_frozen_on_every_rank_mid_training_is_not_moved_by_the_outer_optimizer(name, no_leftover_processes):
+    steps, every, freeze_at, _ = CASES[name][2]
+    for r in results(name):
+        # Before: its zero pseudo-gradient stayed in the exchange and the outer Nesterov momentum moved it on.
+        assert r["moved"] == [0.0] * (steps - freeze_at), r["moved"]
+        assert max(r["diffs"]) < TOL, r["diffs"]
+        assert all(r["identical"][t] for t in range(every - 1, steps, every)), r["identical"]
+
+
+@pytest.mark.timeout(300)
+def test_a_parameter_frozen_on_some_ranks_only_is_averaged_with_their_zeros_alike_on_every_rank(
+        no_leftover_processes):
+    steps, every, _, _ = CASES["frozen on one rank only"][2]
+    for r in results("frozen on one rank only"):
+        assert max(r["diffs"]) < TOL, r["diffs"]
+        assert all(r["identical"][t] for t in range(every - 1, steps, every)), r["identical"]
+        assert max(r["moved"]) > 1e-3  # not vacuous: rank 1's frozen copy is still moved by rank 0's progress
 
 
 @pytest.mark.timeout(300)

@@ -64,7 +64,7 @@ def max_diff(a, b):
     return max(((x - y).abs().max().item() for x, y in zip(a, b)), default=0.0)
 
 
-def simulate(counts, every, fragments, overlap, mixing=0.0, inner="sgd", outer=None, warmup=0):
+def simulate(counts, every, fragments, overlap, mixing=0.0, inner="sgd", outer=None, warmup=0, freeze=None):
     """Every rank's replica in one process, and the streaming protocol between them.
 
     Rank r runs ``counts[r]`` steps, the first ``warmup`` on gradients averaged over the ranks
@@ -73,7 +73,10 @@ def simulate(counts, every, fragments, overlap, mixing=0.0, inner="sgd", outer=N
     (merged at once without overlap). Its k-th send meets every other rank's k-th, and the
     mean is over the ranks that sent it. A rank that runs out merges what it has in flight,
     then sends every fragment once more (unless it has nothing to send) and merges those
-    with the global values; from then on it has joined.
+    with the global values; from then on it has joined. ``freeze``: ``(t, indices)``, every rank freezes
+    the parameters at ``indices`` before its step t; a frozen parameter that has not moved since its last
+    sync offers nothing, one that no rank offers has no mean (it and its anchor stay), and a frozen one
+    merges to the global value whatever the mixing.
 
     Returns:
         ``(trace, final)``: ``trace[r][t]`` is rank r's parameters after its step t, ``final``
@@ -90,7 +93,7 @@ def simulate(counts, every, fragments, overlap, mixing=0.0, inner="sgd", outer=N
 
     def apply(r, f, mean, alpha):
         with torch.no_grad():
-            members = list(runs[f])
+            members = [i for i in runs[f] if mean[i] is not None]
             if outers[r] is None:
                 for i in members:
                     anchors[r][i].sub_(mean[i])
@@ -102,14 +105,18 @@ def simulate(counts, every, fragments, overlap, mixing=0.0, inner="sgd", outer=N
                     anchors[r][i].grad = None
             for i, p in enumerate(models[r].parameters()):
                 if i in members:
-                    mix_(p, anchors[r][i], alpha)
+                    mix_(p, anchors[r][i], alpha if p.requires_grad else 0.0)
 
     def pseudo(r):
-        return {i: anchors[r][i] - p.detach() for i, p in enumerate(models[r].parameters())}
+        return {i: None if not p.requires_grad and not (anchors[r][i] - p).any() else anchors[r][i] - p.detach()
+                for i, p in enumerate(models[r].parameters())}
 
     def program(r):
         model, opt, pending, sent = models[r], opts[r], {}, 0
         for t in range(counts[r]):
+            if freeze is not None and t == freeze[0]:
+                for i in freeze[1]:
+                    list(model.parameters())[i].requires_grad_(False)
             opt.zero_grad()
             loss_of(model, *batch(r, t)).backward()
             if t < warmup:  # a gradient round: it pairs with the others' like an exchange
@@ -157,7 +164,8 @@ def simulate(counts, every, fragments, overlap, mixing=0.0, inner="sgd", outer=N
 
     def mean_of(k):
         present = offers[k]
-        return {i: sum(v[i] for v in present.values()) / len(present) for i in next(iter(present.values()))}
+        sent = {i: [v[i] for v in present.values() if v[i] is not None] for i in next(iter(present.values()))}
+        return {i: sum(values) / len(present) if values else None for i, values in sent.items()}
 
     def complete(k):
         return all(r in offers.get(k, {}) or r in done for r in range(world))
@@ -268,13 +276,15 @@ def bytes_per_step(steps, every, fragments, overlap):
     return out
 
 
-def train_uneven(counts, every, fragments, overlap, mixing=0.0, inner="sgd", outer=None, warmup=0, compression=None):
+def train_uneven(counts, every, fragments, overlap, mixing=0.0, inner="sgd", outer=None, warmup=0, compression=None,
+                 check_every=100, stall_timeout=None):
     """``with opt.join():`` around a loop of ``counts[rank]`` steps."""
     rank = dist.get_rank()
     model = make_model(seed=rank)
     opt = DistributedOptimizer(INNER[inner](model.parameters()), sync_every=every, outer_optimizer=OUTER[outer],
                                sync_fragments=fragments, sync_overlap=overlap, sync_mixing=mixing, pack_threshold=256,
-                               local_warmup=warmup, compression=compression)
+                               local_warmup=warmup, compression=compression, check_every=check_every,
+                               stall_timeout=stall_timeout)
     with opt.join():
         for t in range(counts[rank]):
             opt.zero_grad()
@@ -286,20 +296,87 @@ def train_uneven(counts, every, fragments, overlap, mixing=0.0, inner="sgd", out
     identical = everyone_equal(list(model.parameters()) + anchors_of(opt) + outer_state)
     _, final = simulate(counts, every, fragments, overlap, mixing, inner, outer, warmup)
     result = {"identical": identical, "diff": max_diff(params_of(model), final), "steps": opt._engine.steps,
-              "anchors_are_params": max_diff(anchors_of(opt), params_of(model)), "pending": len(mode._pending)}
+              "anchors_are_params": max_diff(anchors_of(opt), params_of(model)), "pending": len(mode._pending),
+              "drift_checks": (opt.stats.drift_checks, opt.stats.drift_step)}
     opt.close()
     return result
 
 
-def checkpoint_in_flight(steps, cut):
-    """Save every rank's model and optimizer while a fragment's sync is in flight; resume: the same bits."""
+FROZEN = (4, 5)  # the last layer's weight and bias
+
+
+def freeze_mid_training(steps, every, fragments, overlap, mixing, freeze_at):
+    """Streaming DiLoCo whose last layer every rank freezes before step ``freeze_at``; after every step, against
+    the simulation, and the frozen layer's values."""
+    rank = dist.get_rank()
+    model = make_model(seed=rank)
+    opt = DistributedOptimizer(INNER["momentum"](model.parameters()), sync_every=every,
+                               outer_optimizer=OUTER["nesterov"], sync_fragments=fragments, sync_overlap=overlap,
+                               sync_mixing=mixing, pack_threshold=256, stall_timeout=30)
+    trace, _ = simulate([steps] * dist.get_world_size(), every, fragments, overlap, mixing, "momentum", "nesterov",
+                        freeze=(freeze_at, FROZEN))
+    layer = [list(model.parameters())[i] for i in FROZEN]
+    diffs, values = [], []
+    for t in range(steps):
+        if t == freeze_at:
+            for p in layer:
+                p.requires_grad_(False)
+        opt.zero_grad()
+        loss_of(model, *batch(rank, t)).backward()
+        opt.step()
+        diffs.append(max_diff(params_of(model), trace[rank][t]))
+        values.append([p.detach().clone() for p in layer])
+    opt.close()
+    return {"diffs": diffs, "values": values}
+
+
+def check_drift_inside_join(counts, every, fragments, overlap, outer=None):
+    """``opt.check_drift()`` after every step of a loop of ``counts[rank]`` steps inside ``with opt.join():``,
+    each outcome noted and training going on: "ran", or the RuntimeError it raised at once, "between" (after a
+    step that sent no fragment) or "joined" (the exchange's flags said that a rank ran out of data)."""
+    rank = dist.get_rank()
+    model = make_model(seed=rank)
+    opt = DistributedOptimizer(INNER["sgd"](model.parameters()), sync_every=every, outer_optimizer=OUTER[outer],
+                               sync_fragments=fragments, sync_overlap=overlap, pack_threshold=256, check_every=0,
+                               stall_timeout=10)
+    outcomes = []
+    with opt.join():
+        for t in range(counts[rank]):
+            opt.zero_grad()
+            loss_of(model, *batch(rank, t)).backward()
+            opt.step()
+            try:
+                opt.check_drift()
+                outcomes.append("ran")
+            except RuntimeError as exc:
+                if "between two syncs" in str(exc):
+                    outcomes.append("between")
+                elif "after a rank ran out of data" in str(exc):
+                    outcomes.append("joined")
+                else:
+                    raise
+    _, final = simulate(counts, every, fragments, overlap, outer=outer)
+    result = {"outcomes": outcomes, "identical": everyone_equal(model.parameters()),
+              "diff": max_diff(params_of(model), final)}
+    opt.close()
+    return result
+
+
+def checkpoint_in_flight(steps, cut, frozen=False):
+    """Save every rank's model and optimizer while a fragment's sync is in flight; resume: the same bits.
+    ``frozen``: the last layer is frozen from the start (so the syncs in flight carry no mean for it), and
+    after the resume, only the root's checkpoint, loaded and broadcast, must give every rank its syncs."""
     rank = dist.get_rank()
 
     def build(seed):
         model = make_model(seed)
-        return model, DistributedOptimizer(INNER["momentum"](model.parameters()), sync_every=4, sync_fragments=2,
-                                           sync_overlap=2, sync_mixing=0.5, outer_optimizer=OUTER["nesterov"],
-                                           pack_threshold=256)
+        opt = DistributedOptimizer(INNER["momentum"](model.parameters()), sync_every=4, sync_fragments=2,
+                                   sync_overlap=2, sync_mixing=0.5, outer_optimizer=OUTER["nesterov"],
+                                   pack_threshold=256)
+        if frozen:
+            for p in model[4].parameters():
+                p.requires_grad_(False)
+        return model, opt
 
     def run(model, opt, start, stop):
         for t in range(start, stop):
@@ -327,9 +404,29 @@ def checkpoint_in_flight(steps, cut):
     run(model, opt, cut, steps)
     resumed = params_of(model)
     opt.close()
-    return {"in_flight": in_flight, "saved_pending": len(saved["opt"][STATE_KEY]["streaming"]["pending"]),
-            "resumed_bitwise": all(torch.equal(a, b) for a, b in zip(straight, resumed)),
-            "saver_bitwise": all(torch.equal(a, b) for a, b in zip(straight, saver))}
+    pending = saved["opt"][STATE_KEY]["streaming"]["pending"]
+    result = {"in_flight": in_flight, "saved_pending": len(pending),
+              "unsent": sum(value is None for sync in pending for value in sync["values"]),
+              "resumed_bitwise": all(torch.equal(a, b) for a, b in zip(straight, resumed)),
+              "saver_bitwise": all(torch.equal(a, b) for a, b in zip(straight, saver))}
+    if frozen:
+        model, opt = build(seed=100 + rank)
+        if rank == 0:
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["opt"])
+        opt.broadcast_parameters()
+        opt.broadcast_optimizer_state()
+        syncs = [(f, sync.launched, [(i, mean) for i, (_, mean) in enumerate(opt._mode._arrived(sync))])
+                 for f, sync in sorted(opt._mode._pending.items())]
+        everyone = distopt.all_gather_object(syncs)
+        result["root_syncs_everywhere"] = all(
+            [(f, n, [(i, m is None) for i, m in items]) for f, n, items in theirs]
+            == [(f, n, [(i, m is None) for i, m in items]) for f, n, items in syncs]
+            and all(m is None or torch.equal(m, mine) for (_, _, items), (_, _, ours) in zip(theirs, syncs)
+                    for (_, m), (_, mine) in zip(items, ours))
+            for theirs in everyone)
+        opt.close()
+    return result
 
 
 def fragments_differ():
@@ -365,7 +462,15 @@ CASES = {
     # at three ranks an all-to-all then an all-gather: one that has joined shadows both stages of each in turn
     "join int4, 3 ranks": (3, train_uneven, ([5, 9, 7], 4, 4, 2), {"outer": "nesterov", "compression": "int4"}),
     "join topk, 3 ranks": (3, train_uneven, ([5, 9, 7], 4, 4, 2), {"outer": "nesterov", "compression": "topk"}),
+    # a drift check due while a rank runs out of data: the exchanges its last steps meet must tell the others
+    "join under a drift check at every step, world 3": (3, train_uneven, ([20, 12, 16], 4, 2, 1),
+                                                        {"outer": "nesterov", "check_every": 1, "stall_timeout": 10}),
+    "join under the default drift check": (2, train_uneven, ([104, 99], 4, 2, 1),
+                                           {"outer": "nesterov", "stall_timeout": 10}),
+    "check_drift() inside join": (2, check_drift_inside_join, ([12, 7], 4, 2, 1), {"outer": "nesterov"}),
+    "frozen mid-training": (2, freeze_mid_training, (20, 4, 2, 1, 0.5, 5), {}),
     "checkpoint": (2, checkpoint_in_flight, (12, 6), {}),
+    "checkpoint, a frozen layer": (2, checkpoint_in_flight, (12, 8), {"frozen": True}),
     "settings differ": (2, fragments_differ, (), {}),
     "plain F=2 tau=1, world 3": (3, train_against_simulation, (10, 4, 2, 1), {"mixing": 0.25}),
 }
@@ -396,11 +501,13 @@ def test_streaming_follows_the_simulation_and_keeps_the_last_sync_copies_identic
         assert r["fragments"] == fragments
         assert max(r["diffs"]) < TOL, r["diffs"]
         assert all(r["anchors_identical"])
-        # the drift check (check_every=1) ran at every step, and found the last-sync copies alike
-        assert r["checks"] == [(t + 1, 0) for t in range(steps)]
         schedule = StreamSchedule(every, fragments, overlap)
-        assert ([t for t in range(steps) if r["bytes"][t]]
-                == [t for t in range(steps) if t < warmup or schedule.launches(t + 1 - warmup)])
+        sent = [t < warmup or bool(schedule.launches(t + 1 - warmup)) for t in range(steps)]
+        # the drift check, due at every step (check_every=1), ran right after each step that sent a fragment
+        # (or a warm-up step's gradients), whose flags say that every rank trains on, and found the last-sync
+        # copies alike
+        assert r["checks"] == [(sum(sent[:t + 1]), 0) for t in range(steps)]
+        assert [t for t in range(steps) if r["bytes"][t]] == [t for t in range(steps) if sent[t]]
 
 
 @pytest.mark.timeout(300)
@@ -446,10 +553,57 @@ def test_join_with_fragments_in_flight_ends_identical_and_follows_the_protocol(n
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("name, checks", [("join under a drift check at every step, world 3", (6, 12)),
+                                          ("join under the default drift check", (0, 0))])
+def test_a_drift_check_due_after_a_rank_ran_out_of_data_is_skipped_on_every_rank(name, checks,
+                                                                                 no_leftover_processes):
+    # Before: the check ran at every step, its all-reduce met the exchanges a rank that ran out of data
+    # still owed, and every rank failed with a StallError. Now it runs right after a step that sent a
+    # fragment whose flags say that every rank trains on: 2, 4, ..., 12 (the fewest steps); not after
+    # 14-20 (rank 1's last exchanges, then rank 2's), nor at 100 (rank 1 ran out after 99).
+    for r in results(name):
+        assert r["drift_checks"] == checks, r
+
+
+@pytest.mark.timeout(300)
+def test_check_drift_inside_join_runs_right_after_a_fragment_is_sent_while_every_rank_trains(no_leftover_processes):
+    counts, every, fragments, overlap = CASES["check_drift() inside join"][2]
+    schedule = StreamSchedule(every, fragments, overlap)
+    for rank, r in enumerate(results("check_drift() inside join")):
+        # after a step that sent no fragment: an error at once; after 2, 4, 6 every rank trains on; the
+        # exchanges of 8 and 10 carry rank 1's last steps, and in 12's it contributes nothing
+        assert r["outcomes"] == ["ran" if schedule.launches(t) and t <= min(counts) else
+                                 "joined" if schedule.launches(t) else "between"
+                                 for t in range(1, counts[rank] + 1)], r
+        assert r["identical"] and r["diff"] < TOL, r
+
+
+@pytest.mark.timeout(300)
+def test_a_parameter_frozen_mid_training_moves_once_at_its_fragments_next_merge_then_never(no_leftover_processes):
+    steps, every, _, overlap, _, freeze_at = CASES["frozen mid-training"][2]
+    settled = freeze_at + every + overlap - 1  # by then its fragment's next sync (its progress before) is merged
+    for r in results("frozen mid-training"):
+        assert max(r["diffs"]) < TOL, r["diffs"]
+        # Before: its zero pseudo-gradient kept travelling and the outer Nesterov momentum moved it on.
+        assert all(torch.equal(a, b) for t in range(settled, steps)
+                   for a, b in zip(r["values"][t], r["values"][settled]))
+        assert max_diff(r["values"][settled], r["values"][freeze_at - 1]) > 0  # not vacuous: that merge moved it
+
+
+@pytest.mark.timeout(300)
 def test_a_checkpoint_with_a_sync_in_flight_resumes_bitwise(no_leftover_processes):
     for r in results("checkpoint"):
         assert r["in_flight"] == r["saved_pending"] == 1
         assert r["resumed_bitwise"] and r["saver_bitwise"]
+
+
+@pytest.mark.timeout(300)
+def test_a_sync_in_flight_without_a_mean_for_a_frozen_layer_is_saved_loaded_and_broadcast_as_such(
+        no_leftover_processes):
+    for r in results("checkpoint, a frozen layer"):
+        assert r["in_flight"] == r["saved_pending"] == 1 and r["unsent"] == 2, r  # its weight and bias
+        assert r["resumed_bitwise"] and r["saver_bitwise"], r
+        assert r["root_syncs_everywhere"], r
 
 
 @pytest.mark.timeout(300)
