@@ -33,7 +33,7 @@ Then ``--kill-trials`` runs per contender where the last replica SIGKILLs itself
 second sync (right after issuing its first all-reduce) and the others go on alone (the
 lighthouse then forms quorums of one and drops the dead replica 300 ms after its last
 heartbeat): the survivors' failed sync ``step()`` and the seconds from the death to their
-next committed sync (H - 1 local steps later for both). Results: docs/fault-tolerance.md.
+next committed sync (H - 1 local steps later for both). Results: docs/dev/fault-tolerance-notes.md.
 """
 from __future__ import annotations
 

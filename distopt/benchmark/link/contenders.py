@@ -279,7 +279,7 @@ DISTOPT_SPECS: Tuple[DistoptSpec, ...] = (
                   more=(("sync_fragments", 4), ("sync_overlap", 2), ("sync_mixing", 0.5)))
       for h in (STREAM_PERIOD, 2 * STREAM_PERIOD)),
     # From H = 32, top-k with more of the local values kept at each merge: plain DiLoCo's quality there
-    # (docs/benchmark.md, "Top-k and the mix").
+    # (docs/dev/benchmark-link-log.md, "Top-k and the mix").
     *(DistoptSpec(f"stream{h}-topk-mix75", "topk", sync_every=h, diloco=True, baseline=f"diloco{h}",
                   more=(("sync_fragments", 4), ("sync_overlap", 2), ("sync_mixing", 0.75)))
       for h in (2 * STREAM_PERIOD, 4 * STREAM_PERIOD)),
