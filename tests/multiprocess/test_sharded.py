@@ -251,6 +251,35 @@ def resume_both_ways(path):
     return resume(path, True), resume(path, False)
 
 
+def wrap_loaded(path):
+    """A checkpoint loaded into the plain optimizer before it is wrapped (where DDP's line was) resumes
+    bitwise like one loaded into the wrapper, sharded or not."""
+    out = {}
+    for shard in (False, True):
+        model = Net()
+        opt = DistributedOptimizer(torch.optim.Adam(param_groups(model), lr=0.01), shard_state=shard)
+        train(model, opt, 4)
+        state, params = opt.state_dict(), copy.deepcopy(model.state_dict())
+        opt.close()
+        ends = []
+        for wrap_first in (True, False):
+            model = Net()
+            model.load_state_dict(params)
+            inner = torch.optim.Adam(param_groups(model), lr=0.01)
+            loaded = copy.deepcopy(state)  # Adam's step tensors are taken over as they are, and counted on in place
+            if wrap_first:
+                opt = DistributedOptimizer(inner, shard_state=shard)
+                opt.load_state_dict(loaded)
+            else:
+                inner.load_state_dict(loaded)
+                opt = DistributedOptimizer(inner, shard_state=shard)
+            train(model, opt, 4, start=4)
+            ends.append([p.detach().clone() for p in model.parameters()])
+            opt.close()
+        out[shard] = all(torch.equal(a, b) for a, b in zip(*ends))
+    return out
+
+
 def state_dict_on_one_rank():
     model = Net()
     opt = DistributedOptimizer(torch.optim.Adam(param_groups(model), lr=0.01), shard_state=True, stall_warning=2.0)
@@ -507,6 +536,7 @@ CASES["shard loads"] = (2, shard_loads, ())
 CASES["own shard after add_param_group"] = (2, own_shard_after_add_param_group, ())
 CASES["step hooks"] = (2, step_hooks, ())
 CASES["drift"] = (2, drift_check, ())
+CASES["wrap loaded"] = (2, wrap_loaded, ("{tmp}",))
 
 WORLDS = Worlds(CASES, timeout=240)
 _TMP = {}
@@ -539,6 +569,11 @@ def test_the_drift_check_ignores_each_ranks_own_shard_and_names_a_parameter_move
 def test_accumulation_no_sync_compression_bcast_scaler_and_new_groups_keep_working(tmp_path_factory):
     for r in results("features", tmp_path_factory):
         assert r["diff"] < TOL and r["state_diff"] < TOL and r["same_layout"], r
+
+
+def test_an_optimizer_loaded_before_it_is_wrapped_resumes_bitwise_like_one_loaded_after(tmp_path_factory):
+    for r in results("wrap loaded", tmp_path_factory):
+        assert r == {False: True, True: True}
 
 
 def test_the_gathered_checkpoint_loads_into_a_plain_optimizer_as_it_is(tmp_path_factory):
