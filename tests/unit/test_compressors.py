@@ -1,6 +1,6 @@
 """Compressors without processes: each codec runs for a simulated world of ranks in one process
-(:func:`_codec_world.simulate`, which checks that every rank asks for the same collective of the same
-size at the same point, the way the engine's fixed plan requires).
+(:func:`distopt.compression.testing.simulate`, which checks that every rank asks for the same collective
+of the same size at the same point, the way the engine's fixed plan requires).
 """
 import pytest
 import torch
@@ -9,11 +9,10 @@ from hypothesis import strategies as st
 
 from distopt.compression import AllReduce, Cast, Compressor, PowerSGD, Quantize, TopK, resolve
 from distopt.compression.quantize import dequantize_blocks, quantize_blocks
+from distopt.compression.testing import factor_of, layout_of, simulate
 from distopt.compression.topk import select_largest
 from distopt.engine.partial import PartialExchange
 from distopt.engine.rounds import Sent
-
-from _codec_world import factor_of, layout_of, simulate
 
 
 #: One of each compressor that keeps state of its own, small enough for these packs.
