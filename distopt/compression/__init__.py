@@ -19,10 +19,11 @@ from .feedback import (Key, PackResiduals, ResidualOwner, fold_residual, keyed_s
 from .powersgd import PowerSGD
 from .protocol import AllGather, AllReduce, AllToAll, Codec, Collective, Compressor, Outcome, PackLayout, Round
 from .quantize import Quantize
+from .sign import Sign
 from .topk import TopK
 
 __all__ = ["Compressor", "Codec", "PackLayout", "Round", "Outcome", "AllReduce", "AllGather", "AllToAll", "Collective",
-           "Cast", "PowerSGD", "Quantize", "TopK", "NAMES", "Name", "resolve",
+           "Cast", "PowerSGD", "Quantize", "Sign", "TopK", "NAMES", "Name", "resolve",
            "Key", "PackResiduals", "ResidualOwner", "fold_residual", "settle_residual", "keyed_state",
            "load_keyed_state", "load_residuals"]
 
@@ -52,6 +53,7 @@ NAMES: Dict[str, Name] = {
     "int4": Name(lambda: Quantize(bits=4), "4-bit integers and a scale per 256 values, error feedback: about 1/8"),
     "powersgd": Name(lambda: PowerSGD(), "rank-4 factors of each matrix, error feedback: r (n + m) / (n m)"),
     "topk": Name(lambda: TopK(), "the largest of every 64 values, error feedback: 3/256"),
+    "sign": Name(lambda: Sign(), "each value's sign and a scale per parameter, error feedback: about 1/32"),
 }
 
 
