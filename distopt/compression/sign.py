@@ -103,7 +103,10 @@ class _SignCodec(Codec):
     def __init__(self, owner: Sign, layout: PackLayout) -> None:
         self.owner = owner
         self.residuals = PackResiduals(layout, owner)
-        self.lengths = torch.tensor([shape.numel() for shape in layout.shapes], dtype=torch.int64, device=layout.device)
+        # Each member's values, as (offset, numel): a loop over them is contiguous work, where expanding the
+        # scales to one per value (repeat_interleave) or a segmented sum cost several times more on CPU.
+        self.spans = [(offset, shape.numel()) for offset, shape in zip(layout.offsets, layout.shapes)]
+        self.sizes = torch.tensor([max(n, 1) for _, n in self.spans], dtype=torch.float32, device=layout.device)
         self.shifts = torch.arange(8, dtype=torch.uint8, device=layout.device).unsqueeze(1)
         self.scratch: Optional[_Scratch] = None
 
@@ -114,12 +117,13 @@ class _SignCodec(Codec):
         out.view(8, plane).copy_(bits)
         out.mul_(-2.0).add_(1.0)  # bit 0: +1, bit 1: -1
         scales = message[plane:].view(torch.float32)
-        out[:n].mul_(torch.repeat_interleave(scales, self.lengths, output_size=n))
+        for i, (at, size) in enumerate(self.spans):
+            out[at:at + size].mul_(scales[i])
         out[n:].zero_()
         return out
 
     def reduce(self, data: Tensor, round: Round) -> Iterator[Collective]:
-        n, members = data.numel(), len(self.lengths)
+        n, members = data.numel(), len(self.spans)
         padded = -(-n // 32) * 32  # whole bytes of bits, and a multiple of 4 bytes: the scales stay aligned
         plane = padded // 8
         residual = self.residuals.buffer(round.exchange, padded, data.device)
@@ -130,10 +134,13 @@ class _SignCodec(Codec):
         scales = piece[plane:].view(torch.float32)
         if round.contributing:
             fold_residual(residual, data, round)  # kept in applied units; this round's sum is applied at its factor
-            lengths = self.lengths.to(torch.float32).clamp_(min=1)
-            scales.copy_(torch.segment_reduce(residual[:n].abs(), "sum", lengths=self.lengths).div_(lengths))
-            negative = torch.lt(residual, 0).view(8, plane).to(torch.uint8)
-            torch.sum(negative.bitwise_left_shift_(self.shifts), dim=0, dtype=torch.uint8, out=piece[:plane])
+            magnitudes = torch.abs(residual[:n], out=scratch.decoded[:n])
+            for i, (at, size) in enumerate(self.spans):
+                torch.sum(magnitudes[at:at + size], dim=0, out=scales[i])
+            scales.div_(self.sizes)  # each member's mean magnitude
+            # The sign bits, 0 or 1 a byte (a bool's byte), shifted to their place in the planar bytes.
+            negative = torch.signbit(residual).view(torch.uint8).view(8, plane).bitwise_left_shift_(self.shifts)
+            torch.sum(negative, dim=0, dtype=torch.uint8, out=piece[:plane])
             residual.sub_(self._decode(piece, n, sent))  # what it left out, in this round's units
         else:  # a joined rank sends zeros (scale 0) and keeps its residual for later
             piece.zero_()
