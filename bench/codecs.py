@@ -4,7 +4,9 @@
 
 No processes and no network: one rank's codec runs on a pack of ``--numel`` float32 values
 (default: a 3 MiB fragment, the slow-link benchmark's mlp at ``sync_fragments=4``), and each
-collective it yields is answered in place as if every rank had sent what this one did. So
+collective it yields is answered in place as if every rank had sent what this one did
+(:func:`distopt.compression.testing.mirror`). Every compressor of
+:data:`distopt.compression.NAMES` that works through codecs is timed (a cast has none). So
 the figures are the codec's own work: what it does before its first collective (encode:
 error feedback, selection or quantisation) and after its last (decode: the sum), not the
 time on the wire, which ``python -m distopt.benchmark --link`` measures. Medians of
@@ -20,28 +22,13 @@ from typing import Callable, Dict, Iterator, List
 
 import torch
 
-from distopt.compression import (AllGather, AllReduce, AllToAll, Collective, Compressor, PackLayout, PowerSGD, Quantize,
-                                 Round, TopK)
+from distopt.compression import NAMES, Collective, Compressor, Round
+from distopt.compression.testing import layout_of, mirror
 
-#: The compressors timed, by the name ``compression=`` takes.
+#: The compressors timed, by the name ``compression=`` takes: those that work through codecs.
 COMPRESSORS: Dict[str, Callable[[], Compressor]] = {
-    "int8": lambda: Quantize(bits=8),
-    "int4": lambda: Quantize(bits=4),
-    "topk": lambda: TopK(),
-    "powersgd": lambda: PowerSGD(rank=4),
+    name: entry for name, entry in NAMES.items() if entry().wire_dtype(torch.float32) is None
 }
-
-
-def _answer(collective: Collective, world: int) -> None:
-    """Fill what the collective would bring, as if every rank had sent this rank's values."""
-    if isinstance(collective, (AllGather, AllToAll)):
-        chunks = collective.out.view(world, -1)
-        if isinstance(collective, AllGather):
-            chunks.copy_(collective.tensor.unsqueeze(0).expand_as(chunks))
-        else:
-            chunks.copy_(collective.tensor.view(world, -1))
-    elif isinstance(collective, AllReduce):
-        collective.tensor.mul_(world)
 
 
 def _clock(device: torch.device) -> float:
@@ -55,19 +42,20 @@ def time_codec(make: Callable[[], Compressor], numel: int, world: int, repeats: 
     """Median milliseconds of encode, decode, and the stages between (PowerSGD's), per round."""
     side = int(numel ** 0.5)
     shape = torch.Size((side, numel // side))  # one matrix member, so PowerSGD has something to factor
-    layout = PackLayout(members=(0,), names=("pack",), shapes=(shape,), offsets=(0,), numel=shape.numel(),
-                        dtype=torch.float32, device=device)
+    layout = layout_of([shape], device=device)
     codec = make().codec(layout)
     gen = torch.Generator(device=device).manual_seed(0)
     phases: Dict[str, List[float]] = {"encode": [], "between": [], "decode": []}
     for step in range(repeats + 3):
         data = torch.randn(layout.numel, generator=gen, device=device)
         start = _clock(device)
-        rounds: Iterator[Collective] = codec.reduce(data, Round(rank=0, world_size=world, step=step))
+        round = Round(rank=0, world_size=world, step=step)
+        rounds: Iterator[Collective] = codec.reduce(data, round)
         collective = next(rounds)
         marks = [_clock(device)]
         while True:
-            _answer(collective, world)
+            mirror(collective, world)
+            round.outcome.contributors, round.outcome.factor = world, 1.0  # what the engine fills in
             marks.append(_clock(device))
             following = next(rounds, None)
             marks.append(_clock(device))

@@ -4,7 +4,7 @@ The package is layered, from the ground up (no module imports a higher layer; th
 import-linter contract in ``setup.cfg`` keeps it so): :mod:`distopt.planning` (pure
 planning), :mod:`distopt.transport` (private groups, waits, the stall inspector),
 :mod:`distopt.collectives` and :mod:`distopt.launching`, :mod:`distopt.compression`
-(compressors: PowerSGD, int8/int4, casts), :mod:`distopt.engine` (the reduction
+(the protocol, and the compressors ``compression=`` names), :mod:`distopt.engine` (the reduction
 engine), :mod:`distopt.modes`, :mod:`distopt.fault_tolerance` (torchft, optional),
 :mod:`distopt.wrapper` (the public :class:`DistributedOptimizer`), and the fronts
 :mod:`distopt.horovod` and :mod:`distopt.benchmark`.

@@ -11,7 +11,7 @@ Usage::
 
     python examples/train_digits.py                        # 2 processes, CPU, gloo
     python examples/train_digits.py --epochs 20 --nprocs 4 --plot digits.png
-    python examples/train_digits.py --compression bf16     # 16-bit gradients on the wire (or int8, int4, powersgd)
+    python examples/train_digits.py --compression bf16     # 16-bit gradients on the wire (or int8, powersgd, ...)
     python examples/train_digits.py --nprocs 1             # this process only, no process group
     python examples/train_digits.py --sync-every 16        # local SGD: average parameters every 16 steps
     python examples/train_digits.py --sync-every 16 --outer-lr 0.7   # DiLoCo: outer Nesterov SGD
@@ -177,9 +177,10 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
                    help="bytes per all-reduce pack, e.g. 0, 256K, 10MiB (default: distopt's, 10MiB)")
     p.add_argument("--bcast-period", type=int, default=0,
                    help="re-broadcast parameters from rank 0 every N steps; 0: only at start (default 0)")
-    p.add_argument("--compression", choices=("none", "fp16", "bf16", "int8", "int4", "powersgd"), default="none",
-                   help="fewer bytes on the wire: 16-bit casts, int8/int4 or PowerSGD with error feedback "
-                        "(default none)")
+    p.add_argument("--compression", choices=("none", *distopt.compression.NAMES), default="none",
+                   help="fewer bytes on the wire: "
+                        + "; ".join(f"{name}: {entry.sends}" for name, entry in distopt.compression.NAMES.items())
+                        + " (default none)")
     p.add_argument("--sync-every", type=int, default=1, metavar="H",
                    help="local SGD: average parameters every H steps, gradients stay local in between "
                         "(default 1: synchronous)")

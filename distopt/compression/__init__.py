@@ -1,42 +1,59 @@
 """Compression: what a pack sends instead of its float values (``DistributedOptimizer(compression=)``).
 
-A compressor is an object (the protocol is :mod:`distopt.compression.protocol`) or one
-of these names:
-
-========== =============================================== ================================
-name       object                                          bytes sent, against float32
-========== =============================================== ================================
-``fp16``   ``Cast(torch.float16)``                         1/2
-``bf16``   ``Cast(torch.bfloat16)``                        1/2
-``int8``   ``Quantize(bits=8)``, error feedback             about 1/4
-``int4``   ``Quantize(bits=4)``, error feedback             about 1/8
-``powersgd`` ``PowerSGD(rank=4)``, error feedback, warm start r (n + m) / (n m) per matrix
-``topk``   ``TopK(group_size=64)``, error feedback           3/256: one value (bf16) and its position in 64
-========== =============================================== ================================
+A compressor is an object (the protocol, with every method's contract, is
+:mod:`distopt.compression.protocol`) or one of the names of :data:`NAMES`, each with what it
+builds and sends (docs/compression.md has them as a table). Error feedback's helpers are in
+:mod:`distopt.compression.feedback`, and :mod:`distopt.compression.testing` runs a
+compressor's codecs for several simulated ranks in one process, for its tests.
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Optional
 
 import torch
 
 from .casts import Cast
+from .feedback import (Key, PackResiduals, ResidualOwner, fold_residual, keyed_state, load_keyed_state, load_residuals,
+                       settle_residual)
 from .powersgd import PowerSGD
 from .protocol import AllGather, AllReduce, AllToAll, Codec, Collective, Compressor, Outcome, PackLayout, Round
 from .quantize import Quantize
+from .sign import Sign
 from .topk import TopK
 
 __all__ = ["Compressor", "Codec", "PackLayout", "Round", "Outcome", "AllReduce", "AllGather", "AllToAll", "Collective",
-           "Cast", "PowerSGD", "Quantize", "TopK", "NAMES", "resolve"]
+           "Cast", "PowerSGD", "Quantize", "Sign", "TopK", "NAMES", "Name", "resolve",
+           "Key", "PackResiduals", "ResidualOwner", "fold_residual", "settle_residual", "keyed_state",
+           "load_keyed_state", "load_residuals"]
 
-#: The names ``compression=`` accepts, and what each builds.
-NAMES = {
-    "fp16": lambda: Cast(torch.float16),
-    "bf16": lambda: Cast(torch.bfloat16),
-    "int8": lambda: Quantize(bits=8),
-    "int4": lambda: Quantize(bits=4),
-    "powersgd": lambda: PowerSGD(),
-    "topk": lambda: TopK(),
+
+@dataclass(frozen=True)
+class Name:
+    """What a name of :data:`NAMES` builds, and what it sends; calling it builds the compressor.
+
+    Attributes:
+        build: makes a fresh compressor (one compressor serves one wrapper).
+        sends: what travels, in a few words, for lists of the names (``--help``, messages).
+    """
+
+    build: Callable[[], Compressor]
+    sends: str
+
+    def __call__(self) -> Compressor:
+        return self.build()
+
+
+#: The names ``compression=`` accepts, and what each builds. Every list of them (the README,
+#: docs/compression.md's table, the examples' choices) is checked against it by the tests.
+NAMES: Dict[str, Name] = {
+    "fp16": Name(lambda: Cast(torch.float16), "16-bit floats: 1/2 of float32's bytes"),
+    "bf16": Name(lambda: Cast(torch.bfloat16), "bfloat16: 1/2 of float32's bytes"),
+    "int8": Name(lambda: Quantize(bits=8), "8-bit integers and a scale per 256 values, error feedback: about 1/4"),
+    "int4": Name(lambda: Quantize(bits=4), "4-bit integers and a scale per 256 values, error feedback: about 1/8"),
+    "powersgd": Name(lambda: PowerSGD(), "rank-4 factors of each matrix, error feedback: r (n + m) / (n m)"),
+    "topk": Name(lambda: TopK(), "the largest of every 64 values, error feedback: 3/256"),
+    "sign": Name(lambda: Sign(), "each value's sign and a scale per parameter, error feedback: about 1/32"),
 }
 
 

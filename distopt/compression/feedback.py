@@ -13,18 +13,36 @@ pseudo-gradients) keep theirs apart, and the index is stable for the wrapper's l
 :class:`PackResiduals` keeps one pack's residuals as views of one padded buffer, so a
 codec adds a whole pack's values to its residuals in one pass; the compressor's dict
 keeps the views, so a re-plan, a resume or a change of the world takes them over.
+
+A codec with error feedback, in the order of a round (the built-in ``Quantize`` and the
+sign compressor follow it; :mod:`distopt.compression.protocol` says why)::
+
+    residual = self.residuals.buffer(round.exchange, padded, data.device)  # PackResiduals
+    if round.contributing:
+        fold_residual(residual, data, round)    # residual := data + residual / round.factor
+        sent = encode(residual)                 # what travels, decoded: its own part of the sum
+        residual -= sent                        # what it left out, in this round's units
+    yield AllGather(...)                        # the flags are back: round.outcome is filled in
+    if round.contributing:
+        settle_residual(residual, data, round, lambda: sent)  # back to applied units
+    if the gathered bytes hold a non-finite value:
+        residual.zero_()                        # every rank sees the same bytes: all drop alike
+
+and the compressor keeps ``residuals`` and ``loads`` (:class:`ResidualOwner`), lists
+``"residuals"`` in ``per_rank_keys``, and saves and loads them with :func:`keyed_state` and
+:func:`load_residuals`.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Mapping, Protocol, Tuple
+from typing import Any, Callable, Dict, Mapping, Protocol, Tuple
 
 import torch
 from torch import Tensor
 
-from .protocol import PackLayout
+from .protocol import PackLayout, Round
 
 __all__ = ["Key", "state_key", "parse_state_key", "keyed_state", "load_keyed_state", "load_residuals",
-           "ResidualOwner", "PackResiduals"]
+           "ResidualOwner", "PackResiduals", "fold_residual", "settle_residual"]
 
 #: ``(exchange, parameter index)``: whose residual, and for which kind of values.
 Key = Tuple[bool, int]
@@ -117,3 +135,46 @@ class PackResiduals:
                 view.copy_(old)
             owner.residuals[(exchange, index)] = view
         return buffer
+
+
+def fold_residual(residual: Tensor, data: Tensor, round: Round) -> None:
+    """A contributor's values plus its residual, in the residual's storage, before its first collective.
+
+    ``residual`` is kept in applied units; this round's sum is applied at the factor the engine
+    expects (:attr:`Round.factor`), so it becomes ``data + residual / round.factor`` (in place:
+    its first ``data.numel()`` values take ``data``, the padding past them keeps its own).
+
+    Args:
+        residual: float32, at least as long as ``data``.
+        data: the pack's values, as :meth:`~distopt.compression.protocol.Codec.reduce` got them.
+        round: the round (only a contributor calls this: a rank that does not contribute sends
+            zeros and keeps its residual as it is).
+    """
+    if round.factor != 1.0:
+        residual.div_(round.factor)
+    residual[:data.numel()].add_(data)
+
+
+def settle_residual(residual: Tensor, data: Tensor, round: Round, sent: Callable[[], Tensor]) -> None:
+    """A contributor's residual back in applied units, once the round's factor is known.
+
+    Called after the codec's first collective (when :attr:`Round.outcome` is filled in), with
+    ``residual`` holding ``data + old / round.factor - sent``, what :func:`fold_residual` made
+    less what this rank sent. It becomes ``old + round.final_factor * (data - sent)``: every value
+    left out is applied once, at the factor of the round that left it out (the protocol's module).
+    Outside join blocks both factors are 1 and nothing changes.
+
+    Args:
+        residual: as above, float32, at least as long as ``data``.
+        data: this rank's values, still as the codec got them (before it writes the sum there).
+        round: the round, its outcome filled in.
+        sent: what this rank sent, decoded, as long as ``residual``; asked for only in the round
+            in which a rank joins (the two factors differ).
+    """
+    expected, factor = round.factor, round.final_factor
+    if expected == 1.0 and factor == 1.0:
+        return
+    residual.mul_(expected)
+    if factor != expected:  # a rank joined in this round: the residual grows by factor * (values - sent)
+        residual[:data.numel()].add_(data, alpha=factor - expected)
+        residual.add_(sent(), alpha=expected - factor)

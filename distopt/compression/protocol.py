@@ -43,6 +43,37 @@ once, at the factor of the round that left it out, however the contributors chan
 before it is sent (a rank joins, a join block ends). The two factors differ only in the
 round in which a rank joins; outside join blocks both are 1 and nothing is rescaled.
 
+**Non-finite values.** A non-finite value in any rank's ``data`` (an AMP overflow) must
+reach the sum on every rank as non-finite, as an uncompressed all-reduce carries it, so
+that ``GradScaler`` skips the step on every rank alike: a codec never clamps or drops it.
+State built from such a round (a residual, PowerSGD's ``Q``) is poisoned: a codec drops it,
+deciding so from bytes every rank holds alike (the gathered scales, the summed factors), so
+every rank drops alike and the next rounds are clean.
+
+**When each method is called** (each method's docstring says what it may assume and must do):
+
+* :meth:`Compressor.wire_dtype`, then :meth:`Compressor.codec`: once per pack, each time the
+  engine plans its packs (when it takes parameters on, when it fixes the plan from the
+  root's observed gradient order after the first round, when parameters are unfrozen or
+  the fragments change). A re-plan happens between rounds; the old plan's codecs get no
+  further rounds. After an unfreeze the round is sent again, in the new plan.
+* :meth:`Codec.reduce`: once per round that sends its pack, on every rank of the group,
+  one reduction at a time; the engine drives it to its end, or closes it (fault tolerance
+  closes the codecs of a round that failed: its state is then put back).
+* :meth:`Compressor.state_dict`: between rounds, by the wrapper's ``state_dict()`` (after it
+  has waited for an exchange in flight), and under fault tolerance before every round (the
+  copy that a discarded step puts back) and for a replica that heals from this one.
+* :meth:`Compressor.load_state_dict`: between rounds, while the codecs stay live (they
+  serve the next round): by the wrapper's ``load_state_dict()``, and under fault tolerance
+  after a discarded step or a heal.
+* :meth:`Compressor.settings` and :meth:`Compressor.wire_fraction`: when the wrapper takes
+  parameters on (the ranks' agreement check, ``pack_threshold="auto"``).
+
+The residual helpers that the built-in compressors use (:class:`~distopt.compression.feedback.PackResiduals`,
+:func:`~distopt.compression.feedback.keyed_state`, ...) are public, in
+:mod:`distopt.compression.feedback`, and :mod:`distopt.compression.testing` runs a
+compressor's codecs for several simulated ranks in one process, for its tests.
+
 Example of a compressor a user might write (values sent as bfloat16 with error feedback
 would follow the same shape)::
 
@@ -195,16 +226,53 @@ Collective = Union[AllReduce, AllGather, AllToAll]
 
 
 class Codec(abc.ABC):
-    """Sums one pack's values over the ranks, through the collectives it yields."""
+    """Sums one pack's values over the ranks, through the collectives it yields.
+
+    A codec is made by :meth:`Compressor.codec` for one pack of one plan, and serves every
+    round of that plan; it may keep buffers from one round to the next (they are
+    allocated once), but state that a checkpoint holds belongs to its compressor (see
+    :meth:`Compressor.load_state_dict`).
+    """
 
     @abc.abstractmethod
     def reduce(self, data: Tensor, round: Round) -> Iterator[Collective]:
         """Leave the sum of every rank's ``data`` in ``data``, yielding each collective it needs.
 
-        Every rank must yield the same collectives, of the same sizes, in the same
-        order: decide them from the layout and the round, never from the values. Mark
-        the last one ``last=True`` where it is known to be (nothing breaks without it:
-        the engine then resumes the codec to find out, which may mean an earlier wait).
+        **Called** once per round that sends this pack, on every rank of the group (a rank
+        that has joined included), one reduction at a time: the next call comes after this
+        generator has ended or been closed. The engine runs the generator up to its first
+        collective as the pack launches and issues it; it resumes the generator once that
+        collective is back, in its one waiting place, pack after pack in the plan's order.
+        It may close the generator at a yield (fault tolerance, a round that failed:
+        ``GeneratorExit`` is raised there); the compressor's state is then put back from
+        :meth:`Compressor.state_dict`'s copy, so a codec need not undo anything.
+
+        **It may assume** that ``data`` is the pack's flat, contiguous values
+        (``layout.numel`` elements of ``layout.dtype`` on ``layout.device``), already
+        multiplied by the mean's ``1/world``; that it is all zeros where
+        ``round.contributing`` is False; that ``round.outcome`` is filled in before the
+        generator is resumed after its first collective (:class:`Round`); and that a
+        collective's tensors are its own again, holding the result, once it is resumed.
+
+        **It must**
+
+        * yield the same collectives on every rank, of the same kinds, sizes and dtypes, in
+          the same order, with the same ``last``: decide them from the layout and the round
+          (rank, world size, step, contributing, exchange, factor), never from the values.
+          The collectives are paired by their order, so a mismatch hangs or aborts;
+        * leave in ``data`` the same values on every rank, bitwise (sum in rank order where
+          it adds the ranks' parts itself), as the ranks' parameters must stay identical;
+        * on a rank that does not contribute, add nothing of its own state to the sum (its
+          values are zeros) and still yield every collective, with its part of any later
+          stage (e.g. its chunk of a sum) as any rank does;
+        * carry a non-finite value of any rank into every rank's sum, and drop the state that
+          such a round poisoned (see the module);
+        * keep the tensors it yields alive and untouched until it is resumed.
+
+        It need not mark its last collective ``last=True``, but should where it is known to
+        be: the engine then need not resume it to learn that, so an exchange that outlives a
+        step travels until it is wanted. Yielding after a collective marked last raises
+        ``TypeError`` in the engine.
 
         Args:
             data: the pack's flat values (already scaled by the mean's ``1/world``).
@@ -212,15 +280,18 @@ class Codec(abc.ABC):
                 is filled in before the codec is resumed after its first collective.
 
         Yields:
-            The next collective; the generator resumes once it is complete.
+            :class:`AllReduce`, :class:`AllGather` or :class:`AllToAll`; the generator
+            resumes once it is complete.
         """
 
 
 class Compressor(abc.ABC):
     """Decides how each pack travels; pass one as ``DistributedOptimizer(..., compression=)``.
 
-    One compressor serves one wrapper: it may keep per-parameter state (error feedback)
-    that goes into the wrapper's ``state_dict()``.
+    One compressor serves one wrapper (a second live wrapper is refused): it may keep
+    per-parameter state (error feedback) that goes into the wrapper's ``state_dict()``.
+    Per-parameter state is keyed by :attr:`PackLayout.members`, which stay the same
+    across re-plans, so a new plan's codecs take over what the old plan's left.
     """
 
     #: What ``compression=`` names it (``"powersgd"``, ``"int8"``, ...), for messages.
@@ -229,35 +300,78 @@ class Compressor(abc.ABC):
     #: rather than state that is the same on every rank (PowerSGD's warm-started ``Q``). Under
     #: fault tolerance a replica that heals from a live peer starts these empty instead of
     #: taking the peer's: a residual is what one replica still owes the sum, and a copy would
-    #: be paid twice (docs/fault-tolerance.md).
+    #: be paid twice (docs/fault-tolerance.md). A compressor with error feedback lists the key
+    #: its residuals are under; the default, none, suits one without state.
     per_rank_keys: Tuple[str, ...] = ()
 
     @abc.abstractmethod
     def codec(self, layout: PackLayout) -> Optional[Codec]:
-        """The codec for a pack, or None to send it uncompressed (e.g. integer packs)."""
+        """The codec for a pack, or None to send it uncompressed (e.g. integer packs).
+
+        **Called** once per pack each time the engine plans its packs (see the module), on
+        every rank, and only where :meth:`wire_dtype` answered None for the pack's dtype.
+        It must answer alike on every rank (a codec on one rank and None on another would
+        pair different collectives): decide from the layout only. It may assume nothing of
+        earlier plans' codecs, which are dropped; state it keeps per parameter lives on the
+        compressor, keyed by ``layout.members``.
+        """
 
     def settings(self) -> Dict[str, Any]:
-        """What must match on every rank (compared when the wrapper is built)."""
+        """What must match on every rank: every argument that changes the collectives or the values.
+
+        **Called** when the wrapper takes parameters on, on every rank; ranks whose settings differ get the
+        same ``ValueError`` on every rank, naming ``compression`` and both values. Plain values
+        only (they are compared after a round trip through pickle).
+        """
         return {"compressor": type(self).__qualname__}
 
     def wire_fraction(self, shapes: Sequence[torch.Size], dtype: torch.dtype) -> float:
-        """About what share of the bytes of gradients of these shapes this compressor sends
-        (``pack_threshold="auto"`` sizes packs by it); the default, 1.0, assumes no saving."""
+        """About what share of the bytes of gradients of these shapes this compressor sends.
+
+        **Called** when the wrapper takes parameters on with ``pack_threshold="auto"``, which sizes packs
+        by it (a compressor that sends less gets larger packs). Only an estimate, in (0, 1];
+        the default, 1.0, assumes no saving.
+        """
         return 1.0
 
     def wire_dtype(self, dtype: torch.dtype) -> Optional[torch.dtype]:
         """For a plain cast: the dtype packs of ``dtype`` travel as, which the engine casts inline.
 
-        A compressor that answers a dtype here is never asked for codecs; the default, None,
-        means the compressor works through :meth:`codec`.
+        **Called** once per pack when the engine plans its packs, before :meth:`codec`. A
+        dtype here means the engine casts the pack's values (already scaled by ``1/world``)
+        to it, all-reduces them and casts back, and :meth:`codec` is not asked for that
+        pack; the default, None, means the compressor works through :meth:`codec`.
         """
         return None
 
     def state_dict(self) -> Dict[str, Any]:
-        """This rank's compressor state (residuals, warm-start factors), for checkpoints."""
+        """This rank's compressor state (residuals, warm-start factors), for checkpoints.
+
+        **Called** between rounds: by the wrapper's ``state_dict()``, and under fault
+        tolerance before every round and for a replica that heals (see the module).
+
+        Returns:
+            Copies, never the live tensors: the codecs go on changing their state in place,
+            and fault tolerance keeps this dict to put it back after a discarded step.
+            :func:`distopt.compression.feedback.keyed_state` makes such copies, under text
+            keys. Tensors, plain values, and dicts of them (it is saved with ``torch.save``).
+        """
         return {}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Restore what :meth:`state_dict` returned."""
+        """Restore what :meth:`state_dict` returned (its own dict, or a copy of it from another rank).
+
+        **Called** between rounds while the codecs stay live: they serve the next round,
+        so a codec that keeps views of the state (a residual buffer) must notice the load
+        and take the loaded values, e.g. through a counter of loads that it compares at each
+        round (``loads``, read by :class:`distopt.compression.feedback.PackResiduals`). Under
+        fault tolerance a replica that heals is given a dict without :attr:`per_rank_keys`:
+        it then starts those empty. It must take copies of what it is given (the caller
+        keeps the dict, e.g. a checkpoint it loads into several wrappers):
+        :func:`distopt.compression.feedback.load_keyed_state` makes them.
+
+        Raises:
+            ValueError: a key this compressor does not keep (a state dict of another compressor).
+        """
         if state_dict:
             raise ValueError(f"{type(self).__name__} keeps no state, but was given {sorted(state_dict)}")

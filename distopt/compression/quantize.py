@@ -36,13 +36,13 @@ the sum of the true values.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterator, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from . import arguments
-from .feedback import Key, PackResiduals, keyed_state, load_residuals
+from .feedback import Key, PackResiduals, fold_residual, keyed_state, load_residuals, settle_residual
 from .protocol import AllGather, AllToAll, Codec, Collective, Compressor, PackLayout, Round
 
 __all__ = ["Quantize", "quantize_blocks", "dequantize_blocks"]
@@ -182,26 +182,8 @@ class _QuantizeCodec(Codec):
         residual = self.residuals.buffer(round.exchange, padded, data.device)
         if not round.contributing:  # a joined rank sends zeros and keeps its residual for later
             return torch.zeros(padded, dtype=torch.float32, device=data.device), residual
-        if round.factor != 1.0:  # kept in applied units (protocol.py); this round's sum is applied at its factor
-            residual.div_(round.factor)
-        residual[:data.numel()].add_(data)
+        fold_residual(residual, data, round)  # kept in applied units; this round's sum is applied at its factor
         return residual, residual
-
-    @staticmethod
-    def _settle(residual: Tensor, data: Tensor, round: Round, sent: Callable[[], Tensor]) -> None:
-        """A contributor's residual, which holds its values plus its residual less what it sent (in this
-        round's units), back in applied units once the round's factor is known (see protocol.py).
-
-        Args:
-            sent: what this rank sent (decoded), padded; asked for only in the round in which a rank joins.
-        """
-        expected, factor = round.factor, round.final_factor
-        if expected == 1.0 and factor == 1.0:
-            return
-        residual.mul_(expected)
-        if factor != expected:  # a rank joined in this round: the residual grows by factor * (values - sent)
-            residual[:data.numel()].add_(data, alpha=factor - expected)
-            residual.add_(sent(), alpha=expected - factor)
 
     def _gather_whole(self, data: Tensor, round: Round) -> Iterator[Collective]:
         """Every rank's whole codes in one all-gather; each rank decodes them all and adds them in rank order."""
@@ -220,7 +202,7 @@ class _QuantizeCodec(Codec):
         decoded = [dequantize_blocks(row[:code_bytes], row[code_bytes:].view(torch.float32), bits, block, out)
                    for row, out in zip(scratch.gathered, (scratch.work, scratch.other))]
         if round.contributing:  # before ``data`` takes the sum: it is still this rank's values
-            self._settle(residual, data, round, lambda: decoded[round.rank])
+            settle_residual(residual, data, round, lambda: decoded[round.rank])
         self._drop_poisoned(scratch.gathered[:, code_bytes:], residual)
         if world == 1:
             data.copy_(decoded[0][:n])
@@ -250,7 +232,7 @@ class _QuantizeCodec(Codec):
             row = recv[source]
             mine.add_(dequantize_blocks(row[:code_bytes], row[code_bytes:].view(torch.float32), bits, block, decoded))
         if round.contributing:  # the flags are back: stage 1's residual in applied units (``work`` is free again)
-            self._settle(residual, data, round, lambda: self._decode_rows(send, bits, block, work))
+            settle_residual(residual, data, round, lambda: self._decode_rows(send, bits, block, work))
         # What re-quantising the sum leaves out goes into the chunk owner's next values, a joined rank's too
         # (it keeps them for after its block), applied units at this round's factor: it is part of this sum.
         factor = round.final_factor

@@ -18,7 +18,7 @@ from torch import nn
 
 import distopt
 from distopt import DistributedOptimizer
-from distopt.compression import AllReduce, Codec, Compressor, PowerSGD, Quantize, TopK
+from distopt.compression import AllReduce, Codec, Compressor, PowerSGD, Quantize, Sign, TopK
 from distopt.planning.link import AUTO_MAX, AUTO_MIN
 
 from _worlds import Worlds
@@ -204,7 +204,8 @@ def join_exact_check(name, mode, counts):
     torch.manual_seed(0)
     model = nn.Linear(16, 16).double()
     make = {"powersgd": lambda: PowerSGD(rank=2, start_step=2),  # a rank that joins at once does so before 2
-            "topk": lambda: TopK(group_size=16), "int8": lambda: Quantize(bits=8, block_size=64)}[name]
+            "topk": lambda: TopK(group_size=16), "int8": lambda: Quantize(bits=8, block_size=64),
+            "sign": lambda: Sign()}[name]
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=LINEAR_LR), compression=make(),
                                **EXACT_MODES[mode])
     start = flat(model).clone()
@@ -423,7 +424,7 @@ for _name in ("topk", "int8", "int4", "powersgd"):
     CASES[f"collectives {_name}"] = (2, collectives_check, (_name,))
     CASES[f"skipped batch {_name}"] = (2, skipped_batch_check, (_name,))
 CASES["collectives int8, 3 ranks"] = (3, collectives_check, ("int8",))
-for _name in ("powersgd", "topk", "int8"):
+for _name in ("powersgd", "topk", "int8", "sign"):
     for _mode in EXACT_MODES:
         for _counts in ([6, 0], [6, 3], [5, 5, 1]):
             CASES[f"join exactly {_name} {_mode} {_counts}"] = (len(_counts), join_exact_check, (_name, _mode, _counts))
@@ -495,7 +496,7 @@ def test_join_with_a_compressor_ends_with_every_rank_identical(case, no_leftover
 
 @pytest.mark.parametrize("counts", [[6, 0], [6, 3], [5, 5, 1]], ids=str)
 @pytest.mark.parametrize("mode", list(EXACT_MODES))
-@pytest.mark.parametrize("name", ["powersgd", "topk", "int8"])
+@pytest.mark.parametrize("name", ["powersgd", "topk", "int8", "sign"])
 def test_a_join_with_a_compressor_trains_like_single_process_sgd_less_what_is_still_owed(name, mode, counts,
                                                                                         no_leftover_processes):
     # Every value compression left out is applied once, at the mean of the round that left it out, or is

@@ -22,7 +22,7 @@ from distopt import DistributedOptimizer
 from distopt._testing import run_world
 from distopt.compression import PowerSGD, Quantize, TopK
 
-from _codec_world import layout_of, simulate
+from distopt.compression.testing import layout_of, simulate
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2,

@@ -1,33 +1,70 @@
 """Compressors without processes: each codec runs for a simulated world of ranks in one process
-(:func:`_codec_world.simulate`, which checks that every rank asks for the same collective of the same
-size at the same point, the way the engine's fixed plan requires).
+(:func:`distopt.compression.testing.simulate`, which checks that every rank asks for the same collective
+of the same size at the same point, the way the engine's fixed plan requires).
 """
+import re
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from distopt.compression import AllReduce, Cast, Compressor, PowerSGD, Quantize, TopK, resolve
+from distopt.compression import (NAMES, AllGather, AllReduce, AllToAll, Cast, Codec, Compressor, PowerSGD, Quantize,
+                                 Sign, TopK, resolve)
 from distopt.compression.quantize import dequantize_blocks, quantize_blocks
+from distopt.compression.testing import CodecWorld, ProtocolError, factor_of, layout_of, mirror, simulate
 from distopt.compression.topk import select_largest
 from distopt.engine.partial import PartialExchange
 from distopt.engine.rounds import Sent
 
-from _codec_world import factor_of, layout_of, simulate
 
+ROOT = Path(__file__).resolve().parents[2]
 
-#: One of each compressor that keeps state of its own, small enough for these packs.
-WITH_FEEDBACK = [lambda: PowerSGD(rank=2), lambda: Quantize(bits=8, block_size=64), lambda: TopK(group_size=16)]
+#: Every compressor of NAMES that keeps error feedback, by name, small enough for these packs where it has a
+#: size: a name added to NAMES runs through the protocol's tests below (bitwise sums, joins, overflows, resumes).
+_SMALL = {"powersgd": lambda: PowerSGD(rank=2), "int8": lambda: Quantize(bits=8, block_size=64),
+          "int4": lambda: Quantize(bits=4, block_size=64), "topk": lambda: TopK(group_size=16)}
+WITH_FEEDBACK = {name: _SMALL.get(name, entry) for name, entry in NAMES.items() if entry().per_rank_keys}
+_EACH = dict(argvalues=list(WITH_FEEDBACK.values()), ids=list(WITH_FEEDBACK))
 
 
 # ---------------------------------------------------------------------------- names and arguments
 
 
-@pytest.mark.parametrize("name, kind", [("fp16", Cast), ("bf16", Cast), ("int8", Quantize), ("int4", Quantize),
-                                        ("powersgd", PowerSGD), ("topk", TopK)])
-def test_every_name_builds_its_compressor(name, kind):
+@pytest.mark.parametrize("name", list(NAMES))
+def test_every_name_builds_a_fresh_compressor_that_answers_to_it(name):
     compressor = resolve(name)
-    assert isinstance(compressor, kind) and compressor.name == name
+    assert isinstance(compressor, Compressor) and compressor.name == name and resolve(name) is not compressor
+    assert NAMES[name].sends
+
+
+def test_the_built_in_compressors_behind_the_names():
+    assert [type(NAMES[n]()) for n in ("fp16", "bf16", "int8", "int4", "powersgd", "topk", "sign")] == [
+        Cast, Cast, Quantize, Quantize, PowerSGD, TopK, Sign]
+
+
+def _quoted(text):
+    return re.findall(r'`"([a-z0-9]+)"`', text)
+
+
+def test_every_list_of_compressor_names_is_the_registrys():
+    # docs/compression.md's table lists every name, in NAMES' order; the README's row and the other pages'
+    # name some of them and point to it; the main job's --compression takes every one. A stale list fails here.
+    docs = (ROOT / "docs" / "compression.md").read_text()
+    table = [_quoted(line.split("|")[1]) for line in docs.splitlines() if re.match(r'\| `"[a-z0-9]+"`', line)]
+    assert [name for row in table for name in row] == list(NAMES)
+    readme = next(line for line in (ROOT / "README.md").read_text().splitlines() if line.startswith("| `compression`"))
+    modes = next(line for line in (ROOT / "docs" / "modes.md").read_text().splitlines()
+                 if line.startswith("| `compression`"))
+    for row in (readme, modes):
+        assert _quoted(row) and set(_quoted(row)) <= set(NAMES) and "compression.md" in row, row
+    main_job = next(line for line in (ROOT / "docs" / "main-job.md").read_text().splitlines()
+                    if line.startswith("| `--compression`"))
+    assert set(re.findall(r"`([a-z0-9]+)`", main_job)) <= set(NAMES) | {"none", "compression"}
+    example = (ROOT / "examples" / "train_digits.py").read_text()
+    choices = re.search(r'"--compression", choices=([^,]+, [^)]+\))', example).group(1)
+    assert "NAMES" in choices, f"examples/train_digits.py lists its own names: {choices}"
 
 
 @pytest.mark.parametrize("value, error, match", [
@@ -315,7 +352,7 @@ def test_powersgd_before_its_start_step_sends_the_pack_as_it_is():
     assert len(simulate(codecs, [torch.randn(2048), torch.randn(2048)], step=5)) == 2
 
 
-@pytest.mark.parametrize("make", WITH_FEEDBACK, ids=["powersgd", "int8", "topk"])
+@pytest.mark.parametrize("make", **_EACH)
 def test_a_rank_that_has_joined_adds_nothing_and_keeps_its_residual(make):
     layout = layout_of([(64, 32)])
     compressors = [make() for _ in range(2)]
@@ -330,41 +367,31 @@ def test_a_rank_that_has_joined_adds_nothing_and_keeps_its_residual(make):
 
 
 @pytest.mark.parametrize("counts", [[6, 0], [6, 3], [5, 5, 1], [2, 4, 1]], ids=str)
-@pytest.mark.parametrize("make", WITH_FEEDBACK + [lambda: Quantize(bits=4, block_size=64)],
-                         ids=["powersgd", "int8", "topk", "int4"])
+@pytest.mark.parametrize("make", **_EACH)
 def test_what_compression_leaves_out_is_applied_once_at_its_rounds_factor_across_a_join(make, counts):
     # A join block in which rank r contributes to rounds 0 .. counts[r] - 1, then two rounds after it in which
     # every rank does: the engine multiplies each round's sum by world / contributors, expecting the factor
     # the round before had. What was applied, plus what the ranks still owe (their residuals, in applied
     # units), is what was meant: each round's mean over its contributors, every left-out value once.
+    # CodecWorld tells each round the factor the engine expects: the last round's while ranks have joined.
     world = len(counts)
-    layout = layout_of([(16, 16), (16,)], dtype=torch.float64)
-    compressors = [make() for _ in range(world)]
-    codecs = [c.codec(layout) for c in compressors]
+    ranks = CodecWorld(make, layout_of([(16, 16), (16,)], dtype=torch.float64), world)
     gen = torch.Generator().manual_seed(sum(counts))
-    applied = torch.zeros(layout.numel, dtype=torch.float64)
-    meant = torch.zeros(layout.numel, dtype=torch.float64)
-    expected = 1.0
+    applied = torch.zeros(ranks.layout.numel, dtype=torch.float64)
+    meant = torch.zeros(ranks.layout.numel, dtype=torch.float64)
     for t in range(max(counts) + 2):
         contributing = [t >= max(counts) or count > t for count in counts]
-        datas = [torch.randn(layout.numel, generator=gen, dtype=torch.float64) / world if live
-                 else torch.zeros(layout.numel, dtype=torch.float64) for live in contributing]
+        datas = [torch.randn(ranks.layout.numel, generator=gen, dtype=torch.float64) / world if live
+                 else torch.zeros(ranks.layout.numel, dtype=torch.float64) for live in contributing]
         meant += sum(datas) * factor_of(contributing)
-        simulate(codecs, datas, contributing=contributing, factor=expected)
-        assert all(torch.equal(d, datas[0]) for d in datas)
+        ranks.round(datas, contributing=contributing)  # the same sum on every rank, bitwise (checked)
         applied += datas[0] * factor_of(contributing)
-        expected = factor_of(contributing) if t + 1 < max(counts) else 1.0  # the block ends: the world is whole
-    owed = torch.zeros(layout.numel, dtype=torch.float64)
-    for c in compressors:
-        for (_, index), residual in c.residuals.items():
-            at = layout.offsets[index]
-            owed[at:at + residual.numel()] += residual.reshape(-1)
     # PowerSGD keeps float64 residuals for float64 values; the others keep float32 ones.
-    tolerance = 1e-10 if isinstance(compressors[0], PowerSGD) else 1e-6
-    assert (applied + owed - meant).abs().max().item() < tolerance * meant.abs().max().item()
+    tolerance = 1e-10 if isinstance(ranks.compressors[0], PowerSGD) else 1e-6
+    assert (applied + ranks.owed() - meant).abs().max().item() < tolerance * meant.abs().max().item()
 
 
-@pytest.mark.parametrize("make", WITH_FEEDBACK, ids=["powersgd", "int8", "topk"])
+@pytest.mark.parametrize("make", **_EACH)
 def test_an_overflow_reaches_every_rank_and_does_not_poison_the_next_rounds(make):
     layout = layout_of([(64, 32)])
     compressors = [make() for _ in range(2)]
@@ -379,8 +406,7 @@ def test_an_overflow_reaches_every_rank_and_does_not_poison_the_next_rounds(make
     assert torch.isfinite(clean[0]).all() and torch.equal(clean[0], clean[1])
 
 
-@pytest.mark.parametrize("make", WITH_FEEDBACK[:1] + [lambda: Quantize(bits=4, block_size=64)] + WITH_FEEDBACK[2:],
-                         ids=["powersgd", "int4", "topk"])
+@pytest.mark.parametrize("make", **_EACH)
 def test_state_dict_round_trip_continues_bitwise(make):
     layout = layout_of([(64, 32), (10,)])
     gen = torch.Generator().manual_seed(3)
@@ -445,3 +471,172 @@ def test_an_exchange_whose_codecs_are_at_their_last_collective_has_no_stage_left
     assert exchange(False).staged()
     assert exchange(True, False).staged()
     assert not PartialExchange([0], [Sent(None, None, 0, 0, True)], []).staged()  # no codec: the flags, say
+
+
+# ---------------------------------------------------------------------------- every compressor with error feedback
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+@pytest.mark.parametrize("make", **_EACH)
+def test_every_rank_holds_the_same_sum_and_the_ranks_owe_what_did_not_arrive(make, world):
+    # The protocol's invariant for error feedback: what was meant, less what arrived, is what the residuals hold.
+    ranks = CodecWorld(make, layout_of([(24, 20), (20,), (7, 3)]), world)
+    gen = torch.Generator().manual_seed(world)
+    truth = torch.zeros(ranks.layout.numel, dtype=torch.float64)
+    received = torch.zeros_like(truth)
+    for _ in range(4):
+        datas = [torch.randn(ranks.layout.numel, generator=gen) for _ in range(world)]
+        truth += sum(d.double() for d in datas)
+        ranks.round(datas)  # checks that every rank's sum is the same, bitwise
+        received += datas[0].double()
+    assert (truth - received).abs().max() > 1e-3  # compression left something out
+    assert torch.allclose(truth - received, ranks.owed(), atol=1e-4)
+
+
+# ---------------------------------------------------------------------------- signs
+
+
+def test_sign_sends_each_values_sign_and_its_parameters_mean_magnitude_in_one_all_gather():
+    layout = layout_of([(3, 4), (5,)])
+    datas = [torch.tensor([1.0, -2.0, 3.0, -4.0, 0.0, 6.0, -1.0, 1.0, 2.0, -2.0, 0.5, 0.5, 4.0, -4.0, 4.0, -4.0, 1.0]),
+             torch.full((17,), -0.25)]
+    expected = torch.zeros(17)
+    for d in datas:  # the first round: no residual yet, so each rank sends mean |x| * sign(x), a zero as +
+        for at, n in ((0, 12), (12, 5)):
+            x = d[at:at + n]
+            expected[at:at + n] += x.abs().mean() * torch.where(x < 0, -1.0, 1.0)
+    ranks = CodecWorld(Sign, layout, 2)
+    # 17 values pad to 32 bits, 4 bytes, then a float32 scale per parameter.
+    assert ranks.round(datas) == [("AllGather", 4 + 2 * 4)]
+    assert torch.allclose(datas[0], expected, atol=1e-6)
+    assert Sign().wire_fraction([torch.Size((256, 256))], torch.float32) == pytest.approx(1 / 32, rel=1e-3)
+
+
+@pytest.mark.parametrize("feedback", [True, False])
+def test_sign_error_feedback_recovers_a_fixed_gradient_over_rounds(feedback):
+    # Signs alone send the same wrong values every round (65% off here); the residuals bring the running
+    # mean of what arrives to the true sum, as O(1 / rounds).
+    ranks = CodecWorld(Sign, layout_of([(16, 16)]), 2)
+    gen = torch.Generator().manual_seed(4)
+    fixed = [torch.randn(256, generator=gen) for _ in range(2)]
+    received = torch.zeros(256)
+    for _ in range(200):
+        datas = [f.clone() for f in fixed]
+        ranks.round(datas)
+        received += datas[0]
+        for residual in (r for c in ranks.compressors for r in c.residuals.values() if not feedback):
+            residual.zero_()
+    truth = sum(fixed)
+    off = (received / 200 - truth).norm().item() / truth.norm().item()
+    assert off < 0.1 if feedback else off > 0.5
+
+
+def test_sign_sends_nothing_for_a_rank_that_has_joined_and_a_nan_reaches_only_its_parameter():
+    ranks = CodecWorld(Sign, layout_of([(4,), (4,)]), 2)
+    datas = [torch.tensor([1.0, -1.0, 2.0, -2.0, 1.0, 1.0, 1.0, 1.0]), torch.randn(8)]
+    ranks.round(datas, contributing=[True, False])
+    assert torch.equal(datas[0], torch.tensor([1.5, -1.5, 1.5, -1.5, 1.0, 1.0, 1.0, 1.0]))
+    poisoned = [torch.tensor([float("nan"), 1.0, 1.0, 1.0, 2.0, 2.0, 2.0, 2.0]), torch.ones(8)]
+    ranks.round(poisoned)
+    assert torch.isnan(poisoned[0][:4]).all() and torch.isfinite(poisoned[0][4:]).all()
+    assert all(torch.equal(r, torch.zeros_like(r)) for c in ranks.compressors for r in c.residuals.values())
+
+
+# ---------------------------------------------------------------------------- the simulator
+
+
+class _Staged(Compressor):
+    """A codec whose collectives are chosen by ``choose(data, round)``, for the simulator's own checks."""
+
+    def __init__(self, choose):
+        self.choose = choose
+
+    def codec(self, layout):
+        choose = self.choose
+
+        class _Codec(Codec):
+            def reduce(self, data, round):
+                yield from choose(data, round)
+
+        return _Codec()
+
+
+def _run(choose, world=2, **kwargs):
+    codecs = [_Staged(choose).codec(layout_of([(8,)])) for _ in range(world)]
+    return simulate(codecs, [torch.randn(8) for _ in range(world)], **kwargs)
+
+
+def test_the_simulator_refuses_collectives_that_differ_between_ranks():
+    def by_values(data, round):  # decided from the values: the ranks' sizes differ
+        yield AllReduce(torch.zeros(round.rank + 1), last=True)
+
+    with pytest.raises(ProtocolError, match="the ranks yielded different collectives"):
+        _run(by_values)
+
+
+def test_the_simulator_refuses_a_collective_after_last_and_a_rank_that_ends_early():
+    def twice(data, round):
+        yield AllReduce(data, last=True)
+        yield AllReduce(data, last=True)
+
+    with pytest.raises(ProtocolError, match="after a collective it marked last=True"):
+        _run(twice)
+
+    def early(data, round):
+        if round.rank == 0:
+            yield AllReduce(data)
+
+    with pytest.raises(ProtocolError, match=r"ranks \[1\] ended their round"):
+        _run(early)
+
+
+def test_the_simulator_refuses_sums_that_differ_between_ranks():
+    def local(data, round):
+        yield AllReduce(data.clone(), last=True)  # the sum is dropped: each rank keeps its own values
+
+    with pytest.raises(ProtocolError, match="rank 1's values differ from rank 0's"):
+        _run(local)
+
+
+def test_the_simulator_gives_zeros_to_a_rank_that_has_joined_and_the_outcome_after_the_first_collective():
+    seen = []
+
+    def watch(data, round):
+        seen.append((round.rank, round.contributing, bool(data.eq(0).all()), round.outcome.factor))
+        gathered = torch.empty(round.world_size * data.numel())
+        yield AllGather(data.clone(), gathered)
+        seen.append((round.rank, round.final_contributors, round.final_factor, round.outcome.exchange))
+        yield AllToAll(torch.zeros(4 * round.world_size), torch.empty(4 * round.world_size), last=True)
+        data.copy_(gathered.view(round.world_size, -1).sum(0))
+
+    assert _run(watch, world=3, contributing=[True, False, True], factor=1.0, exchange=True) == [
+        ("AllGather", 8), ("AllToAll", 12)]
+    assert seen[:3] == [(0, True, False, None), (1, False, True, None), (2, True, False, None)]
+    assert seen[3:] == [(r, 2, 1.5, True) for r in range(3)]
+
+
+def test_mirror_answers_one_ranks_collective_as_if_every_rank_sent_the_same():
+    reduce = AllReduce(torch.tensor([1.0, 2.0]))
+    mirror(reduce, 3)
+    assert reduce.tensor.tolist() == [3.0, 6.0]
+    gather = AllGather(torch.tensor([1.0, 2.0]), torch.empty(6))
+    mirror(gather, 3)
+    assert gather.out.tolist() == [1.0, 2.0] * 3
+    swap = AllToAll(torch.tensor([1.0, 2.0, 3.0]), torch.empty(3))
+    mirror(swap, 3, rank=1)  # every rank's chunk 1 comes to rank 1
+    assert swap.out.tolist() == [2.0, 2.0, 2.0]
+
+
+def test_a_codec_world_tells_each_round_the_factor_and_step_the_engine_would():
+    # Rank 2 joins in round 1, rank 1 in round 2; the block ends and round 3 is whole: the factor expected is the
+    # last round's while ranks have joined (learned from its flags), and 1 once every rank contributes again.
+    seen = []
+
+    def watch(data, round):
+        seen.append((round.rank, round.step, round.factor))
+        yield AllReduce(data, last=True)
+
+    ranks = CodecWorld(lambda: _Staged(watch), layout_of([(4,)]), 3)
+    for contributing in ([True] * 3, [True, True, False], [True, False, False], [True] * 3):
+        ranks.round([torch.ones(4) for _ in range(3)], contributing=contributing)
+    assert [(step, factor) for rank, step, factor in seen if rank == 0] == [(0, 1.0), (1, 1.0), (2, 1.5), (3, 1.0)]

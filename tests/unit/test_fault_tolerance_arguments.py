@@ -62,7 +62,7 @@ def test_local_sgd_and_streaming_are_accepted_and_vote_per_sync_not_per_step(str
     assert opt.fault_tolerance.per_step is False  # the quorum and the vote belong to each sync
 
 
-@pytest.mark.parametrize("compression", ["fp16", "bf16", "int8", "int4", "powersgd"])
+@pytest.mark.parametrize("compression", list(distopt.compression.NAMES))
 def test_every_compressor_is_accepted(compression: str) -> None:
     opt = distopt.DistributedOptimizer(_opt(), fault_tolerance=RecordingManager(), compression=compression)
     assert opt.fault_tolerance.compression is not None and opt._engine.compressor is opt.compressor

@@ -2,44 +2,25 @@
 
 :class:`distopt.fault_tolerance.compressor_state.CompressorState` on the real compressors:
 what a discarded step puts back, what a replica that heals keeps and takes. The codecs run
-here on a world of one (their collectives answered in place), which is enough to move their
-state; tests/fault_tolerance runs them on real replicas.
+here on a simulated world of one (:mod:`distopt.compression.testing`), which is enough to move
+their state; tests/fault_tolerance runs them on real replicas.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterator
+from typing import Callable
 
 import pytest
 import torch
 
-from distopt.compression import AllGather, AllReduce, AllToAll, Collective, Compressor, PowerSGD, Quantize, Round, TopK
-from distopt.compression.protocol import PackLayout
+from distopt.compression import Compressor, PackLayout, PowerSGD, Quantize, TopK
+from distopt.compression.testing import layout_of as _layout
+from distopt.compression.testing import simulate
 from distopt.fault_tolerance.compressor_state import CompressorState
-
-
-def _layout(shapes: list) -> PackLayout:
-    offsets, at = [], 0
-    for shape in shapes:
-        offsets.append(at)
-        at += torch.Size(shape).numel()
-    return PackLayout(members=tuple(range(len(shapes))), names=tuple(f"p{i}" for i in range(len(shapes))),
-                      shapes=tuple(torch.Size(s) for s in shapes), offsets=tuple(offsets), numel=at,
-                      dtype=torch.float32, device=torch.device("cpu"))
-
-
-def _run_alone(codec: Iterator[Collective]) -> None:
-    """Answer each collective as a world of one would: the sum is the value, a gather is a copy."""
-    for collective in codec:
-        if isinstance(collective, (AllGather, AllToAll)):
-            collective.out.copy_(collective.tensor)
-        else:
-            assert isinstance(collective, AllReduce)
 
 
 def _step(compressor, layout: PackLayout, seed: int, step: int, contributing: bool = True) -> None:
     data = torch.randn(layout.numel, generator=torch.Generator().manual_seed(seed))
-    _run_alone(compressor.codec(layout).reduce(data, Round(rank=0, world_size=1, step=step,
-                                                            contributing=contributing)))
+    simulate([compressor.codec(layout)], [data], step=step, contributing=[contributing])
 
 
 def _state(compressor) -> dict:
@@ -122,7 +103,7 @@ def test_quantize_keeps_the_members_residuals_when_the_number_of_ranks_changes()
     codec = compressor.codec(layout)
     data = torch.randn(35, generator=torch.Generator().manual_seed(12))
     # World 1, then world 2 (the padded buffer grows): the member's residual carries over.
-    _run_alone(codec.reduce(data.clone(), Round(rank=0, world_size=1, step=0)))
+    simulate([codec], [data.clone()])
     kept = compressor.residuals[(False, 0)].clone()
     padded = -(-35 // (2 * 8)) * 8 * 2  # the codec's layout for 2 ranks: whole blocks per rank's chunk
     residual = codec.residuals.buffer(False, padded=padded, device=torch.device("cpu"))
