@@ -70,8 +70,9 @@ def resolve(mode: Optional[Mode], **keywords: Any) -> Mode:
     extra = given(keywords)
     if extra:
         raise TypeError(
-            f"mode={mode!r} was given with {', '.join(extra)}, its shorthand: pass one or the other; drop "
-            f"{', '.join(name.split('=')[0] + '=' for name in extra)} (the mode object's own arguments say it)"
+            f"mode={mode!r} was given with the shorthand {', '.join(extra)} as well: pass the mode object or the "
+            f"shorthand keywords, not both; drop {', '.join(name.split('=')[0] + '=' for name in extra)} (the mode "
+            "object's own arguments say it)"
         )
     return mode
 
