@@ -5,7 +5,8 @@ import-linter contract in ``setup.cfg`` keeps it so): :mod:`distopt.planning` (p
 planning), :mod:`distopt.transport` (private groups, waits, the stall inspector),
 :mod:`distopt.collectives` and :mod:`distopt.launching`, :mod:`distopt.compression`
 (the protocol, and the compressors ``compression=`` names), :mod:`distopt.engine` (the reduction
-engine), :mod:`distopt.modes`, :mod:`distopt.fault_tolerance` (torchft, optional),
+engine), :mod:`distopt.modes` (the modes: :class:`Synchronous`, :class:`ShardedState`,
+:class:`LocalSGD`, :class:`DiLoCo`), :mod:`distopt.fault_tolerance` (torchft, optional),
 :mod:`distopt.wrapper` (the public :class:`DistributedOptimizer`), and the fronts
 :mod:`distopt.horovod` and :mod:`distopt.benchmark`.
 """
@@ -36,7 +37,7 @@ from .collectives import (
     synchronized,
 )
 from .launching import LaunchError, LaunchTimeoutError, WorkerFailedError, init, launch, launcher, shutdown
-from .modes import merge_state_dicts
+from .modes import DiLoCo, LocalSGD, ShardedState, Synchronous, merge_state_dicts
 from .planning.drift import DriftError, DriftReport, DriftWarning
 from .planning.stats import StepStats
 from .transport.stalls import StallError
@@ -50,6 +51,10 @@ __all__ = [
     "DriftWarning",
     "DriftReport",
     "join",
+    "Synchronous",
+    "ShardedState",
+    "LocalSGD",
+    "DiLoCo",
     "merge_state_dicts",
     "optim",
     "compression",

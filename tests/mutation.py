@@ -156,6 +156,12 @@ MUTANTS: List[Mutant] = [
     Mutant("DiLoCo: no rank sent a frozen parameter, so the outer optimizer skips it", "distopt/modes/local_sgd.py",
            "                if not present[j]:\n", "                if present[j] < 0:\n",
            ["tests/multiprocess/test_local_sgd.py", "tests/multiprocess/test_streaming.py", "-k", "frozen"]),
+    Mutant("modes: a mode object serves one wrapper", "distopt/modes/base.py",
+           "        if current is not None and current is not owner:\n", "        if False:\n",
+           ["tests/unit/test_modes.py", "-k", "serves_one_wrapper"]),
+    Mutant("agreement: a setting only another rank's mode has is compared", "distopt/wrapper/checks.py",
+           "    for key in sorted(keys, key=lambda k: k == \"mode\"):", "    for key in settings:",
+           ["tests/unit/test_modes.py", "-k", "told_the_setting"]),
 ]
 
 

@@ -38,7 +38,6 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 from torch import Tensor
 
 from ..compression import Compressor
-from ..planning.schedule import StreamSchedule
 from . import healing
 from .channel import ManagedChannel
 from .compressor_state import CompressorState
@@ -55,10 +54,10 @@ WorldCallback = Callable[[MembershipEvent], None]
 _keys = [0]
 
 
-def check_arguments(manager: Any, *, shard_state: bool, bcast_period: int,
-                    process_group_size: int, reduce_op: str, local_sgd: bool = False,
-                    streaming: Optional[StreamSchedule] = None, local_warmup: int = 0) -> None:
-    """Refuse what fault tolerance cannot do, with the reason.
+def check_arguments(manager: Any, *, bcast_period: int, process_group_size: int, reduce_op: str) -> None:
+    """Refuse what fault tolerance cannot do, with the reason. What a mode cannot do under fault
+    tolerance (sharded state, a local warm-up, ...) the mode refuses itself
+    (:meth:`distopt.modes.Mode.check_compatible`).
 
     Raises:
         TypeError: ``manager`` is not a torchft ``Manager`` (duck-typed).
@@ -71,13 +70,6 @@ def check_arguments(manager: Any, *, shard_state: bool, bcast_period: int,
             f"fault_tolerance= takes a torchft Manager (e.g. distopt.fault_tolerance.manager.make_manager()); "
             f"{type(manager).__name__} lacks {', '.join(missing)}"
         )
-    if shard_state:
-        raise ValueError(
-            "shard_state=True cannot be combined with fault_tolerance: each rank holds the only copy of its shard "
-            "of the optimizer state, so a replica that dies takes that shard with it and a replacement has no live "
-            "peer to heal it from. Use shard_state=False (every replica keeps the whole state, as torchft's own "
-            "replica groups do)"
-        )
     if bcast_period > 0:
         raise ValueError(
             "bcast_period > 0 cannot be combined with fault_tolerance: there is no fixed root while replicas come "
@@ -89,20 +81,6 @@ def check_arguments(manager: Any, *, shard_state: bool, bcast_period: int,
             f"the torchft Manager, but this process is in a group of {process_group_size}. Start one process per "
             "replica (python -m distopt.fault_tolerance.launch --replicas N), or leave process_group unset in a "
             "job without a default group of more than one"
-        )
-    if streaming is not None and streaming.overlap > streaming.gap():
-        raise ValueError(
-            f"with fault_tolerance, streaming local SGD keeps one fragment's sync in flight at a time (each sync is "
-            f"a quorum and a commit vote, and torchft's Manager holds one quorum at a time), so sync_overlap must "
-            f"be at most the {streaming.gap()} local steps between two launches (sync_every={streaming.every}, "
-            f"sync_fragments={streaming.fragments}); got sync_overlap={streaming.overlap}. Lower sync_overlap or "
-            "sync_fragments, or raise sync_every"
-        )
-    if local_sgd and local_warmup:
-        raise ValueError(
-            "local_warmup > 0 cannot be combined with fault_tolerance: a replacement that joins while the others "
-            "train locally would send a warm-up step's gradients into their sync. Use local_warmup=0 (a replica's "
-            "first step ends with a sync, which gives every replica the same starting point)"
         )
     if reduce_op not in ("mean", "sum"):
         raise ValueError(f"reduce_op must be 'mean' or 'sum', got {reduce_op!r}")

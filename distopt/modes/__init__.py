@@ -1,40 +1,30 @@
 """How a :class:`distopt.DistributedOptimizer` turns local gradients into a step.
 
-A mode plugs into the wrapper at two seams, documented in :mod:`distopt.modes.base`:
-what happens to gradients at the end of backward, and what happens at ``step()``.
-Each mode is a module of its own here, and one line in :data:`REGISTRY`: the
-wrapper builds the first mode whose :meth:`~distopt.modes.base.Mode.from_arguments`
-accepts its arguments, so the default (synchronous) mode comes last.
+A mode is a public object the user passes as ``mode=`` (:class:`Synchronous`, the default;
+:class:`ShardedState`; :class:`LocalSGD`; :class:`DiLoCo`), or that the flat keyword
+arguments build (:mod:`distopt.modes.shorthands`). It plugs into the wrapper at the seams
+documented in :mod:`distopt.modes.base`, and owns its arguments: their checks, the settings
+the ranks compare, what it cannot be combined with. Adding a mode is its module here, one
+line in :data:`MODES` (and its import), and its tests.
 """
 from typing import Tuple, Type
 
-from .base import Mode, ModeArguments, ModeContext, OuterFactory
+from .base import Mode, ModeContext, OuterFactory
+from .diloco import DiLoCo, LocalSGD
 from .local_sgd import LocalSGDMode
-from .sharded import ShardedMode
-from .streaming import StreamingMode
+from .sharded import ShardedState
 from .shards import merge_state_dicts
-from .synchronous import SynchronousMode
+from .shorthands import resolve, settings_of
+from .streaming import StreamingMode
+from .synchronous import Synchronous
 
-__all__ = ["Mode", "ModeArguments", "ModeContext", "OuterFactory", "REGISTRY", "choose",
-           "LocalSGDMode", "StreamingMode", "ShardedMode", "SynchronousMode", "merge_state_dicts"]
+__all__ = ["Mode", "ModeContext", "OuterFactory", "MODES", "Synchronous", "ShardedState", "LocalSGD", "DiLoCo",
+           "LocalSGDMode", "StreamingMode", "merge_state_dicts", "resolve", "settings_of"]
 
-#: The modes, asked in this order.
-REGISTRY: Tuple[Type[Mode], ...] = (
-    StreamingMode,
-    LocalSGDMode,
-    ShardedMode,
-    SynchronousMode,
+#: The public modes (each documented with a whole training loop, and checked so by the tests).
+MODES: Tuple[Type[Mode], ...] = (
+    Synchronous,
+    ShardedState,
+    LocalSGD,
+    DiLoCo,
 )
-
-
-def choose(args: ModeArguments) -> Mode:
-    """The first registered mode that accepts ``args``.
-
-    Raises:
-        ValueError: no registered mode accepts them.
-    """
-    for cls in REGISTRY:
-        mode = cls.from_arguments(args)
-        if mode is not None:
-            return mode
-    raise ValueError(f"no mode accepts {args}; register a default mode last in distopt.modes.REGISTRY")

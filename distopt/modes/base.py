@@ -8,9 +8,14 @@ optimizer, the engine, the tracked parameters, the group, the step count), the
 way torchft hands its ``Manager`` to an optimizer wrapper. The wrapper asks the
 mode through methods and attributes (:attr:`Mode.reduces_in_backward`,
 :attr:`Mode.handles_amp_scaling`, :meth:`Mode.sharded_state_dict`, ...), never by
-its type, and builds it from :class:`ModeArguments` through the registry in
-:mod:`distopt.modes`: adding a mode is its file plus one registration line. A mode decides the two things that differ between ways of
-training data-parallel:
+its type. A mode is a public object the user may pass (``DistributedOptimizer(opt,
+mode=distopt.DiLoCo(...))``), and it owns its arguments: its constructor declares and checks
+them, :meth:`Mode.settings` says which the ranks must agree on, and
+:meth:`Mode.check_compatible` refuses the wrapper's arguments it cannot work with. The flat
+keyword arguments (``sync_every=``, ``shard_state=``, ...) are shorthands that
+:mod:`distopt.modes.shorthands` turns into a mode. So adding a mode is its file, one
+registration line in :mod:`distopt.modes` and its tests. A mode decides the two things that
+differ between ways of training data-parallel:
 
 1. **Gradients at the end of backward** (:attr:`Mode.reduces_in_backward`).
    True: the engine's hooks average every gradient while backward runs, and
@@ -39,7 +44,7 @@ know at this point that none of them has joined). The defaults do what synchrono
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import weakref
 from typing import Any, Callable, Dict, List, Optional, Protocol
 
 import torch
@@ -53,7 +58,7 @@ from ..planning import drift
 from ..transport import stalls
 from . import shards
 
-__all__ = ["Mode", "ModeContext", "ModeArguments", "OuterFactory", "SyncVote"]
+__all__ = ["Mode", "ModeContext", "OuterFactory", "SyncVote"]
 
 #: Builds DiLoCo's outer optimizer from the tensors it steps (the parameters at the last sync).
 OuterFactory = Callable[[List[Tensor]], Optimizer]
@@ -79,38 +84,6 @@ class SyncVote(Protocol):
     @property
     def healed_now(self) -> bool:
         """Whether the last :meth:`commit` loaded a live peer's state into this replica."""
-
-
-@dataclass(frozen=True)
-class ModeArguments:
-    """The wrapper's (checked) arguments that choose and configure its mode.
-
-    Attributes:
-        rank: this rank within the wrapper's group.
-        world_size: ranks in the group.
-        local: local SGD was asked for (``sync_every > 1`` or an outer optimizer).
-        shard_state: ``shard_state=True``.
-        sync_every: local steps between two syncs.
-        outer_optimizer: DiLoCo's outer-optimizer factory, or None.
-        local_warmup: synchronous steps before local SGD starts.
-        streaming: streaming local SGD was asked for (``sync_fragments``, ``sync_overlap`` or
-            ``sync_mixing`` given; see :mod:`distopt.modes.streaming`).
-        sync_fragments: fragments synced on staggered schedules (F).
-        sync_overlap: local steps a fragment's sync stays in flight before it is applied (tau).
-        sync_mixing: the local parameters' weight when a fragment's sync is applied (alpha).
-    """
-
-    rank: int
-    world_size: int
-    local: bool = False
-    shard_state: bool = False
-    sync_every: int = 1
-    outer_optimizer: Optional[OuterFactory] = None
-    local_warmup: int = 0
-    streaming: bool = False
-    sync_fragments: int = 1
-    sync_overlap: int = 0
-    sync_mixing: float = 0.0
 
 
 class ModeContext:
@@ -207,10 +180,61 @@ class Mode:
     #: ``GradScaler.step`` then always calls ``step()``, with ``found_inf`` set.
     handles_amp_scaling: bool = False
 
-    @classmethod
-    def from_arguments(cls, args: ModeArguments) -> Optional["Mode"]:
-        """This mode configured for ``args``, or None when they ask for another (see the registry)."""
-        raise NotImplementedError
+    #: How the user asked for this mode, for error messages: ``mode=<its repr>`` unless the keyword
+    #: shorthands built it (:mod:`distopt.modes.shorthands` then names the keywords).
+    given_as: Optional[str] = None
+
+    #: How the user spelled the mode's arguments, for error messages: constructor argument -> the keyword
+    #: written (the shorthands' ``sync_every`` for ``every``, ...); an argument not in it is spelled as it is.
+    spelling: Dict[str, str] = {}
+
+    def describe(self) -> str:
+        """How the user asked for this mode, as an error message names it."""
+        return self.given_as or f"mode={self!r}"
+
+    def named(self, argument: str) -> str:
+        """``argument`` (a constructor argument's name) as the user wrote it."""
+        return self.spelling.get(argument, argument)
+
+    def check_compatible(self, *, optimizer: Optimizer, reduce_op: str, bcast_period: int,
+                         fault_tolerant: bool) -> None:
+        """Refuse the wrapper's arguments this mode cannot work with (called once, at construction).
+
+        Args:
+            optimizer: the inner optimizer.
+            reduce_op: ``"mean"`` or ``"sum"``.
+            bcast_period: the wrapper's ``bcast_period``.
+            fault_tolerant: the wrapper was given a torchft ``Manager`` (``fault_tolerance=``).
+
+        Raises:
+            TypeError, ValueError: naming the argument, its value and the fix.
+        """
+
+    def bind(self, owner: object) -> None:
+        """Serve ``owner`` (a wrapper): a mode holds one wrapper's state, as a compressor does, for the
+        wrapper's life.
+
+        Raises:
+            ValueError: another wrapper that is still alive holds this mode.
+        """
+        held = getattr(self, "_owner", None)
+        current = held() if held is not None else None
+        if current is not None and current is not owner:
+            raise ValueError(
+                f"{self.describe()} already serves another DistributedOptimizer, and a mode holds one wrapper's "
+                f"state (its step count, last-sync copies, shards); give each wrapper a mode of its own, e.g. "
+                f"mode={type(self).__name__}(...) in each constructor call"
+            )
+        self._owner = weakref.ref(owner)
+
+    def fault_tolerant(self, vote: SyncVote) -> bool:
+        """The wrapper trains under a torchft ``Manager``.
+
+        Returns:
+            True where the mode takes a quorum and a commit vote itself, once per sync (local SGD),
+            through ``vote``; False where the wrapper takes them once per step (the default).
+        """
+        return False
 
     def step(self, ctx: ModeContext, closure: Optional[Callable[[], Any]]) -> Any:
         """Take one optimizer step; return what the inner optimizer's ``step`` returns.
@@ -265,7 +289,12 @@ class Mode:
         self.broadcast_state(ctx, src)
 
     def settings(self) -> Dict[str, Any]:
-        """The mode's settings that decide which collectives run; checked to match across ranks."""
+        """The mode's settings that decide which collectives run; checked to match across ranks.
+
+        Keyed by the keyword a user writes (``sync_every``, ``shard_state``, ...), so that an error about
+        ranks that differ names the argument; a mode without a keyword shorthand uses its own names.
+        A setting another mode lacks counts as different.
+        """
         return {}
 
     def attach(self, ctx: ModeContext) -> None:

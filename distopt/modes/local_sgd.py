@@ -1,5 +1,8 @@
 """Local SGD and DiLoCo: every rank trains alone, and the ranks meet every ``sync_every`` steps.
 
+This is the implementation of whole-model syncs; the user builds it as :class:`distopt.LocalSGD` or
+:class:`distopt.DiLoCo` (:mod:`distopt.modes.diloco`), or with the ``sync_every=`` shorthands.
+
 Between two syncs no gradient is reduced: backward leaves ``.grad`` as this
 rank's own gradient and the inner optimizer steps on it. Every ``sync_every``-th
 step (after ``local_warmup`` synchronous steps) the ranks average their progress
@@ -75,8 +78,8 @@ from ..planning.mixing import mix_
 from ..planning.stats import StepStats
 from ..transport import stalls
 from . import amp, shards
-from .base import Mode, ModeArguments, ModeContext, OuterFactory, SyncVote
-from .synchronous import SynchronousMode
+from .base import Mode, ModeContext, OuterFactory, SyncVote
+from .synchronous import Synchronous
 
 __all__ = ["LocalSGDMode", "STATE_KEY", "LAYOUT_KEY", "last_contribution"]
 
@@ -103,10 +106,6 @@ class LocalSGDMode(Mode):
 
     handles_amp_scaling = True
 
-    @classmethod
-    def from_arguments(cls, args: ModeArguments) -> Optional["LocalSGDMode"]:
-        return cls(args.sync_every, args.outer_optimizer, args.local_warmup) if args.local else None
-
     def __init__(self, sync_every: int, outer_optimizer: Optional[OuterFactory], local_warmup: int) -> None:
         self.sync_every = sync_every
         self.local_warmup = local_warmup
@@ -114,7 +113,7 @@ class LocalSGDMode(Mode):
         self.outer: Optional[Optimizer] = None  # built by the factory from the anchors
         self.since_sync = 0  # local steps since the last sync
         self._factory = outer_optimizer
-        self._synchronous = SynchronousMode()
+        self._synchronous = Synchronous()
         self._anchors: Dict[int, Tensor] = {}  # id(parameter) -> its value at the last sync
         self._seen = 0  # the wrapper's parameters looked at for anchors
         self._untracked: List[Tensor] = []  # parameters without an anchor, frozen when looked at
@@ -125,7 +124,7 @@ class LocalSGDMode(Mode):
         # ids of the parameters this rank sent no pseudo-gradient for in the exchange that last carried them
         self._unsent: Set[int] = set()
 
-    def fault_tolerant(self, vote: SyncVote) -> None:
+    def fault_tolerant(self, vote: SyncVote) -> bool:
         """Sync under a torchft Manager: every sync is a quorum (the exchange opens it), ``vote.commit()``
         (``should_commit``) is voted between the exchange and applying its result, and a process's
         first step ends with a sync (where a fresh job's replicas take the primary's state and a
@@ -133,6 +132,7 @@ class LocalSGDMode(Mode):
         sync). A sync voted down moves nothing: the anchors and the outer optimizer stay, and the
         parameters go back to the anchors, alike on every replica that discarded it."""
         self._vote = vote
+        return True
 
     # ------------------------------------------------------------------ the seam
 
@@ -140,6 +140,26 @@ class LocalSGDMode(Mode):
         # A factory cannot be compared across processes; whether there is one can.
         return {"sync_every": self.sync_every, "local_warmup": self.local_warmup,
                 "outer_optimizer": self._factory is not None}
+
+    def check_compatible(self, *, optimizer: Optimizer, reduce_op: str, bcast_period: int,
+                         fault_tolerant: bool) -> None:
+        if reduce_op != "mean":
+            raise ValueError(
+                f"reduce_op={reduce_op!r} cannot be combined with {self.describe()}: local SGD averages the ranks' "
+                "parameters; use reduce_op='mean'"
+            )
+        if bcast_period > 0:
+            raise ValueError(
+                f"bcast_period={bcast_period!r} cannot be combined with {self.describe()}: every sync leaves the "
+                "ranks identical already; use bcast_period=0"
+            )
+        if fault_tolerant and self.local_warmup:
+            raise ValueError(
+                f"{self.named('warmup')} > 0 cannot be combined with fault_tolerance: a replacement that joins "
+                "while the others train locally would send a warm-up step's gradients into their sync. Use "
+                f"{self.named('warmup')}=0 (a replica's first step ends with a sync, which gives every replica the "
+                "same starting point)"
+            )
 
     def attach(self, ctx: ModeContext) -> None:
         ctx.engine.forbid_rows()

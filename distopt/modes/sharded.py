@@ -1,4 +1,5 @@
-"""``shard_state=True``: each rank keeps the optimizer state of the parameters it owns (ZeRO-1).
+"""``mode=distopt.ShardedState()`` (``shard_state=True``): each rank keeps the optimizer state of the
+parameters it owns (ZeRO-1).
 
 Gradients are averaged during backward exactly as in synchronous training, so
 everything that reads them between ``backward()`` and ``step()`` (clipping,
@@ -31,6 +32,9 @@ ranks meet in the store with a time limit, so a ``state_dict()`` called on one
 rank only fails with an error instead of hanging. ``sharded_state_dict()`` is
 this rank's shard alone; which shards load as they are is
 :mod:`distopt.modes.shards`'s.
+
+In a world of one there is nothing to divide: the mode trains as :class:`Synchronous`
+does, and its shard is the whole state.
 """
 from __future__ import annotations
 
@@ -42,6 +46,7 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.optim import LBFGS, Optimizer
 
 from .. import collectives
 from ..collectives.optimizer_state import cpu_copy
@@ -49,46 +54,87 @@ from ..planning import drift
 from ..planning.ownership import assign_owners
 from ..transport import stalls, waiting
 from . import shards
-from .base import Mode, ModeArguments, ModeContext
+from .base import ModeContext
 from .step_hooks import step_with_hooks
-from .synchronous import synchronizing
+from .synchronous import Synchronous, synchronizing
 
-__all__ = ["ShardedMode"]
+__all__ = ["ShardedState"]
 
 
-class ShardedMode(Mode):
-    """Average gradients in backward; step and keep state for the parameters this rank owns.
+class ShardedState(Synchronous):
+    """Synchronous training with the optimizer state sharded over the ranks (ZeRO-1).
 
-    Args:
-        rank: this rank within the wrapper's group.
-        world_size: ranks in the group.
+    Gradients are averaged during backward as in :class:`Synchronous`; at ``step()`` each rank
+    steps, and keeps state for, the parameters it owns only, then the ranks share the updated
+    parameters. ``state_dict()`` gathers the shards (every rank must call it);
+    ``sharded_state_dict()`` is this rank's alone. ``shard_state=True`` is its shorthand.
+
+    It takes no arguments; a mode object serves one wrapper.
+
+    Raises:
+        TypeError: (when the wrapper is built) the inner optimizer is ``LBFGS``, which keeps one
+            history over all parameters together.
+        ValueError: (when the wrapper is built) with ``fault_tolerance``: a replica that dies takes
+            the only copy of its shard with it.
+
+    Example::
+
+        >>> model = Net()
+        >>> opt = distopt.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3),
+        ...                                    mode=distopt.ShardedState())
+        >>> for x, y in loader:
+        ...     opt.zero_grad()
+        ...     loss_fn(model(x), y).backward()
+        ...     opt.step()                        # each rank steps its shard, then shares the parameters
+        >>> torch.save(opt.state_dict(), "opt.pt")  # gathered on every rank: save it on one
     """
 
     reduces_in_backward = True
 
-    @classmethod
-    def from_arguments(cls, args: ModeArguments) -> Optional["ShardedMode"]:
-        # In a world of one there is nothing to divide: the synchronous mode keeps the whole state.
-        return cls(args.rank, args.world_size) if args.shard_state and args.world_size > 1 else None
-
-    def __init__(self, rank: int, world_size: int) -> None:
-        self.rank = rank
-        self.world_size = world_size
+    def __init__(self) -> None:
+        self.rank = 0  # this rank and the world, once the wrapper's parameters are taken on (on_track)
+        self.world_size = 1
         self.base_owner: Dict[int, int] = {}  # id(parameter) -> owning rank, from the parameter list alone
         self.owner_of: Dict[int, int] = {}  # the owners now: the base ones, but none that has joined
-        self.loads = [0] * world_size
-        self.contributors = world_size  # ranks still training when ownership was last settled
-        self.active = list(range(world_size))  # those ranks (the others have joined)
+        self.loads: List[int] = []
+        self.contributors = 1  # ranks still training when ownership was last settled
+        self.active = [0]  # those ranks (the others have joined)
         self._stepping: Optional[List[List[Tensor]]] = None  # each group's params while _step_mine narrows them
         self.gathers = 0  # completed state_dict() gathers, to name the next meeting in the store
         # Per pack, its members laid out by owner for the parameter exchange; rebuilt when owners
         # or packs change (a re-plan, a join).
         self._layouts: Dict[int, Any] = {}
 
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+    def settings(self) -> Dict[str, Any]:
+        return {"shard_state": True}
+
+    def check_compatible(self, *, optimizer: Optimizer, reduce_op: str, bcast_period: int,
+                         fault_tolerant: bool) -> None:
+        if isinstance(optimizer, LBFGS):
+            raise TypeError(
+                f"{self.describe()} cannot shard LBFGS: it keeps one history over all parameters together; "
+                "train it unsharded (the default, synchronous training)"
+            )
+        if fault_tolerant:
+            raise ValueError(
+                f"{self.describe()} cannot be combined with fault_tolerance: each rank holds the only copy of its "
+                "shard of the optimizer state, so a replica that dies takes that shard with it and a replacement "
+                "has no live peer to heal it from. Train unsharded (every replica keeps the whole state, as "
+                "torchft's own replica groups do)"
+            )
+
     def mine(self, p: Tensor) -> bool:
         return self.owner_of.get(id(p), self.rank) == self.rank
 
     def on_track(self, ctx: ModeContext, params: List[Tensor]) -> None:
+        if not self.loads:  # the first parameters: the world is the wrapper's
+            self.rank, self.world_size = ctx.rank, ctx.world_size
+            self.loads = [0] * self.world_size
+            self.contributors = self.world_size
+            self.active = list(range(self.world_size))
         owners, self.loads = assign_owners([p.numel() * p.element_size() for p in params], self.world_size,
                                            self.loads)
         for p, rank in zip(params, owners):
@@ -96,6 +142,8 @@ class ShardedMode(Mode):
         self._drop_foreign_state(ctx)
 
     def attach(self, ctx: ModeContext) -> None:
+        if ctx.world_size == 1:
+            return
         # Weakly: the engine must not keep the mode, nor the context, alive.
         mode, context = weakref.ref(self), weakref.ref(ctx)
 
@@ -107,6 +155,8 @@ class ShardedMode(Mode):
         ctx.engine.on_settled = follow_joins
 
     def step(self, ctx: ModeContext, closure: Optional[Callable[[], Any]]) -> Any:
+        if ctx.world_size == 1:  # nothing to divide
+            return super().step(ctx, closure)
         if closure is None:
             ctx.reduce_for_step()
         else:
@@ -317,13 +367,19 @@ class ShardedMode(Mode):
         return {"state": {k: state[k] for k in sorted(state)}, "param_groups": local["param_groups"]}
 
     def sharded_state_dict(self, ctx: ModeContext) -> Optional[Dict[str, Any]]:
-        """This rank's shard alone, with no communication; :func:`merge_state_dicts` joins a save's shards."""
+        """This rank's shard alone, with no communication; :func:`merge_state_dicts` joins a save's shards.
+        In a world of one it is the whole state."""
+        if ctx.world_size == 1:
+            return shards.shard_of(ctx.optimizer, 0, 1, [0] * sum(len(g["params"]) for g in ctx.optimizer.param_groups))
         return shards.shard_of(ctx.optimizer, self.rank, self.world_size, self._owners(ctx))
 
     def load_state_dict(self, ctx: ModeContext, state_dict: Dict[str, Any]) -> None:
         """Load a full state dict (from any world size, sharded or not), or this rank's own shard of the
         same world size and owners (checked: see :func:`distopt.modes.shards.check_shard`), and keep this
         rank's shard."""
+        if ctx.world_size == 1:
+            super().load_state_dict(ctx, state_dict)
+            return
         if shards.SHARD_KEY in state_dict:
             names = [ctx.name_of(p, g, j)
                      for g, group in enumerate(ctx.optimizer.param_groups) for j, p in enumerate(group["params"])]
@@ -333,8 +389,10 @@ class ShardedMode(Mode):
         self._drop_foreign_state(ctx)
 
     def broadcast_optimizer_state(self, ctx: ModeContext, src: int) -> None:
+        if ctx.world_size == 1:
+            return
         raise RuntimeError(
-            "broadcast_optimizer_state() with shard_state=True: each rank holds its own shard, so the root's "
+            f"broadcast_optimizer_state() with {self.describe()}: each rank holds its own shard, so the root's "
             "state is not everyone's; load a full state dict on every rank with opt.load_state_dict() instead"
         )
 
@@ -363,7 +421,7 @@ class ShardedMode(Mode):
             absent = [r for r, key in enumerate(keys) if not store.check([key])]
             store.delete_key(f"{prefix}/{self.rank}")
             error = RuntimeError(
-                f"{what} with shard_state=True gathers every rank's shard of the optimizer state, but ranks "
+                f"{what} with {self.describe()} gathers every rank's shard of the optimizer state, but ranks "
                 f"{absent} did not call it within {limit:g} s: call opt.{what[:-2]}() on every rank at the same "
                 "point (then save it on one rank only)"
             )

@@ -20,6 +20,10 @@ network idles for H - 1 steps and is the bottleneck for one. Streaming DiLoCo
 
 F = 1 with tau = 0 (and mixing 0) is plain ``sync_every``, bit for bit.
 
+This is the implementation; the user asks for it with ``fragments=``, ``overlap=`` or ``mixing=``
+of :class:`distopt.LocalSGD` or :class:`distopt.DiLoCo` (:mod:`distopt.modes.diloco`), or with
+the ``sync_fragments=`` shorthands.
+
 The exchanges go through the engine's packs and plan, one subset of packs at a
 time (:meth:`distopt.engine.GradientEngine.launch_partial`), so compression and
 the control flags apply to them as to any exchange, and every rank issues the
@@ -62,6 +66,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+from torch.optim import Optimizer
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
@@ -72,7 +78,7 @@ from ..planning import drift
 from ..planning.fragments import split_fragments
 from ..planning.schedule import StreamSchedule
 from ..transport import stalls
-from .base import ModeArguments, ModeContext, OuterFactory, SyncVote
+from .base import ModeContext, OuterFactory, SyncVote
 from .local_sgd import STATE_KEY, LocalSGDMode, last_contribution
 
 __all__ = ["StreamingMode", "STREAMING_KEY"]
@@ -101,19 +107,7 @@ class StreamingMode(LocalSGDMode):
         fragments: fragments (F, at most H).
         overlap: inner steps a fragment's sync travels before it is merged (tau, less than H).
         mixing: the local parameters' weight in the merge (alpha, in [0, 1]).
-
-    Example::
-
-        opt = distopt.optim.AdamW(model.parameters(), lr=3e-3, sync_every=32, sync_fragments=4, sync_overlap=2,
-                                  outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True))
     """
-
-    @classmethod
-    def from_arguments(cls, args: ModeArguments) -> Optional["StreamingMode"]:
-        if not (args.local and args.streaming):
-            return None
-        return cls(args.sync_every, args.outer_optimizer, args.local_warmup, args.sync_fragments, args.sync_overlap,
-                   args.sync_mixing)
 
     def __init__(self, sync_every: int, outer_optimizer: Optional[OuterFactory], local_warmup: int,
                  fragments: int = 1, overlap: int = 0, mixing: float = 0.0) -> None:
@@ -133,6 +127,21 @@ class StreamingMode(LocalSGDMode):
     def settings(self) -> Dict[str, Any]:
         return {**super().settings(), "sync_fragments": self.fragments, "sync_overlap": self.overlap,
                 "sync_mixing": self.mixing}
+
+    def check_compatible(self, *, optimizer: Optimizer, reduce_op: str, bcast_period: int,
+                         fault_tolerant: bool) -> None:
+        super().check_compatible(optimizer=optimizer, reduce_op=reduce_op, bcast_period=bcast_period,
+                                 fault_tolerant=fault_tolerant)
+        schedule = StreamSchedule(self.sync_every, self.fragments, self.overlap)
+        if fault_tolerant and self.overlap > schedule.gap():
+            every, fragments, overlap = self.named("every"), self.named("fragments"), self.named("overlap")
+            raise ValueError(
+                f"with fault_tolerance, streaming local SGD keeps one fragment's sync in flight at a time (each sync "
+                f"is a quorum and a commit vote, and torchft's Manager holds one quorum at a time), so {overlap} must "
+                f"be at most the {schedule.gap()} local steps between two launches ({every}={self.sync_every}, "
+                f"{fragments}={self.fragments}); got {overlap}={self.overlap}. Lower {overlap} or {fragments}, or "
+                f"raise {every}"
+            )
 
     def attach(self, ctx: ModeContext) -> None:
         super().attach(ctx)

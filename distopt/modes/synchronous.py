@@ -8,26 +8,37 @@ from torch import Tensor
 
 from .. import collectives
 from ..transport import stalls
-from .base import Mode, ModeArguments, ModeContext
+from .base import Mode, ModeContext
 
-__all__ = ["SynchronousMode", "synchronizing", "shadow_closure_loss"]
+__all__ = ["Synchronous", "synchronizing", "shadow_closure_loss"]
 
 
-class SynchronousMode(Mode):
-    """Average every gradient during backward, then run the inner optimizer.
+class Synchronous(Mode):
+    """Synchronous data parallelism, the default: average every gradient during backward, then step.
 
-    With a ``closure`` (e.g. LBFGS), every call of it is a fresh forward and
-    backward, and is followed by a reduction of the gradients it computed and of
-    the loss it returned: LBFGS's line search and stopping tests read the loss,
-    so every rank must read the same one or the ranks take different steps and
-    call the closure a different number of times.
+    ``.grad`` is final when ``backward()`` returns, so clipping and ``GradScaler`` see the
+    averaged gradients. With a ``closure`` (e.g. LBFGS), every call of it is a fresh forward and
+    backward, and is followed by a reduction of the gradients it computed and of the loss it
+    returned: LBFGS's line search and stopping tests read the loss, so every rank must read the
+    same one or the ranks take different steps and call the closure a different number of times.
+
+    It takes no arguments; a mode object serves one wrapper.
+
+    Example::
+
+        >>> model = Net()
+        >>> opt = distopt.DistributedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-3),
+        ...                                    mode=distopt.Synchronous())
+        >>> for x, y in loader:
+        ...     opt.zero_grad()
+        ...     loss_fn(model(x), y).backward()   # gradients are averaged during backward
+        ...     opt.step()
     """
 
     reduces_in_backward = True
 
-    @classmethod
-    def from_arguments(cls, args: ModeArguments) -> Optional["SynchronousMode"]:
-        return cls()  # the default: last in the registry
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
 
     def step(self, ctx: ModeContext, closure: Optional[Callable[[], Any]]) -> Any:
         if closure is None:

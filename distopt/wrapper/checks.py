@@ -3,7 +3,8 @@
 Everything that decides whether a wrapper may be built: the arguments' types
 and ranges, the names given with ``named_parameters``, which wrapper owns a
 parameter, and whether every rank holds the same parameters. Errors name the
-argument, the bad value and the fix.
+argument, the bad value and the fix. A mode's arguments are the mode's own to check
+(:mod:`distopt.modes`).
 """
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ import weakref
 from datetime import timedelta
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
-import torch
 from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
@@ -25,12 +25,9 @@ from ..planning.drift import ON_DRIFT
 __all__ = [
     "REDUCE_OPS",
     "check_arguments",
-    "check_local_sgd",
-    "check_streaming",
     "check_drift_arguments",
     "byte_count",
     "seconds",
-    "shard_state",
     "names_by_id",
     "no_dtensors",
     "positions",
@@ -81,100 +78,6 @@ def check_arguments(
     compression_module.resolve(compression)
     if not isinstance(sparse_as_dense, bool):
         raise TypeError(f"sparse_as_dense must be True or False, got {sparse_as_dense!r}")
-
-
-def check_local_sgd(sync_every: Any, outer_optimizer: Any, local_warmup: Any, reduce_op: Any,
-                    bcast_period: Any, shard_state: bool = False) -> bool:
-    """Check the local-SGD arguments; return whether they ask for local SGD (or DiLoCo).
-
-    Raises:
-        TypeError: ``sync_every``/``local_warmup`` not an int, ``outer_optimizer`` not a callable.
-        ValueError: out of range, or combined with ``reduce_op="sum"``, ``bcast_period > 0`` or ``shard_state``.
-    """
-    for name, value, least, meaning in (("sync_every", sync_every, 1, "1 averages gradients every step"),
-                                        ("local_warmup", local_warmup, 0, "0 starts local at once")):
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"{name} must be an int, got {value!r}; pass e.g. {name}={least + 4}")
-        if value < least:
-            raise ValueError(f"{name} must be an int >= {least} ({meaning}), got {value!r}")
-    if isinstance(outer_optimizer, Optimizer) or (outer_optimizer is not None and not callable(outer_optimizer)):
-        raise TypeError(
-            f"outer_optimizer must be a function that builds the outer optimizer from the tensors it is given, "
-            f"got {type(outer_optimizer).__name__}; pass e.g. "
-            "outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)"
-        )
-    local = sync_every > 1 or outer_optimizer is not None
-    if not local:
-        if local_warmup:
-            raise ValueError(
-                f"local_warmup={local_warmup!r} needs local SGD: pass sync_every > 1 (or an outer_optimizer), "
-                "or drop local_warmup (with sync_every=1 every step is synchronous)"
-            )
-        return False
-    if reduce_op != "mean":
-        raise ValueError(
-            f"reduce_op={reduce_op!r} cannot be combined with sync_every={sync_every!r} or an outer_optimizer: "
-            "local SGD averages the ranks' parameters; use reduce_op='mean'"
-        )
-    if isinstance(bcast_period, int) and bcast_period > 0:
-        raise ValueError(
-            f"bcast_period={bcast_period!r} cannot be combined with sync_every={sync_every!r} or an "
-            "outer_optimizer: every sync leaves the ranks identical already; use bcast_period=0"
-        )
-    if shard_state:
-        raise ValueError(
-            f"shard_state=True with sync_every={sync_every!r} / outer_optimizer: local SGD steps every parameter "
-            "on every rank, so there is no state to shard; use one or the other"
-        )
-    return True
-
-
-def check_streaming(sync_fragments: Any, sync_overlap: Any, sync_mixing: Any, sync_every: Any,
-                    local: bool) -> bool:
-    """Check streaming local SGD's arguments (None: not given); return whether any was given.
-
-    Raises:
-        TypeError: ``sync_fragments``/``sync_overlap`` not an int, ``sync_mixing`` not a number.
-        ValueError: out of range (fragments in ``1..sync_every``, overlap in ``0..sync_every - 1``,
-            mixing in ``[0, 1]``), or given without local SGD.
-    """
-    given = [(name, value) for name, value in (("sync_fragments", sync_fragments), ("sync_overlap", sync_overlap),
-                                                ("sync_mixing", sync_mixing)) if value is not None]
-    if not given:
-        return False
-    name, value = given[0]
-    if not local:
-        raise ValueError(
-            f"{name}={value!r} needs local SGD: pass sync_every > 1 (or an outer_optimizer), e.g. "
-            f"sync_every=16, {name}={value!r}; with sync_every=1 every step is synchronous"
-        )
-    for name, value, least, meaning in (("sync_fragments", sync_fragments, 1, "1 syncs the whole model at once"),
-                                        ("sync_overlap", sync_overlap, 0, "0 waits for each sync at once")):
-        if value is None:
-            continue
-        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-            raise TypeError(f"{name} must be an int, got {value!r}; pass e.g. {name}={least + 1}")
-        if value < least:
-            raise ValueError(f"{name} must be an int >= {least} ({meaning}), got {value!r}")
-    if sync_fragments is not None and sync_fragments > sync_every:
-        raise ValueError(
-            f"sync_fragments={sync_fragments!r} must be at most sync_every={sync_every!r}: each fragment syncs once "
-            f"every sync_every steps, at a step of its own; pass sync_fragments <= {sync_every!r} or a larger sync_every"
-        )
-    if sync_overlap is not None and sync_overlap >= sync_every:
-        raise ValueError(
-            f"sync_overlap={sync_overlap!r} must be less than sync_every={sync_every!r}: a fragment's sync must "
-            f"arrive before the fragment syncs again; pass sync_overlap <= {sync_every - 1!r}"
-        )
-    if sync_mixing is not None:
-        if isinstance(sync_mixing, bool) or not isinstance(sync_mixing, numbers.Real):
-            raise TypeError(f"sync_mixing must be a number in [0, 1], got {sync_mixing!r}; pass e.g. sync_mixing=0.5")
-        if not 0.0 <= sync_mixing <= 1.0:  # NaN too
-            raise ValueError(
-                f"sync_mixing must be in [0, 1] (the weight of the local parameters when a sync arrives: 0 takes "
-                f"the global ones), got {sync_mixing!r}"
-            )
-    return True
 
 
 def check_drift_arguments(check_every: Any, drift_atol: Any, drift_rtol: Any,
@@ -234,22 +137,6 @@ def seconds(value: Any, name: str) -> Optional[float]:
     if not value > 0:
         raise ValueError(f"{name} must be positive, got {value!r}; pass None to turn it off")
     return float(value)
-
-
-def shard_state(value: Any, optimizer: Optimizer) -> bool:
-    """``shard_state=`` checked against the optimizer it would shard.
-
-    Raises:
-        TypeError: not a bool, or an optimizer that cannot step a shard (LBFGS).
-    """
-    if not isinstance(value, bool):
-        raise TypeError(f"shard_state must be True or False, got {value!r}")
-    if value and isinstance(optimizer, torch.optim.LBFGS):
-        raise TypeError(
-            "shard_state=True cannot shard LBFGS: it keeps one history over all parameters together; "
-            "use shard_state=False"
-        )
-    return value
 
 
 def names_by_id(named_parameters: Optional[Iterable[Tuple[str, Tensor]]], optimizer: Optimizer) -> Dict[int, str]:
@@ -375,7 +262,9 @@ def check_agreement(
     if same_everywhere(repr(mine), group):
         return
     everyone = collectives.all_gather_object(mine, group=group)
-    for key in settings:
+    # Every rank's keys, in one order: a mode's own settings are missing where another mode runs.
+    keys = list(dict.fromkeys(key for theirs in everyone for key in theirs[0]))
+    for key in sorted(keys, key=lambda k: k == "mode"):  # the mode itself last, as a backstop
         values = [theirs[0].get(key) for theirs in everyone]
         if any(v != values[0] for v in values):
             detail = ", ".join(f"rank {r}: {v!r}" for r, v in enumerate(values))

@@ -50,12 +50,11 @@ from .. import fault_tolerance as ft
 from ..compression import Compressor
 from ..collectives.groups import check_member
 from ..engine import GradientEngine, RoundState
-from ..modes import Mode, ModeArguments, ModeContext, OuterFactory, choose, shards
+from ..modes import Mode, ModeContext, OuterFactory, resolve, settings_of, shards
 from ..modes.synchronous import shadow_closure_loss
 from ..planning.drift import DriftReport
 from ..planning.stats import StepStats
 from ..planning.link import choose_threshold
-from ..planning.schedule import StreamSchedule
 from ..transport import private_groups, stalls
 from ..transport.link import measure_link
 from ..transport.stalls import Progress
@@ -70,11 +69,6 @@ COMPRESSION_KEY = "distopt_compression"
 
 #: Default pack size in bytes (see docs/benchmark.md for how it was chosen).
 DEFAULT_PACK_THRESHOLD = 10 * 2**20
-
-#: The local-SGD arguments as a wrapper in another mode has them (sync_every=1 without an outer
-#: optimizer is synchronous training), so that two ranks in different modes differ in an argument.
-_NOT_LOCAL = {"sync_every": 1, "local_warmup": 0, "outer_optimizer": False, "sync_fragments": None,
-              "sync_overlap": None, "sync_mixing": None}
 
 # Seconds between two looks at several optimizers' shadow rounds.
 _POLL = 0.0005
@@ -141,24 +135,21 @@ class DistributedOptimizer(InnerOptimizerSurface):
         stall_timeout: seconds after which every rank still waiting raises
             :class:`distopt.StallError` with that text; None waits as long as the
             process group's own timeout (default: None).
-        shard_state: each rank keeps the optimizer state of the parameters it owns
-            only (ZeRO-1); see :mod:`distopt.modes.sharded` (default: False).
-        sync_every: local SGD: gradients stay local, and every ``sync_every``-th step
-            the ranks average their parameters (see :mod:`distopt.modes.local_sgd`);
-            ``1`` is synchronous training (default: 1).
-        outer_optimizer: DiLoCo: builds the outer optimizer from the tensors it is
-            given, e.g. ``lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9,
-            nesterov=True)``; at each sync it steps on the mean pseudo-gradient
-            (last-sync parameters minus local ones). None averages (default: None).
-        local_warmup: synchronous steps before local SGD starts (default: 0).
-        sync_fragments: streaming local SGD / DiLoCo (Douillard et al. 2025): the model is cut
-            into this many fragments of about equal bytes, each synced every ``sync_every``
-            steps at a step of its own, so that the bytes of a sync are spread over the period
-            (at most ``sync_every``; see :mod:`distopt.modes.streaming`) (default: None, 1).
-        sync_overlap: streaming: local steps a fragment's sync stays in flight, hidden behind
-            them, before it is applied (less than ``sync_every``) (default: None, 0).
-        sync_mixing: streaming: when a fragment's sync is applied, the parameters become
-            ``sync_mixing * local + (1 - sync_mixing) * global`` (default: None, 0.0: the global values).
+        mode: how local gradients become a step, an object that serves this wrapper alone:
+            :class:`distopt.Synchronous` (gradients averaged during backward, the default),
+            :class:`distopt.ShardedState` (ZeRO-1), :class:`distopt.LocalSGD` (periodic model
+            averaging, streaming with ``fragments``) or :class:`distopt.DiLoCo` (an outer
+            optimizer); see docs/modes.md. Pass it or the shorthands below, not both (default: None).
+        shard_state: shorthand for ``mode=distopt.ShardedState()`` (default: False).
+        sync_every: shorthand: ``H > 1`` is ``mode=distopt.LocalSGD(every=H)``, or with
+            ``outer_optimizer`` ``mode=distopt.DiLoCo(every=H, outer=...)`` (default: 1).
+        outer_optimizer: shorthand for DiLoCo's ``outer``: builds the outer optimizer from the
+            tensors it is given, e.g. ``lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9,
+            nesterov=True)`` (default: None).
+        local_warmup: shorthand for the local modes' ``warmup`` (default: 0).
+        sync_fragments: shorthand for the local modes' ``fragments`` (streaming) (default: None).
+        sync_overlap: shorthand for the local modes' ``overlap`` (streaming) (default: None).
+        sync_mixing: shorthand for the local modes' ``mixing`` (streaming) (default: None).
         check_every: the drift check: every ``check_every`` steps the ranks compare
             exact fingerprints of what the mode keeps identical on every rank (the
             parameters, and the optimizer state and hyperparameters where every rank
@@ -180,8 +171,10 @@ class DistributedOptimizer(InnerOptimizerSurface):
 
     Raises:
         TypeError: if ``optimizer`` is not a ``torch.optim.Optimizer``, or a parameter is a DTensor
-            (FSDP2's ``fully_shard``), which is not supported yet (on every rank, before any collective).
-        ValueError: on a bad argument value or parameters that differ between ranks.
+            (FSDP2's ``fully_shard``), which is not supported yet (on every rank, before any collective);
+            or ``mode`` given together with a shorthand (``sync_every``, ``shard_state``, ...).
+        ValueError: on a bad argument value or parameters that differ between ranks, or a ``mode``
+            that serves another wrapper already.
 
     Example::
 
@@ -208,6 +201,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
         sparse_as_dense: bool = False,
         stall_warning: Union[float, timedelta, None] = 60.0,
         stall_timeout: Union[float, timedelta, None] = None,
+        mode: Optional[Mode] = None,
         shard_state: bool = False,
         sync_every: int = 1,
         outer_optimizer: Optional[OuterFactory] = None,
@@ -236,10 +230,12 @@ class DistributedOptimizer(InnerOptimizerSurface):
         if self.compressor is not None:
             _bind_compressor(self.compressor, self)
         self.sparse_as_dense = sparse_as_dense
-        self.shard_state = checks.shard_state(shard_state, optimizer)
-        local = checks.check_local_sgd(sync_every, outer_optimizer, local_warmup, reduce_op, bcast_period,
-                                       self.shard_state)
-        streaming = checks.check_streaming(sync_fragments, sync_overlap, sync_mixing, sync_every, local)
+        # The mode owns its arguments (distopt.modes): the shorthands build one, and it refuses what it cannot do.
+        self._mode: Mode = resolve(mode, shard_state=shard_state, sync_every=sync_every,
+                                   outer_optimizer=outer_optimizer, local_warmup=local_warmup,
+                                   sync_fragments=sync_fragments, sync_overlap=sync_overlap, sync_mixing=sync_mixing)
+        self._mode.check_compatible(optimizer=optimizer, reduce_op=reduce_op, bcast_period=self.bcast_period,
+                                    fault_tolerant=fault_tolerance is not None)
         self.check_every, self.drift_atol, self.drift_rtol, self.on_drift = checks.check_drift_arguments(
             check_every, drift_atol, drift_rtol, on_drift)
         self._drift = DriftCheck(self.check_every, self.drift_atol, self.drift_rtol, self.on_drift)
@@ -255,11 +251,8 @@ class DistributedOptimizer(InnerOptimizerSurface):
         # ---- fault tolerance (distopt.fault_tolerance): the replicas' world is the manager's, per step.
         self.fault_tolerance: Optional[ft.FaultTolerance] = None
         if fault_tolerance is not None:
-            schedule = (StreamSchedule(int(sync_every), int(sync_fragments or 1), int(sync_overlap or 0))
-                        if streaming else None)
-            ft.check_arguments(fault_tolerance, shard_state=self.shard_state, bcast_period=self.bcast_period,
-                               process_group_size=self.world_size, reduce_op=reduce_op, local_sgd=local,
-                               streaming=schedule, local_warmup=int(local_warmup))
+            ft.check_arguments(fault_tolerance, bcast_period=self.bcast_period, process_group_size=self.world_size,
+                               reduce_op=reduce_op)
             self.check_every = 0  # the drift check's all-gather has no place in the manager's all-reduces
             self._drift = DriftCheck(0, self.drift_atol, self.drift_rtol, self.on_drift)
             self.fault_tolerance = ft.FaultTolerance(
@@ -275,13 +268,6 @@ class DistributedOptimizer(InnerOptimizerSurface):
         self._names_by_id = checks.names_by_id(named_parameters, optimizer)
         checks.no_dtensors(optimizer, self._names_by_id)  # before the engine's first collective
         self._engine = self._build_engine(backward_passes_per_step=int(backward_passes_per_step))
-        self._mode: Mode = choose(ModeArguments(
-            rank=self.rank, world_size=self.world_size, local=local, shard_state=self.shard_state,
-            sync_every=int(sync_every), outer_optimizer=outer_optimizer, local_warmup=int(local_warmup),
-            streaming=streaming, sync_fragments=int(1 if sync_fragments is None else sync_fragments),
-            sync_overlap=int(0 if sync_overlap is None else sync_overlap),
-            sync_mixing=float(0.0 if sync_mixing is None else sync_mixing),
-        ))
         self._retired_by: Optional[str] = None  # why this wrapper no longer reduces
         self._params: List[Tensor] = []  # every parameter this wrapper broadcasts, in tracking order
         self._context = ModeContext(
@@ -293,14 +279,19 @@ class DistributedOptimizer(InnerOptimizerSurface):
         if self.fault_tolerance is not None:
             self.fault_tolerance.params = self._params
             self.fault_tolerance.attach(self._set_world)
-            if local:  # a quorum and a commit vote per sync, not per step (the mode asks for them)
+            if self._mode.fault_tolerant(self.fault_tolerance):  # a quorum and a commit vote per sync, not per step
                 self.fault_tolerance.per_step = False
-                self._mode.fault_tolerant(self.fault_tolerance)
+        self._mode.bind(self)  # before it takes any state on
         self._track_new_params()
         self._mode.attach(self._context)
         self._ddp_watched = self.world_size > 1  # a model left in DDP shows at its first forward
         if self._ddp_watched:
             ddp_guard.watch(self)
+
+    @property
+    def mode(self) -> Mode:
+        """The mode this wrapper trains in: the one passed as ``mode=``, or the one its shorthands built."""
+        return self._mode
 
     @property
     def backward_passes_per_step(self) -> int:
@@ -622,9 +613,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
         """
         shard = self._mode.sharded_state_dict(self._context)
         if shard is None:
-            if not self.shard_state:
-                raise RuntimeError("sharded_state_dict() needs shard_state=True; use state_dict()")
-            shard = shards.shard_of(self.optimizer, 0, 1, [0] * sum(len(g["params"]) for g in self.param_groups))
+            raise RuntimeError("sharded_state_dict() needs shard_state=True; use state_dict()")
         if self.compressor is not None:
             shard[COMPRESSION_KEY] = self.compressor.state_dict()
         return shard
@@ -800,14 +789,11 @@ class DistributedOptimizer(InnerOptimizerSurface):
             "backward_passes_per_step": self.backward_passes_per_step,
             "sparse_as_dense": self.sparse_as_dense,
             "root_rank": self.root_rank,
-            "shard_state": self.shard_state,
             "check_every": self.check_every,
             "drift_atol": self.drift_atol,
             "drift_rtol": self.drift_rtol,
             "on_drift": self.on_drift,
-            **_NOT_LOCAL,
-            **self._mode.settings(),
-            "mode": type(self._mode).__name__,
+            **settings_of(self._mode),
         }
 
     def _track_new_params(self) -> None:
