@@ -72,7 +72,6 @@ from ..engine import GradientEngine
 from ..engine.packs import Pack
 from ..planning import drift
 from ..planning.mixing import mix_
-from ..planning.stats import StepStats
 from ..transport import stalls
 from . import amp, shards
 from .base import Mode, ModeArguments, ModeContext, OuterFactory, SyncVote
@@ -164,7 +163,7 @@ class LocalSGDMode(Mode):
                         anchor.copy_(p)  # identical on every rank after synchronous steps
                 self._set_local(ctx, True)
             return loss
-        ctx.engine.stats = StepStats()  # nothing on the wire, unless this step syncs
+        ctx.engine.reset_stats()  # nothing on the wire, unless this step syncs
         self._track(ctx)
         if skip:
             loss = None
@@ -534,8 +533,7 @@ class LocalSGDMode(Mode):
 
     def _set_local(self, ctx: ModeContext, local: bool) -> None:
         self.reduces_in_backward = not local
-        ctx.engine.local = local
-        ctx.engine.hooks(not local)
+        ctx.engine.keep_gradients_local(local)
 
     def _pairs(self, ctx: ModeContext) -> List[Tuple[Tensor, Tensor]]:
         return [(p, self._anchors[id(p)]) for p in ctx.params if id(p) in self._anchors]
@@ -587,11 +585,8 @@ def _nothing_to_send(p: Tensor, pseudo: Tensor) -> bool:
 def last_contribution(engine: GradientEngine, leaving: bool = True) -> Iterator[None]:
     """Around the launch of this rank's last contributions (``leaving``): their control flags say so, and
     the ranks still training learn from them that it has joined, as they learn it from a shadow round's."""
-    engine.leaving = leaving
-    try:
+    with engine.announce(leaving=leaving):
         yield
-    finally:
-        engine.leaving = False
 
 
 def _build_outer(factory: OuterFactory, anchors: List[Tensor]) -> Optimizer:

@@ -104,7 +104,7 @@ class ShardedMode(Mode):
             if m is not None and c is not None:
                 m._follow_joins(c)
 
-        ctx.engine.on_settled = follow_joins
+        ctx.engine.call_when_settled(follow_joins)
 
     def step(self, ctx: ModeContext, closure: Optional[Callable[[], Any]]) -> Any:
         if closure is None:

@@ -137,7 +137,7 @@ class StreamingMode(LocalSGDMode):
     def attach(self, ctx: ModeContext) -> None:
         super().attach(ctx)
         ctx.engine.set_fragments(self.fragments)
-        ctx.engine.shadow_fragment = self._shadow_fragment
+        ctx.engine.set_shadow_fragment(self._shadow_fragment)
         self._plan = ctx.engine.packs
 
     def schedule(self, ctx: ModeContext) -> StreamSchedule:

@@ -47,13 +47,10 @@ def synchronizing(ctx: ModeContext, closure: Callable[[], Any]) -> Callable[[], 
     def reduced_closure() -> Any:
         engine = ctx.engine
         engine.reset_round()  # each closure call is a fresh forward and backward
-        engine.closure = ctx.world_size > 1
-        try:
+        with engine.announce(closure=ctx.world_size > 1):
             with torch.enable_grad():
                 loss = closure()
             ctx.synchronize()  # at once, before the inner optimizer reads the gradients
-        finally:
-            engine.closure = False
         return _reduced_loss(ctx, loss)
 
     return reduced_closure
