@@ -185,7 +185,7 @@ class GradientEngine:
         self.lock = threading.Lock()
         self.reset_round()
 
-    # ------------------------------------------------------------------ read-only views of its parts
+    # ------------------------------------------------------------------ derived from its parts
 
     @property
     def world_size(self) -> int:
@@ -196,46 +196,6 @@ class GradientEngine:
     def scale(self) -> Optional[float]:
         """Factor applied while copying into a pack (the mean's 1/world), or None."""
         return 1.0 / self.world.size if self.config.scale_mean else None
-
-    @property
-    def in_join(self) -> bool:
-        """Inside a join block (:attr:`JoinState.in_block`)."""
-        return self.join.in_block
-
-    @property
-    def divide_by_world(self) -> bool:
-        """Joined ranks count as zeros in the mean (:attr:`JoinState.divide_by_world`)."""
-        return self.join.divide_by_world
-
-    @property
-    def joined(self) -> bool:
-        """This rank ran out of data and sends zeros in shadow rounds (:attr:`JoinState.joined`)."""
-        return self.join.joined
-
-    @property
-    def contributors(self) -> int:
-        """Ranks that contributed to the last round with contributors (:attr:`RoundOutcome.contributors`)."""
-        return self.outcome.contributors
-
-    @property
-    def training(self) -> int:
-        """Of those, the ranks that go on training (:attr:`RoundOutcome.training`)."""
-        return self.outcome.training
-
-    @property
-    def closure_round(self) -> bool:
-        """The last round back was a closure's, on every rank alike (:attr:`RoundOutcome.closure`)."""
-        return self.outcome.closure
-
-    @property
-    def local(self) -> bool:
-        """Gradients stay local: backward passes never reduce (:attr:`ExchangeState.local`)."""
-        return self.exchange.local
-
-    @property
-    def fragment_packs(self) -> List[List[int]]:
-        """``fragment_packs[f]``: fragment ``f``'s packs, in plan order (:attr:`ExchangeState.fragment_packs`)."""
-        return self.exchange.fragment_packs
 
     # ------------------------------------------------------------------ what its owners change, by name
 
@@ -1096,7 +1056,7 @@ class GradientEngine:
         with :meth:`finish_partial`; meanwhile the packs' buffers belong to it.
 
         Args:
-            packs: places in the plan, ascending (:attr:`fragment_packs`).
+            packs: places in the plan, ascending (``exchange.fragment_packs``).
             fill: writes the values into each pack's member views, scaled by :attr:`scale`.
 
         Returns:

@@ -340,7 +340,7 @@ class Mode:
             The count, the same on every rank still training; None where no round of this step tells
             (local SGD between two syncs): a rank may have joined unseen.
         """
-        return ctx.engine.training
+        return ctx.engine.outcome.training
 
     def kept_identical(self, ctx: ModeContext, scheduled: bool) -> Optional[drift.Kept]:
         """What this mode keeps identical on every rank now, for the drift check to compare.

@@ -181,7 +181,7 @@ class LocalSGDMode(Mode):
     def leaving(self, ctx: ModeContext) -> Optional[Callable[[], None]]:
         # Steps not averaged yet are sent once, as a contributor for the last time; a rank without any
         # just shadows.
-        if ctx.world_size == 1 or not ctx.engine.local or self.since_sync == 0:
+        if ctx.world_size == 1 or not ctx.engine.exchange.local or self.since_sync == 0:
             return None
         self.since_sync = 0
         self._launch(ctx, leaving=True)
@@ -191,7 +191,7 @@ class LocalSGDMode(Mode):
         """Right after a sync (or a warm-up step), what its flags say; between two syncs None: no round
         carries flags there, and the others learn that a rank ran out of data only from their next sync,
         whose flags say that it contributes for the last time (:meth:`leaving`) or not at all."""
-        if ctx.engine.local and not self._synced_now:
+        if ctx.engine.exchange.local and not self._synced_now:
             return None
         return super().ranks_training(ctx)
 
@@ -207,7 +207,7 @@ class LocalSGDMode(Mode):
         parameters differ on purpose, a periodic check waits for the next sync, and ``check_drift()``
         compares the last-sync copies. The inner optimizer's state is each rank's own, never compared
         (but during ``local_warmup``, which is synchronous training)."""
-        if not ctx.engine.local:
+        if not ctx.engine.exchange.local:
             return super().kept_identical(ctx, scheduled)
         if self.since_sync and scheduled:
             return None

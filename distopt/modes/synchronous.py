@@ -75,7 +75,7 @@ def _reduced_loss(ctx: ModeContext, loss: Any) -> Any:
     if not _is_scalar(loss) or count == 0:
         return loss
     engine = ctx.engine
-    value = total if ctx.reduce_op != "mean" else total / (ctx.world_size if engine.divide_by_world else count)
+    value = total if ctx.reduce_op != "mean" else total / (ctx.world_size if engine.join.divide_by_world else count)
     if isinstance(loss, Tensor):
         return torch.tensor(value, dtype=torch.float64).to(dtype=loss.dtype, device=loss.device).reshape(loss.shape)
     return value

@@ -181,7 +181,7 @@ class JoinParty:
         round is followed by the reduction of its loss. Then the mode's part (a rank that skipped
         ``step()`` sends nothing the joined ranks would have to expect).
         """
-        if self.engine.closure_round:
+        if self.engine.outcome.closure:
             shadow_closure_loss(self.context)
         self.mode.shadow_step(self.context)
 

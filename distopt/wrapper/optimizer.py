@@ -449,7 +449,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
                 "opt.synchronize() first"
             )
         training = self.world_size if self.world_size == 1 else self._mode.ranks_training(ctx)
-        if training is None and engine.in_join:
+        if training is None and engine.join.in_block:
             raise RuntimeError(
                 "check_drift() was called inside a join block between two syncs of local SGD: a rank that runs out "
                 "of data cannot take part, and the others learn that one has only from a sync's flags; call it "
