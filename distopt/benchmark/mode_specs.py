@@ -17,7 +17,6 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
-from ..transport import stalls
 from ..wrapper.optimizer import DistributedOptimizer
 from .sizes import format_size
 
@@ -93,7 +92,7 @@ def _distopt_join(model: nn.Module, sgd: torch.optim.Optimizer, device: torch.de
     opt = DistributedOptimizer(sgd)
     # What `with opt.join():` sets for the steps inside it while no rank has joined; the block
     # itself cannot stay open across the benchmark's interleaved modes.
-    opt._engine.in_join = True
+    opt._engine.enter_join(divide_by_world=False)
     return model, opt
 
 
@@ -107,15 +106,14 @@ def _distopt_uninspected(model: nn.Module, sgd: torch.optim.Optimizer, device: t
     # Without its position the wrapper waits plainly and records nothing per collective. The
     # inspector's thread stays: it serves every wrapper of the process, so it costs all modes alike.
     opt = DistributedOptimizer(sgd)
-    stalls.retire(opt._engine.progress)
-    opt._engine.progress = None
+    opt._engine.stop_inspection()
     return model, opt
 
 
 def _distopt_allreduce(model: nn.Module, sgd: torch.optim.Optimizer, device: torch.device,
                        variant: Optional[int]) -> Tuple[nn.Module, Any]:
     opt = DistributedOptimizer(sgd)
-    opt._engine.gather_sum_limit = -1  # every sum an all-reduce, however small
+    opt._engine.reconfigure(gather_sum_limit=-1)  # every sum an all-reduce, however small
     return model, opt
 
 

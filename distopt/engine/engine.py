@@ -42,20 +42,25 @@ ranks' collectives pair up however their timing differs.
 
 The engine knows nothing of optimizers; a mode (:mod:`distopt.modes`) decides what
 happens at ``step()``. A mode that keeps gradients local (local SGD) sets
-:attr:`GradientEngine.local`, so backward never reduces, and sends its own values
+:meth:`GradientEngine.keep_gradients_local`, so backward never reduces, and sends its own values
 through the same packs, plan and flags (:meth:`GradientEngine.launch_exchange`).
 Streaming local SGD sends one fragment of the model at a time, as a subset of the
 packs whose exchange outlives the round (:meth:`GradientEngine.launch_partial`,
 :mod:`distopt.engine.partial`): the plan then keeps each fragment's parameters in
-packs of their own (:attr:`GradientEngine.fragments`).
+packs of their own (:meth:`GradientEngine.set_fragments`).
+
+The engine's state is grouped by lifetime and concern in :mod:`distopt.engine.state`; nothing
+outside the engine assigns it.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import enum
 import threading
 import time
 import weakref
-from typing import Any, Callable, Iterator, List, Optional, Sequence
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -64,7 +69,7 @@ from torch import Tensor
 from torch.autograd import Variable
 
 from .. import collectives
-from ..compression.protocol import AllGather, AllReduce, AllToAll, Collective, Compressor, Outcome, Round
+from ..compression.protocol import AllGather, AllReduce, AllToAll, Collective, Outcome, Round
 from ..planning import replanning
 from ..planning.fragments import fragment_of, split_fragments
 from ..planning.control import CONTROL_FLAGS, Control, Totals
@@ -76,9 +81,11 @@ from ..transport.stalls import Progress
 from . import sparse_rows
 from .carrier import Carrier, carries_flags
 from .partial import PartialExchange, empty_exchange
+from .state import (Announcements, EngineConfig, ExchangeState, JoinState, RoundHooks, RoundOutcome,
+                    World)
 from .packs import (Pack, adopt_current_grads, build_packs, gather, gather_early, gather_nothing, metas, release,
                     scratch, sums)
-from .rounds import (GATHER_SUM_MAX_BYTES, Sent, broadcast_each, gather_buffer, gather_by_broadcasts, labelled,
+from .rounds import (Sent, broadcast_each, gather_buffer, gather_by_broadcasts, labelled,
                      plan_gathers, sum_copies, sums_by_gather)
 
 __all__ = ["GradientEngine", "RoundState", "Phase", "BACKWARD_PATIENCE", "PATIENCE_GROWTH"]
@@ -117,57 +124,39 @@ class Phase(enum.IntEnum):
 class GradientEngine:
     """Averages the gradients of the parameters it tracks, during backward.
 
+    Its state is grouped by lifetime and concern (:mod:`distopt.engine.state`): the fixed
+    :class:`~distopt.engine.state.EngineConfig` and :class:`~distopt.engine.state.World` and
+    fault tolerance's :class:`~distopt.engine.state.RoundHooks` are handed in; the join state,
+    the last round's outcome, this rank's announcements and a mode's exchange state are its
+    own. Nothing outside the engine assigns its attributes: its methods change them, each
+    named for what it means.
+
     Args:
-        channel: the private group to reduce over.
-        scale: factor applied while copying into a pack (the mean's 1/world), or None.
-        op: the all-reduce op (``SUM``, or ``AVG`` where the backend averages natively).
-        pack_threshold: bytes at which a pack closes.
-        compressor: how float packs travel (:mod:`distopt.compression`), or None: as they are.
-        sparse_as_dense: densify sparse gradients instead of raising.
+        channel: the private group to reduce over (None in a single process).
+        config: how packs travel (op, scale rule, threshold, compressor, ...).
+        world: how many ranks a round is averaged over, shared with the wrapper and the mode's
+            context (default: a world of the channel's size, else of one).
         backward_passes_per_step: passes accumulated before the reducing one.
-        root_rank: the rank whose observed gradient order becomes the plan.
-        world_size: ranks in the channel.
-        mean: gradients are averaged (not summed) over the ranks.
         progress: where this rank is, for the stall inspector (None in a single process).
+        round_hooks: fault tolerance's say at a round's open and end, or None.
     """
 
-    def __init__(self, *, channel: Optional[PrivateGroup], scale: Optional[float], op: Any,
-                 pack_threshold: int, compressor: Optional[Compressor], sparse_as_dense: bool,
-                 backward_passes_per_step: int, root_rank: int, world_size: int = 1, mean: bool = True,
-                 progress: Optional[Progress] = None) -> None:
+    def __init__(self, *, channel: Optional[PrivateGroup], config: EngineConfig, world: Optional[World] = None,
+                 backward_passes_per_step: int = 1, progress: Optional[Progress] = None,
+                 round_hooks: Optional[RoundHooks] = None) -> None:
         self.channel = channel
-        self.world_size = world_size
-        self.mean = mean
+        self.config = config
+        self.world = world if world is not None else World(1 if channel is None else channel.group.size())
         self.progress = progress
-        # Join (see distopt.wrapper.optimizer): whether this rank is in a join block, has joined (sends zeros),
-        # and how the last round with contributors went.
-        self.in_join = False
-        self.divide_by_world = False
-        self.joined = False
-        self.contributors = world_size  # ranks that contributed to the last round
-        self.training = world_size  # of those, the ranks that go on training (Totals.training)
-        self.contributed_last = True  # this rank contributed to the last round that had contributors
-        # Set by a mode while it launches this rank's last contributions (local SGD: the steps not averaged
-        # yet of a rank that ran out of data), so that the others learn from the flags that it has joined.
-        self.leaving = False
-        # A closure's round (set by the mode while step(closure) evaluates it): the reduction of the closure's
-        # loss follows it. closure_round: whether the last round back was one, on every rank alike, so that a
-        # rank that has joined takes part in that reduction too.
-        self.closure = False
-        self.closure_round = False
+        self.round_hooks = round_hooks
+        self.join = JoinState()
+        self.outcome = RoundOutcome(contributors=self.world.size, training=self.world.size)
+        self.announcements = Announcements()
+        self.exchange = ExchangeState()
         # Called on every rank once a round's control flags are read, at the same point of every rank's
         # collectives (a joined rank's shadow round included): a mode may run collectives of its own there.
-        self.on_settled: Optional[Callable[[], None]] = None
-        self.scale = scale
-        self.op = op
-        self.rows_allowed = True  # large gradients of mostly zero rows may travel as rows
-        # Bytes a rank may receive for a small sum to travel as a gather (rounds.sums_by_gather).
-        self.gather_sum_limit = GATHER_SUM_MAX_BYTES
-        self.pack_threshold = pack_threshold
-        self.compressor = compressor
-        self.sparse_as_dense = sparse_as_dense
+        self._on_settled: Optional[Callable[[], None]] = None
         self.backward_passes_per_step = backward_passes_per_step
-        self.root_rank = root_rank
         self.stats = StepStats()
         self.steps = 0  # the owner's steps taken; its parity travels in the control flags
         # Rounds opened so far. Every rank's n-th round pairs with every other rank's n-th (a rank that has
@@ -193,32 +182,110 @@ class GradientEngine:
         self.launch_order = LaunchOrder([])
         self.planned = False
         self.sync_enabled = True  # False inside no_sync()
-        # True while a local-SGD mode keeps gradients local: backward passes never reduce.
-        self.local = False
-        # While an exchange runs: writes what to send into a pack, instead of its gradients.
-        self.exchange_fill: Optional[Callable[[Pack], None]] = None
-        # Fault tolerance (distopt.fault_tolerance): asked once a round's collectives are back; True when
-        # one failed because a replica went away. The step is then discarded: nothing is read back.
-        self.round_failed: Optional[Callable[[], bool]] = None
-        # Fault tolerance: called when a round that sends opens (the first hook of a reducing backward
-        # pass, or a round launched outside backward), before anything is scaled into a pack: the
-        # controller waits for the step's quorum there and sets world_size and scale.
-        self.on_round_open: Optional[Callable[[], None]] = None
-        # Fault tolerance, set as the round opens: False while this replica heals (it sends zeros and
-        # its codecs add nothing of their own state), and the step count the quorum agrees on (a
-        # codec's Round.step: a healing replica's own count is not yet its peers').
-        self.participating = True
-        self.quorum_step: Optional[int] = None
-        # Whether every rank of world_size sends control flags (not under fault tolerance: see Totals.check).
-        self.flags_from_all = True
-        # Streaming local SGD: the parameters are cut into this many fragments (distopt.planning.fragments),
-        # each kept in packs of its own; fragment_packs[f] lists fragment f's packs, in plan order.
-        self.fragments = 1
-        self.fragment_packs: List[List[int]] = []
-        # Which fragment a shadow round sends (a rank that has joined), asked of the mode before each one:
-        # None sends every pack (a gradient round, or a whole-model exchange).
-        self.shadow_fragment: Optional[Callable[[], Optional[int]]] = None
         self.lock = threading.Lock()
+        self.reset_round()
+
+    # ------------------------------------------------------------------ derived from its parts
+
+    @property
+    def world_size(self) -> int:
+        """Ranks a round is averaged over (:attr:`world`)."""
+        return self.world.size
+
+    @property
+    def scale(self) -> Optional[float]:
+        """Factor applied while copying into a pack (the mean's 1/world), or None."""
+        return 1.0 / self.world.size if self.config.scale_mean else None
+
+    # ------------------------------------------------------------------ what its owners change, by name
+
+    def set_world(self, size: int) -> None:
+        """``size`` ranks take part in the rounds from now on (fault tolerance: this step's quorum).
+
+        The mean's scale follows (:attr:`scale`).
+        """
+        self.world.size = size
+
+    def reconfigure(self, **changes: Any) -> None:
+        """Change fields of :attr:`config` (:class:`EngineConfig`); a new ``pack_threshold`` takes
+        effect at the next plan, so it is set before the parameters are tracked."""
+        self.config = dataclasses.replace(self.config, **changes)
+
+    def set_backward_passes_per_step(self, passes: int) -> None:
+        """Accumulate ``passes`` backward passes locally before the reducing one, from now on."""
+        self.backward_passes_per_step = passes
+
+    def set_steps(self, steps: int) -> None:
+        """The owner's step count (a checkpoint, or another rank's count at the end of a join block)."""
+        self.steps = steps
+        if self.progress is not None:
+            self.progress.step = steps
+
+    def reset_stats(self) -> None:
+        """Start :attr:`stats` over (a step that sends nothing, unless it syncs)."""
+        self.stats = StepStats()
+
+    def stop_inspection(self) -> None:
+        """Stop reporting to the stall inspector: waits are plain and nothing is recorded per collective."""
+        if self.progress is not None:
+            stalls.retire(self.progress)
+        self.progress = None
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate locally and do not count towards a reduction."""
+        previous, self.sync_enabled = self.sync_enabled, False
+        try:
+            yield
+        finally:
+            self.sync_enabled = previous
+
+    @contextlib.contextmanager
+    def announce(self, *, closure: bool = False, leaving: bool = False) -> Iterator[None]:
+        """Rounds sent inside carry these announcements in their flags (:class:`Announcements`)."""
+        self.announcements.closure, self.announcements.leaving = closure, leaving
+        try:
+            yield
+        finally:
+            self.announcements.closure = self.announcements.leaving = False
+
+    def keep_gradients_local(self, local: bool) -> None:
+        """Local SGD: backward passes never reduce (and the parameters are not hooked), or reduce again."""
+        self.exchange.local = local
+        self.hooks(not local)
+
+    def set_shadow_fragment(self, choose: Optional[Callable[[], Optional[int]]]) -> None:
+        """As a rank that has joined, ask ``choose`` before each shadow round which fragment the others
+        send (None from it: every pack)."""
+        self.exchange.shadow_fragment = choose
+
+    def call_when_settled(self, callback: Optional[Callable[[], None]]) -> None:
+        """Call ``callback`` on every rank once a round's control flags are read (a shadow round's too)."""
+        self._on_settled = callback
+
+    def enter_join(self, divide_by_world: bool) -> Tuple[bool, bool]:
+        """Enter a join block: flags say so, and the mean is rescaled to the contributors (over the
+        world, counting joined ranks as zeros, with ``divide_by_world``).
+
+        Returns:
+            What :meth:`leave_join` restores.
+        """
+        previous = (self.join.in_block, self.join.divide_by_world)
+        self.join.in_block, self.join.divide_by_world = True, bool(divide_by_world)
+        return previous
+
+    def leave_join(self, previous: Tuple[bool, bool]) -> None:
+        """Leave a join block (``previous``: what :meth:`enter_join` returned)."""
+        self.join.in_block, self.join.divide_by_world = previous
+
+    def stop_shadowing(self) -> None:
+        """Every rank has joined: this rank no longer sends zeros for the others."""
+        self.join.joined = False
+
+    def after_join(self) -> None:
+        """The join block's state is settled on every rank: every rank contributes again, from a new round."""
+        self.outcome.contributors = self.outcome.training = self.world.size
+        self.outcome.contributed_last = True
         self.reset_round()
 
     # ------------------------------------------------------------------ set-up
@@ -242,7 +309,7 @@ class GradientEngine:
         self.names.extend(names)
         # Reverse registration order is the usual arrival order; the root's observed order replaces it later.
         self.build_packs(list(reversed(range(len(self.params)))))
-        self.planned = False
+        self.planned = self.config.fixed_plan
         self.reset_round()
 
     def hooks(self, on: bool) -> None:
@@ -277,9 +344,9 @@ class GradientEngine:
 
     def build_packs(self, order: Sequence[int]) -> None:
         groups = self._fragment_groups()
-        packs = build_packs(self.params, self.names, order, self.pack_threshold, self.compressor, groups)
+        packs = build_packs(self.params, self.names, order, self.config.pack_threshold, self.config.compressor, groups)
         for pack in packs:
-            if pack.direct and self.rows_allowed and self.channel is not None:
+            if pack.direct and self.config.rows and self.channel is not None:
                 pack.rows = sparse_rows.plan_rows(pack.params[0], self.world_size, self.channel.group.rank())
         planned = [(pack, nbytes) for pack in packs for nbytes in sums(pack)]
         for (pack, nbytes), gathers in zip(planned, plan_gathers([(n, p.spec.key[0]) for p, n in planned],
@@ -297,13 +364,13 @@ class GradientEngine:
                 self.slot_of[i] = j
         self.launch_order = LaunchOrder([len(pack.spec.members) for pack in packs])
         fragment = [0 if groups is None else groups[pack.spec.members[0]] for pack in packs]
-        self.fragment_packs = [[k for k, f in enumerate(fragment) if f == g] for g in range(max(fragment, default=-1) + 1)]
+        self.exchange.fragment_packs = [[k for k, f in enumerate(fragment) if f == g] for g in range(max(fragment, default=-1) + 1)]
 
     def _fragment_groups(self) -> Optional[List[int]]:
         """Each tracked parameter's fragment, or None for one fragment (the plan as without streaming)."""
-        if self.fragments == 1:
+        if self.exchange.fragments == 1:
             return None
-        return fragment_of(split_fragments([p.numel() * p.element_size() for p in self.params], self.fragments))
+        return fragment_of(split_fragments([p.numel() * p.element_size() for p in self.params], self.exchange.fragments))
 
     def set_fragments(self, fragments: int) -> None:
         """Keep the parameters of each of ``fragments`` fragments in packs of their own, from now on.
@@ -311,9 +378,9 @@ class GradientEngine:
         Re-plans at once, in the plan's present order (every rank alike: the plan is the same
         on every rank, and so are the parameters' sizes).
         """
-        if fragments == self.fragments:
+        if fragments == self.exchange.fragments:
             return
-        self.fragments = fragments
+        self.exchange.fragments = fragments
         if self.params:
             self.build_packs([i for pack in self.packs for i in pack.spec.members])
 
@@ -355,8 +422,8 @@ class GradientEngine:
         self.stats = StepStats()
         self._phase = phase
         self._next_round()
-        if self.on_round_open is not None:
-            self.on_round_open()
+        if self.round_hooks is not None:  # fault tolerance: the step's quorum, which sets the world
+            self.round_hooks.enter_round()
 
     def _next_round(self) -> None:
         """A round opens (on every rank, shadow rounds included): it takes the next place among the rounds."""
@@ -370,8 +437,8 @@ class GradientEngine:
         Only a join changes it, and only learned from a round's flags; outside join blocks every rank
         contributes, so it is 1 (under fault tolerance the world is the quorum of each step).
         """
-        count = self.contributors
-        if not self.in_join or not self.mean or self.divide_by_world or count in (0, self.world_size):
+        count = self.outcome.contributors
+        if not self.join.in_block or not self.config.mean or self.join.divide_by_world or count in (0, self.world_size):
             return 1.0
         return self.world_size / count
 
@@ -381,7 +448,7 @@ class GradientEngine:
         A rank that has joined sends zeros in the shape of whatever the others send, and
         cannot tell an exchange (always dense) from a gradient round (rows, where they pay).
         """
-        self.rows_allowed = False
+        self.reconfigure(rows=False)
         for pack in self.packs:
             pack.rows = None
 
@@ -419,7 +486,7 @@ class GradientEngine:
                 self.arrivals.append(index)
             pack = self.packs[self.pack_of[index]]
             if not pack.batched and not pack.direct:
-                gather_early(pack, self.slot_of[index], self.scale, self.sparse_as_dense)
+                gather_early(pack, self.slot_of[index], self.scale, self.config.sparse_as_dense)
             for ready in self.launch_order.ready(self.pack_of[index]):
                 self._launch(ready)
 
@@ -436,15 +503,15 @@ class GradientEngine:
                 f"torch.utils.checkpoint also runs nested backward passes: use use_reentrant=False)"
             )
         self._pass_open = True
-        self._pass_counts = self.sync_enabled and not self.local  # no_sync and local passes do not count
+        self._pass_counts = self.sync_enabled and not self.exchange.local  # no_sync and local passes do not count
         self._pass_reduces = self._pass_counts and self._passes == self.backward_passes_per_step - 1
         self.quiet = not self._pass_reduces
         if self._pass_reduces:
             self.state = RoundState.IN_FLIGHT
             self.stats = StepStats()
             self._next_round()
-            if self.on_round_open is not None:
-                self.on_round_open()
+            if self.round_hooks is not None:  # fault tolerance: the step's quorum, which sets the world
+                self.round_hooks.enter_round()
         if self.progress is not None:
             self.progress.phase = "in backward" if self._pass_reduces else "in backward (accumulating locally)"
         Variable._execution_engine.queue_callback(self._on_backward_end)
@@ -467,34 +534,34 @@ class GradientEngine:
     def _control_flags(self) -> Tensor:
         if self._control is None:
             self._control = Control(
-                during_backward=not self.joined and self._phase == Phase.BACKWARD,
-                inside_step=not self.joined and self._phase == Phase.IMPLICIT,
-                unfrozen=not self.joined and any(p.requires_grad or p.grad is not None for p in self.frozen),
-                contributing=not self.joined,
-                in_join=self.in_join,
-                divide_by_world=self.divide_by_world,
+                during_backward=not self.join.joined and self._phase == Phase.BACKWARD,
+                inside_step=not self.join.joined and self._phase == Phase.IMPLICIT,
+                unfrozen=not self.join.joined and any(p.requires_grad or p.grad is not None for p in self.frozen),
+                contributing=not self.join.joined,
+                in_join=self.join.in_block,
+                divide_by_world=self.join.divide_by_world,
                 # An exchange (local SGD) meets a rank leaving a join block at its own step count.
-                counts_steps=not self.joined and self._phase != Phase.EXCHANGE,
-                odd_steps=not self.joined and self._phase != Phase.EXCHANGE and self.steps % 2 == 1,
-                closure=not self.joined and self.closure,
-                leaving=not self.joined and self.leaving,
+                counts_steps=not self.join.joined and self._phase != Phase.EXCHANGE,
+                odd_steps=not self.join.joined and self._phase != Phase.EXCHANGE and self.steps % 2 == 1,
+                closure=not self.join.joined and self.announcements.closure,
+                leaving=not self.join.joined and self.announcements.leaving,
             ).tensor()
         return self._control
 
     def _launch(self, index: int) -> None:
         pack = self.packs[index]
         # Exchanged values (local SGD) are not sparse: only gradients travel as rows.
-        rows = pack.rows if pack.rows is not None and pack.rows.cap and self.exchange_fill is None else None
-        if rows is None and pack.rows is not None and self.exchange_fill is None:
+        rows = pack.rows if pack.rows is not None and pack.rows.cap and self.exchange.fill is None else None
+        if rows is None and pack.rows is not None and self.exchange.fill is None:
             sparse_rows.dense_round(pack.rows)  # sent densely this round; rows again once the wait is over
-        if self.joined:
+        if self.join.joined:
             gather_nothing(pack)
         else:
-            if self.exchange_fill is not None:
+            if self.exchange.fill is not None:
                 scratch(pack)
-                self.exchange_fill(pack)
+                self.exchange.fill(pack)
             else:  # rows are scaled as they are picked, not the whole gradient
-                gather(pack, self.scale if rows is None else None, self.sparse_as_dense)
+                gather(pack, self.scale if rows is None else None, self.config.sparse_as_dense)
             pack.flags.fill_(1)
             for j in pack.absent:
                 pack.flags[j] = 0
@@ -509,15 +576,15 @@ class GradientEngine:
                 self._send(pack.data, pack, index, carries_flags=False)
                 self._send(pack.flags, pack, index, carries_flags=True)
             elif pack.codec is not None:  # the flags exactly, the values as the codec sends them
-                contributing = not self.joined and self.participating
+                contributing = not self.join.joined and (self.round_hooks is None or self.round_hooks.participating)
                 if not contributing:
                     pack.data.zero_()  # what Round.contributing=False promises the codec
                 group = self.channel.group
                 outcome = Outcome()  # filled in once the flags are back, before the codec resumes (_fill_outcome)
                 codec = pack.codec.reduce(pack.data, Round(
                     rank=group.rank(), world_size=group.size(),
-                    step=self._round_step if self.quorum_step is None else self.quorum_step,
-                    contributing=contributing, exchange=self.exchange_fill is not None,
+                    step=self._round_step if self.round_hooks is None else self.round_hooks.quorum_step,
+                    contributing=contributing, exchange=self.exchange.fill is not None,
                     contributors=self.world_size, factor=self.expected_factor(), outcome=outcome))
                 self._resume_codec(codec, pack, index, first=True, outcome=outcome)
             else:
@@ -530,13 +597,13 @@ class GradientEngine:
         flat = torch.view_as_real(tensor).view(-1) if tensor.is_complex() else tensor
         nbytes = flat.numel() * flat.element_size()
         copies = None
-        if (self.op == dist.ReduceOp.SUM and nbytes in pack.gathers
-                and sums_by_gather(nbytes, self.world_size, flat.device, self.gather_sum_limit)):
+        if (self.config.op == dist.ReduceOp.SUM and nbytes in pack.gathers
+                and sums_by_gather(nbytes, self.world_size, flat.device, self.config.gather_sum_limit)):
             copies = gather_buffer(pack, flat, self.world_size)
             work = gather_by_broadcasts(self.channel.group, copies, flat, self.world_size)
         else:
             options = dist.AllreduceOptions()
-            options.reduceOp = self.op
+            options.reduceOp = self.config.op
             options.asyncOp = True
             work = self.channel.group.allreduce([flat], options)
         seq = self.progress.issue() if self.progress is not None else 0
@@ -570,7 +637,7 @@ class GradientEngine:
             return False
         if after_last:
             codec.close()
-            raise TypeError(f"a codec of {type(self.compressor).__name__} yielded {type(collective).__name__} after "
+            raise TypeError(f"a codec of {type(self.config.compressor).__name__} yielded {type(collective).__name__} after "
                             "a collective it marked last=True; mark only the codec's final collective last")
         if isinstance(collective, AllReduce):
             options = dist.AllreduceOptions()
@@ -588,7 +655,7 @@ class GradientEngine:
             sent = collective.tensor
             work = group.alltoall_base(collective.out, sent, [], [], dist.AllToAllOptions())
         else:
-            raise TypeError(f"a codec of {type(self.compressor).__name__} yielded {collective!r}; a codec yields "
+            raise TypeError(f"a codec of {type(self.config.compressor).__name__} yielded {collective!r}; a codec yields "
                             "distopt.compression.AllReduce, AllGather or AllToAll")
         seq = self.progress.issue() if self.progress is not None else 0
         self.inflight.append(Sent(work, pack, index, seq, carries_flags=carrier is not None, codec=codec,
@@ -609,7 +676,7 @@ class GradientEngine:
     @property
     def row_scale(self) -> Optional[float]:
         """What a gradient's rows are multiplied by before they are summed: the mean's 1/world."""
-        if self.scale is not None or not self.mean:
+        if self.scale is not None or not self.config.mean:
             return self.scale
         return 1.0 / self.world_size  # the backend averages dense all-reduces (AVG); gathers do not
 
@@ -672,7 +739,7 @@ class GradientEngine:
         start = time.perf_counter()
         if not self._arrive(patience):
             return
-        if self.round_failed is not None and self.round_failed():
+        if self.round_hooks is not None and self.round_hooks.round_failed():
             self._discard_failed_round()
             return
         if patience is not None:
@@ -686,12 +753,12 @@ class GradientEngine:
             self.progress.phase = "after backward, before step()"
         if totals is None:
             return
-        totals.check(self.world_size if self.flags_from_all else None)
+        totals.check(self.world_size if self.config.flags_from_all else None)
         if touched:
             raise RuntimeError(_TOUCHED_WHILE_PENDING.format(self._patience_used))
         self._settle(totals)
-        if self.on_settled is not None:
-            self.on_settled()
+        if self._on_settled is not None:
+            self._on_settled()
 
     def _read_back(self) -> Optional[Totals]:
         """Everything in flight is back: take the values off the wire, read the control flags, rescale
@@ -709,7 +776,7 @@ class GradientEngine:
                 pack.buffer.copy_(pack.wire)
             if totals is None:
                 totals = self._totals(pack.flags[-CONTROL_FLAGS:].tolist())
-            factor = totals.rescale(self.world_size, self.mean)
+            factor = totals.rescale(self.world_size, self.config.mean)
             if factor != 1.0:
                 pack.data.mul_(factor)
             if pack.absent:
@@ -782,12 +849,12 @@ class GradientEngine:
         outcome = sent.outcome
         if outcome is None or outcome.factor is not None:
             return
-        if not self.in_join:
+        if not self.join.in_block:
             outcome.contributors, outcome.factor = self.world_size, 1.0
             return
         totals = Totals.read(sent.pack.flags[-CONTROL_FLAGS:].tolist(), self.world_size,
-                             averaged=self.op == dist.ReduceOp.AVG)
-        outcome.contributors, outcome.factor = totals.contributing, totals.rescale(self.world_size, self.mean)
+                             averaged=self.config.op == dist.ReduceOp.AVG)
+        outcome.contributors, outcome.factor = totals.contributing, totals.rescale(self.world_size, self.config.mean)
         if totals.contributing:  # contributors count their steps in gradient rounds only, never in an exchange
             outcome.exchange = not totals.counts_steps
 
@@ -798,7 +865,7 @@ class GradientEngine:
         if not codecs:
             return False
         self.inflight = [sent for sent in self.inflight if sent.codec is None]
-        if self.round_failed is not None and self.round_failed():
+        if self.round_hooks is not None and self.round_hooks.round_failed():
             # Fault tolerance: what came back is garbage and the step is discarded; a codec resumed
             # would compute on it and issue collectives that cannot pair up any more.
             for sent in codecs:
@@ -806,21 +873,21 @@ class GradientEngine:
             return False
         for sent in codecs:
             if sent.carrier is not None:  # the codec's parts out, the flags summed; the flags stay to be read back
-                sent.carrier.unpack(sent.pack.flags, sent.gathered_into, averaged=self.op == dist.ReduceOp.AVG)
+                sent.carrier.unpack(sent.pack.flags, sent.gathered_into, averaged=self.config.op == dist.ReduceOp.AVG)
                 self.inflight.append(sent._replace(codec=None, carrier=None, gathered_into=None, last=False))
             self._fill_outcome(sent)
             self._resume_codec(sent.codec, sent.pack, sent.index, after_last=sent.last, outcome=sent.outcome)
         return True
 
     def _totals(self, flags: List[float]) -> Totals:
-        totals = Totals.read(flags, self.world_size, averaged=self.op == dist.ReduceOp.AVG)
-        self.closure_round = bool(totals.closure)
-        self.training = totals.training
+        totals = Totals.read(flags, self.world_size, averaged=self.config.op == dist.ReduceOp.AVG)
+        self.outcome.closure = bool(totals.closure)
+        self.outcome.training = totals.training
         if totals.contributing:
-            self.contributors = totals.contributing
-            self.contributed_last = not self.joined
+            self.outcome.contributors = totals.contributing
+            self.outcome.contributed_last = not self.join.joined
         else:
-            self.contributors = 0
+            self.outcome.contributors = 0
         return totals
 
     def _settle(self, totals: Totals) -> None:
@@ -879,11 +946,11 @@ class GradientEngine:
             collectives.all_reduce(flags, op="sum", group=self.channel.group)
         self.state = RoundState.SETTLED
         totals = self._totals(flags.tolist())
-        totals.check(self.world_size if self.flags_from_all else None)
+        totals.check(self.world_size if self.config.flags_from_all else None)
         if totals.unfrozen:
             self._adopt_unfrozen()
-        if self.on_settled is not None:
-            self.on_settled()
+        if self._on_settled is not None:
+            self._on_settled()
 
     # ------------------------------------------------------------------ replanning, on every rank together
 
@@ -896,12 +963,12 @@ class GradientEngine:
         order = replanning.observed_order(self.arrivals, len(self.params))
         message = torch.tensor([len(self.arrivals)] + order, dtype=torch.int64)
         with stalls.inspected(self.progress, "the broadcast of the pack plan"):
-            collectives.broadcast(message, src=self.root_rank, group=self.channel.group)
+            collectives.broadcast(message, src=self.config.root_rank, group=self.channel.group)
         observed, *root_order = message.tolist()
         if not observed:
             return
         if replanning.replan([pack.spec for pack in self.packs], root_order, metas(self.params),
-                             self.pack_threshold, self._fragment_groups()) is not None:
+                             self.config.pack_threshold, self._fragment_groups()) is not None:
             self.build_packs(root_order)
         self.planned = True
 
@@ -916,7 +983,7 @@ class GradientEngine:
         frozen, frozen_names = self.frozen, self.frozen_names
         # A frozen parameter with a gradient set by hand (torch.func.grad, say) is stepped by the inner
         # optimizer like a trainable one, so it is averaged like one.
-        mine: replanning.Unfrozen = None if self.joined else [
+        mine: replanning.Unfrozen = None if self.join.joined else [
             (n, "trainable" if p.requires_grad else "frozen, with a gradient set by hand")
             for p, n in zip(frozen, frozen_names) if p.requires_grad or p.grad is not None
         ]
@@ -960,7 +1027,7 @@ class GradientEngine:
         """
         with self.lock:
             self.open_round(Phase.EXCHANGE)
-            self.exchange_fill = fill
+            self.exchange.fill = fill
             self.state = RoundState.IN_FLIGHT
             # An exchange fixes no plan (_settle): its order is the plan's present one, on every rank.
             if self.packs:
@@ -975,7 +1042,7 @@ class GradientEngine:
                 else:  # nothing trainable: only the control flags travel, as a joined rank's shadow does
                     self.control_round()
             finally:
-                self.exchange_fill = None
+                self.exchange.fill = None
 
     # ------------------------------------------------------------------ partial exchanges (streaming: one fragment)
 
@@ -989,26 +1056,26 @@ class GradientEngine:
         with :meth:`finish_partial`; meanwhile the packs' buffers belong to it.
 
         Args:
-            packs: places in the plan, ascending (:attr:`fragment_packs`).
+            packs: places in the plan, ascending (``exchange.fragment_packs``).
             fill: writes the values into each pack's member views, scaled by :attr:`scale`.
 
         Returns:
             The exchange, for :meth:`arrive_partial` and :meth:`finish_partial`.
         """
         with self.lock:
-            round_state = (self.inflight, self._control, self._phase, self.exchange_fill, self._round_step)
+            round_state = (self.inflight, self._control, self._phase, self.exchange.fill, self._round_step)
             self._next_round()
             if not self.packs:  # nothing trainable: the flags travel, at once, as a joined rank's shadow does
                 self.control_round()
                 return empty_exchange()
-            self.inflight, self._control, self._phase, self.exchange_fill = [], None, Phase.EXCHANGE, fill
+            self.inflight, self._control, self._phase, self.exchange.fill = [], None, Phase.EXCHANGE, fill
             try:
                 for k in packs:
                     self._launch(k)
                 held = [(self.packs[k], self.packs[k].data, list(self.packs[k].views)) for k in packs]
                 return PartialExchange(list(packs), self.inflight, held)
             finally:
-                self.inflight, self._control, self._phase, self.exchange_fill, self._round_step = round_state
+                self.inflight, self._control, self._phase, self.exchange.fill, self._round_step = round_state
 
     def arrive_partial(self, exchange: PartialExchange) -> None:
         """Wait for ``exchange``'s collectives; its values are then the mean over the contributors.
@@ -1074,30 +1141,30 @@ class GradientEngine:
             totals = exchange.totals
             if totals is None:
                 return
-            totals.check(self.world_size if self.flags_from_all else None)
+            totals.check(self.world_size if self.config.flags_from_all else None)
             self._settle(totals)
-            if self.on_settled is not None:
-                self.on_settled()
+            if self._on_settled is not None:
+                self._on_settled()
 
     # ------------------------------------------------------------------ shadow rounds (a rank that has joined)
 
     def shadow_launch(self) -> None:
-        """As a rank that has joined: send zeros for the others' next round (the fragment :attr:`shadow_fragment` names)."""
+        """As a rank that has joined: send zeros for the others' next round (the fragment :meth:`set_shadow_fragment`'s chooser names)."""
         with self.lock:
             self.stats = StepStats()
-            self.joined = True
+            self.join.joined = True
             self._next_round()
-            if self.on_round_open is not None:  # fault tolerance: the shadow round's quorum
-                self.on_round_open()
+            if self.round_hooks is not None:  # fault tolerance: the shadow round's quorum
+                self.round_hooks.enter_round()
             if not self.packs:  # nothing trainable: only the control flags travel, at once
                 self.control_round()
                 return
-            fragment = None if self.shadow_fragment is None else self.shadow_fragment()
+            fragment = None if self.exchange.shadow_fragment is None else self.exchange.shadow_fragment()
             if fragment is None:
                 self.flush()
                 return
             self._phase = Phase.EXCHANGE  # the others' fragment exchange
-            for k in self.fragment_packs[fragment]:
+            for k in self.exchange.fragment_packs[fragment]:
                 self._launch(k)
             self.state = RoundState.FLUSHED
 
@@ -1109,7 +1176,7 @@ class GradientEngine:
             if self.inflight:
                 self.finish_round()
             self.reset_round()
-            return self.contributors
+            return self.outcome.contributors
 
     def shadow_pending(self) -> Optional[Sent]:
         """The first collective of the shadow round in flight not completed yet, or None."""

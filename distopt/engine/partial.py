@@ -40,7 +40,7 @@ class PartialExchange:
 
     Example::
 
-        exchange = engine.launch_partial(engine.fragment_packs[f], fill)   # inner steps run meanwhile
+        exchange = engine.launch_partial(engine.exchange.fragment_packs[f], fill)   # inner steps run meanwhile
         engine.finish_partial(exchange)
         for param, mean in exchange.values():
             ...

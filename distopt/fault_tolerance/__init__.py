@@ -17,6 +17,7 @@ What lives here, one concept per module:
 
 - :mod:`.channel`: the engine's channel over the manager's process group (sums only);
 - :mod:`.controller`: :class:`FaultTolerance`, a wrapper's quorum, commit and membership;
+- :mod:`.wiring`: the wrapper's engine over the manager, and the end of its step (commit or discard);
 - :mod:`.membership`: :class:`MembershipEvent`, who left or joined, when, at which step;
 - :mod:`.healing`: the state a replacement receives from a live peer;
 - :mod:`.compressor_state`: a compressor's state across a step: kept, put back, or what a healer takes;

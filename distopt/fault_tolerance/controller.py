@@ -12,7 +12,7 @@ Per step, with torchft's ``Manager`` (used duck-typed: this module never imports
    from, whose state the quorum has brought, and leaves on a mismatch, before any collective
    (:meth:`FaultTolerance._check_settings`).
 3. A collective that fails marks the step as failed: the engine then reads nothing back
-   (:attr:`distopt.engine.GradientEngine.round_failed`), and this replica *cuts* its
+   (:meth:`distopt.engine.state.RoundHooks.round_failed`: this controller is the engine's round hooks), and this replica *cuts* its
    group's connections at once, so that every survivor still waiting on it fails too
    instead of waiting out gloo's timeout (:mod:`.sockets`).
 4. ``commit()``: ``manager.should_commit()``; False discards the step (the inner optimizer

@@ -262,8 +262,7 @@ class DistributedOptimizer(_CoreDistributedOptimizer):
             {p: f"allreduce.noname.{i}.{j}" for i, group_ in enumerate(optimizer.param_groups)
              for j, p in enumerate(group_["params"])})
         # Always ready for hvd.join(), with Horovod's meaning: joined ranks count as zeros in the average.
-        self._engine.in_join = True
-        self._engine.divide_by_world = True
+        self._engine.enter_join(divide_by_world=True)
         self._session = generation()
         self._ranks: Tuple[int, ...] = ()  # the global ranks it averages over; none when it trains alone
         if self.world_size > 1:

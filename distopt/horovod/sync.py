@@ -9,7 +9,7 @@ from typing import Any, Dict, List, Tuple
 import torch.distributed as dist
 
 from .. import collectives
-from ..wrapper.optimizer import join_and_wait
+from ..wrapper.join import join_and_wait
 from .agreement import serve_joined
 from .background import Handle, start
 from .errors import internal_errors

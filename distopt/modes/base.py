@@ -53,7 +53,9 @@ from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
 
 from .. import collectives
+from ..compression import Compressor
 from ..engine import GradientEngine
+from ..engine.opening import open_engine
 from ..planning import drift
 from ..transport import stalls
 from . import shards
@@ -100,7 +102,6 @@ class ModeContext:
         names: a name for each parameter, by ``id`` (from ``named_parameters``).
         process_group: the user's group (None: the default group).
         rank: this rank within the group.
-        world_size: ranks in the group.
         root_rank: the rank that broadcasts.
         reduce_op: ``"mean"`` or ``"sum"``.
         stall_warning: seconds before a wait warns, or None.
@@ -111,7 +112,7 @@ class ModeContext:
     """
 
     def __init__(self, *, optimizer: Optimizer, engine: GradientEngine, params: List[Tensor], names: Dict[int, str],
-                 process_group: Optional[ProcessGroup], rank: int, world_size: int, root_rank: int, reduce_op: str,
+                 process_group: Optional[ProcessGroup], rank: int, root_rank: int, reduce_op: str,
                  stall_warning: Optional[float], stall_timeout: Optional[float],
                  reduce_for_step: Callable[[], None], synchronize: Callable[[], None]) -> None:
         self.optimizer = optimizer
@@ -120,7 +121,6 @@ class ModeContext:
         self.names = names
         self.process_group = process_group
         self.rank = rank
-        self.world_size = world_size
         self.root_rank = root_rank
         self.reduce_op = reduce_op
         self.stall_warning = stall_warning
@@ -140,6 +140,12 @@ class ModeContext:
         return channel.group if channel is not None else self.process_group
 
     @property
+    def world_size(self) -> int:
+        """Ranks in the group (under fault tolerance: the replicas of this step); the engine's
+        :class:`~distopt.engine.state.World` holds it."""
+        return self.engine.world_size
+
+    @property
     def progress(self) -> Optional[stalls.Progress]:
         """This rank's position for the stall inspector (None in a world of one)."""
         return self.engine.progress
@@ -151,9 +157,7 @@ class ModeContext:
 
     def set_steps(self, steps: int) -> None:
         """Set the step count (a checkpoint, or another rank's count at the end of a join block)."""
-        self.engine.steps = steps
-        if self.engine.progress is not None:
-            self.engine.progress.step = steps
+        self.engine.set_steps(steps)
 
     def reduce_for_step(self) -> None:
         """Reduce what backward did not, as ``step()`` must, and wait for it."""
@@ -162,6 +166,36 @@ class ModeContext:
     def synchronize(self) -> None:
         """Reduce now and wait, as the user's ``opt.synchronize()`` does."""
         self._synchronize()
+
+    def open_engine(self, process_group: ProcessGroup, compressor: Optional[Compressor] = None) -> GradientEngine:
+        """Open another engine, over ``process_group``, with the wrapper's settings: for a mode that
+        averages over more than one group (e.g. every step inside a host, every H steps across hosts).
+
+        It has a private group of its own (none in a group of one) and its own stall watch, so its
+        collectives never pair with the wrapper's engine's. It averages what the mode gives it
+        (:meth:`~distopt.engine.GradientEngine.launch_exchange` after
+        :meth:`~distopt.engine.GradientEngine.track`); it reduces no gradient during backward (its
+        parameters are not hooked). The mode owns it: it closes it (:meth:`~distopt.engine.GradientEngine.close`)
+        when it is done with it. Every rank of ``process_group``, and only those, must call this, at the
+        same point.
+
+        Args:
+            process_group: the ranks to average over; ranks are numbered within it.
+            compressor: how its packs travel, or None: as they are (a compressor's state is one
+                engine's: never the wrapper's own).
+
+        Returns:
+            The engine, with no parameter tracked yet.
+
+        Raises:
+            StallError: the group's other ranks did not open theirs within the stall timeout.
+        """
+        config = self.engine.config
+        engine = open_engine(process_group, reduce_op=self.reduce_op, pack_threshold=config.pack_threshold,
+                             compressor=compressor, sparse_as_dense=config.sparse_as_dense, backward_passes_per_step=1,
+                             root_rank=0, stall_warning=self.stall_warning, stall_timeout=self.stall_timeout)
+        engine.keep_gradients_local(True)
+        return engine
 
     def name_of(self, p: Tensor, group: int, index: int) -> str:
         """The user's name for ``p``, else its place in the param groups."""
@@ -335,7 +369,7 @@ class Mode:
             The count, the same on every rank still training; None where no round of this step tells
             (local SGD between two syncs): a rank may have joined unseen.
         """
-        return ctx.engine.training
+        return ctx.engine.outcome.training
 
     def kept_identical(self, ctx: ModeContext, scheduled: bool) -> Optional[drift.Kept]:
         """What this mode keeps identical on every rank now, for the drift check to compare.

@@ -75,7 +75,6 @@ from ..engine import GradientEngine
 from ..engine.packs import Pack
 from ..planning import drift
 from ..planning.mixing import mix_
-from ..planning.stats import StepStats
 from ..transport import stalls
 from . import amp, shards
 from .base import Mode, ModeContext, OuterFactory, SyncVote
@@ -184,7 +183,7 @@ class LocalSGDMode(Mode):
                         anchor.copy_(p)  # identical on every rank after synchronous steps
                 self._set_local(ctx, True)
             return loss
-        ctx.engine.stats = StepStats()  # nothing on the wire, unless this step syncs
+        ctx.engine.reset_stats()  # nothing on the wire, unless this step syncs
         self._track(ctx)
         if skip:
             loss = None
@@ -202,7 +201,7 @@ class LocalSGDMode(Mode):
     def leaving(self, ctx: ModeContext) -> Optional[Callable[[], None]]:
         # Steps not averaged yet are sent once, as a contributor for the last time; a rank without any
         # just shadows.
-        if ctx.world_size == 1 or not ctx.engine.local or self.since_sync == 0:
+        if ctx.world_size == 1 or not ctx.engine.exchange.local or self.since_sync == 0:
             return None
         self.since_sync = 0
         self._launch(ctx, leaving=True)
@@ -212,7 +211,7 @@ class LocalSGDMode(Mode):
         """Right after a sync (or a warm-up step), what its flags say; between two syncs None: no round
         carries flags there, and the others learn that a rank ran out of data only from their next sync,
         whose flags say that it contributes for the last time (:meth:`leaving`) or not at all."""
-        if ctx.engine.local and not self._synced_now:
+        if ctx.engine.exchange.local and not self._synced_now:
             return None
         return super().ranks_training(ctx)
 
@@ -228,7 +227,7 @@ class LocalSGDMode(Mode):
         parameters differ on purpose, a periodic check waits for the next sync, and ``check_drift()``
         compares the last-sync copies. The inner optimizer's state is each rank's own, never compared
         (but during ``local_warmup``, which is synchronous training)."""
-        if not ctx.engine.local:
+        if not ctx.engine.exchange.local:
             return super().kept_identical(ctx, scheduled)
         if self.since_sync and scheduled:
             return None
@@ -554,8 +553,7 @@ class LocalSGDMode(Mode):
 
     def _set_local(self, ctx: ModeContext, local: bool) -> None:
         self.reduces_in_backward = not local
-        ctx.engine.local = local
-        ctx.engine.hooks(not local)
+        ctx.engine.keep_gradients_local(local)
 
     def _pairs(self, ctx: ModeContext) -> List[Tuple[Tensor, Tensor]]:
         return [(p, self._anchors[id(p)]) for p in ctx.params if id(p) in self._anchors]
@@ -607,11 +605,8 @@ def _nothing_to_send(p: Tensor, pseudo: Tensor) -> bool:
 def last_contribution(engine: GradientEngine, leaving: bool = True) -> Iterator[None]:
     """Around the launch of this rank's last contributions (``leaving``): their control flags say so, and
     the ranks still training learn from them that it has joined, as they learn it from a shadow round's."""
-    engine.leaving = leaving
-    try:
+    with engine.announce(leaving=leaving):
         yield
-    finally:
-        engine.leaving = False
 
 
 def _build_outer(factory: OuterFactory, anchors: List[Tensor]) -> Optimizer:

@@ -17,7 +17,7 @@ so they see every parameter, as around an unsharded step.
 
 Join: a rank that has joined owns nothing. In the round in which it joined, which
 every rank settles at the same point of its collectives, its shard is handed to
-the ranks still training (:attr:`distopt.engine.GradientEngine.on_settled`). From
+the ranks still training (:meth:`distopt.engine.GradientEngine.call_when_settled`). From
 then on the ranks still training share their parameters between themselves,
 point to point, so a joined rank takes part in their gradient rounds only,
 whether or not they step after them (``GradScaler`` skips a step where it finds an
@@ -152,7 +152,7 @@ class ShardedState(Synchronous):
             if m is not None and c is not None:
                 m._follow_joins(c)
 
-        ctx.engine.on_settled = follow_joins
+        ctx.engine.call_when_settled(follow_joins)
 
     def step(self, ctx: ModeContext, closure: Optional[Callable[[], Any]]) -> Any:
         if ctx.world_size == 1:  # nothing to divide
@@ -208,11 +208,11 @@ class ShardedState(Synchronous):
         Called once every round's control flags are read, on every rank (a joined rank's shadow
         round included), so the hand-over comes at the same point of every rank's collectives.
         """
-        contributors = ctx.engine.contributors
+        contributors = ctx.engine.outcome.contributors
         if contributors == self.contributors or contributors == 0:
             return
         self.contributors = contributors
-        flag = torch.tensor([int(not ctx.engine.joined)], dtype=torch.int64)
+        flag = torch.tensor([int(not ctx.engine.join.joined)], dtype=torch.int64)
         with stalls.inspected(ctx.progress, "the exchange of which ranks have joined"):
             flags = collectives.all_gather(flag, group=ctx.group)
         active = self.active = [r for r, f in enumerate(flags) if f.item()]

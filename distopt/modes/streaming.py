@@ -146,7 +146,7 @@ class StreamingMode(LocalSGDMode):
     def attach(self, ctx: ModeContext) -> None:
         super().attach(ctx)
         ctx.engine.set_fragments(self.fragments)
-        ctx.engine.shadow_fragment = self._shadow_fragment
+        ctx.engine.set_shadow_fragment(self._shadow_fragment)
         self._plan = ctx.engine.packs
 
     def schedule(self, ctx: ModeContext) -> StreamSchedule:
@@ -211,7 +211,7 @@ class StreamingMode(LocalSGDMode):
         """Each fragment's parameters: read from the engine's packs (a world of one: cut here alike)."""
         engine = ctx.engine
         if self._exchanges(ctx):
-            return [[p for k in packs for p in engine.packs[k].params] for packs in engine.fragment_packs]
+            return [[p for k in packs for p in engine.packs[k].params] for packs in engine.exchange.fragment_packs]
         params = [p for p, _ in self._pairs(ctx)]
         runs = split_fragments([p.numel() * p.element_size() for p in params], self.fragments)
         return [[params[i] for i in run] for run in runs]
@@ -235,7 +235,7 @@ class StreamingMode(LocalSGDMode):
         if engine.progress is not None:
             engine.progress.phase = f"inside step() (streaming local SGD: sending fragment {fragment})"
         with torch.no_grad():
-            exchange = engine.launch_partial(engine.fragment_packs[fragment], self._filler(ctx))
+            exchange = engine.launch_partial(engine.exchange.fragment_packs[fragment], self._filler(ctx))
         self._pending[fragment] = _Sync(step, exchange)
         self._sent_now.append(exchange)
 
@@ -305,7 +305,7 @@ class StreamingMode(LocalSGDMode):
         engine = ctx.engine
         if ctx.world_size == 1:
             return None
-        if not engine.local:  # in the warm-up: the others' remaining warm-up rounds, then their fragments
+        if not engine.exchange.local:  # in the warm-up: the others' remaining warm-up rounds, then their fragments
             self._shadow_warm = self.local_warmup - ctx.steps
             self._start_shadow_cycle(ctx, 0)
             return None
@@ -324,7 +324,7 @@ class StreamingMode(LocalSGDMode):
         order = schedule.order_after(step)
         fill = self._filler(ctx)
         with torch.no_grad(), last_contribution(engine):
-            first = engine.launch_partial(engine.fragment_packs[order[0]], fill)
+            first = engine.launch_partial(engine.exchange.fragment_packs[order[0]], fill)
         self.since_sync = 0
 
         def finish() -> None:
@@ -332,7 +332,7 @@ class StreamingMode(LocalSGDMode):
             for f in order[1:]:
                 engine.arrive_partial(exchanges[-1])
                 with torch.no_grad(), last_contribution(engine):
-                    exchanges.append(engine.launch_partial(engine.fragment_packs[f], fill))
+                    exchanges.append(engine.launch_partial(engine.exchange.fragment_packs[f], fill))
             for f, exchange in zip(order, exchanges):
                 self._pending[f] = _Sync(step, exchange)
                 self._merge(ctx, f, final=True)
@@ -344,11 +344,11 @@ class StreamingMode(LocalSGDMode):
         (its communication only; it is merged at its own step), as every rank still training sent it in
         this step. After any other step None: a rank may have run out of data since the last exchange
         (a flag read at a merge is ``sync_overlap`` steps old), and sent its last exchanges unseen."""
-        if not ctx.engine.local or not self._sent_now:
+        if not ctx.engine.exchange.local or not self._sent_now:
             return super().ranks_training(ctx)
         exchange = self._sent_now[-1]
         ctx.engine.arrive_partial(exchange)
-        return ctx.engine.training if exchange.totals is None else exchange.totals.training
+        return ctx.engine.outcome.training if exchange.totals is None else exchange.totals.training
 
     def _start_shadow_cycle(self, ctx: ModeContext, step: int) -> None:
         self._shadow_cycle = self.schedule(ctx).order_after(step)
@@ -467,7 +467,7 @@ class StreamingMode(LocalSGDMode):
     def kept_identical(self, ctx: ModeContext, scheduled: bool) -> Optional[drift.Kept]:
         """The last-sync copies, the outer optimizer and the step count, at any step: the parameters
         are never all synced at once (a fragment at a time, and mixed with local progress)."""
-        if not ctx.engine.local:
+        if not ctx.engine.exchange.local:
             return super().kept_identical(ctx, scheduled)
         outer = self.outer
         anchors = [self._anchors.get(id(p)) for p in ctx.params]

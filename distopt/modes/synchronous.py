@@ -58,13 +58,10 @@ def synchronizing(ctx: ModeContext, closure: Callable[[], Any]) -> Callable[[], 
     def reduced_closure() -> Any:
         engine = ctx.engine
         engine.reset_round()  # each closure call is a fresh forward and backward
-        engine.closure = ctx.world_size > 1
-        try:
+        with engine.announce(closure=ctx.world_size > 1):
             with torch.enable_grad():
                 loss = closure()
             ctx.synchronize()  # at once, before the inner optimizer reads the gradients
-        finally:
-            engine.closure = False
         return _reduced_loss(ctx, loss)
 
     return reduced_closure
@@ -89,7 +86,7 @@ def _reduced_loss(ctx: ModeContext, loss: Any) -> Any:
     if not _is_scalar(loss) or count == 0:
         return loss
     engine = ctx.engine
-    value = total if ctx.reduce_op != "mean" else total / (ctx.world_size if engine.divide_by_world else count)
+    value = total if ctx.reduce_op != "mean" else total / (ctx.world_size if engine.join.divide_by_world else count)
     if isinstance(loss, Tensor):
         return torch.tensor(value, dtype=torch.float64).to(dtype=loss.dtype, device=loss.device).reshape(loss.shape)
     return value

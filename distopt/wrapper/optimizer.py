@@ -5,41 +5,28 @@ private group, the gradient engine, the mode); taking parameters on (claimed,
 checked across ranks, broadcast, hooked); the ``torch.optim.Optimizer`` surface
 (:class:`~distopt.wrapper.forwarding.InnerOptimizerSurface`: param groups, hooks,
 schedulers); ``step``/``zero_grad``/``synchronize``; state dicts and broadcasts;
-and :func:`join` for uneven inputs. The hot path is the engine's
+and ``join()`` for uneven inputs. The hot path is the engine's
 (:mod:`distopt.engine`); what happens at ``step()`` is the mode's
 (:mod:`distopt.modes`), which sees the wrapper only through a
 :class:`~distopt.modes.ModeContext`.
 
-**Join** (uneven inputs). Inside ``with opt.join():`` a rank whose loop ends does
-not leave. It runs shadow rounds: the same packs, in the same plan order, filled
-with zeros and with its presence and "contributing" flags at 0. The ranks still
-training see from the summed flags how many ranks contributed, and average over
-those alone (or over the world, with ``divide_by_world=True``). Nothing else
-travels while no rank has joined. When a round comes back with no contributor,
-every rank has joined. If some ranks stopped earlier than others, their
-parameters and optimizer state are behind: of the ranks that took part in the
-last contributing round, the one with the most steps sends its own to everyone,
-so every rank leaves the block with the state of a rank that ran the longest,
-bitwise. A joined rank takes part in nothing but what the flags of the round it
-shadowed announce (a closure's round is followed by the reduction of its loss),
-so the ranks' collectives pair up whatever the others do between rounds. In local SGD a rank that joins with local steps not yet
-averaged first sends them, as a contributor, in one last exchange
-(:meth:`distopt.modes.Mode.leaving`); it then shadows the others' exchanges like
-their gradient rounds. Several optimizers trained in one loop (a GAN's two) join
-together (:func:`join`): each has its own private group, so a joined rank keeps
-one shadow round in flight per optimizer, in whatever order the others step them.
+Three concerns live in modules of their own, which the wrapper calls through small
+interfaces: ``join()`` (:mod:`distopt.wrapper.join`, through each wrapper's
+:class:`~distopt.wrapper.join.JoinParty`), the registry of which wrapper each compressor
+serves (:mod:`distopt.wrapper.compressor_owners`), and the glue to fault tolerance
+(:mod:`distopt.fault_tolerance.wiring`). The engine is opened by
+:func:`distopt.engine.opening.open_engine`, and the number of ranks lives in its
+:class:`~distopt.engine.state.World`, which the wrapper and the mode's context ask.
 """
 from __future__ import annotations
 
 import contextlib
-import time
 import warnings
 import weakref
 from datetime import timedelta
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import ProcessGroup
 from torch.optim import Optimizer
@@ -50,17 +37,19 @@ from .. import fault_tolerance as ft
 from ..compression import Compressor
 from ..collectives.groups import check_member
 from ..engine import GradientEngine, RoundState
+from ..engine.opening import open_engine
+from ..engine.state import World
+from ..fault_tolerance import wiring
 from ..modes import Mode, ModeContext, OuterFactory, resolve, settings_of, shards
-from ..modes.synchronous import shadow_closure_loss
 from ..planning.drift import DriftReport
 from ..planning.stats import StepStats
 from ..planning.link import choose_threshold
-from ..transport import private_groups, stalls
+from ..transport import stalls
 from ..transport.link import measure_link
-from ..transport.stalls import Progress
-from . import checks, ddp_guard
+from . import checks, compressor_owners, ddp_guard
 from .drift import DEFAULT_CHECK_EVERY, DriftCheck
 from .forwarding import InnerOptimizerSurface
+from .join import JoinParty, join, join_and_wait
 
 __all__ = ["DistributedOptimizer", "StepStats", "DEFAULT_PACK_THRESHOLD", "COMPRESSION_KEY", "join", "join_and_wait"]
 
@@ -70,10 +59,6 @@ COMPRESSION_KEY = "distopt_compression"
 #: Default pack size in bytes (see docs/benchmark.md for how it was chosen).
 DEFAULT_PACK_THRESHOLD = 10 * 2**20
 
-# Seconds between two looks at several optimizers' shadow rounds.
-_POLL = 0.0005
-
-_in_blocks: "set[int]" = set()  # ids of the wrappers inside a join block in this process
 
 
 class DistributedOptimizer(InnerOptimizerSurface):
@@ -123,8 +108,8 @@ class DistributedOptimizer(InnerOptimizerSurface):
         root_rank: rank within ``process_group`` that broadcasts (default: ``0``).
         compression: how float packs travel: a :class:`distopt.compression.Compressor`
             (``PowerSGD(rank=4)``, ``Quantize(bits=8)``, ``TopK(group_size=64)``,
-            ``Cast(torch.float16)``, or your own) or its name: ``"fp16"``, ``"bf16"``,
-            ``"int8"``, ``"int4"``, ``"powersgd"``, ``"topk"``. Error feedback keeps what a
+            ``Cast(torch.float16)``, or your own) or its name, one of
+            ``distopt.compression.NAMES`` (``"int8"``, ``"topk"``, ``"powersgd"``, ...). Error feedback keeps what a
             compressor left out for the next step; that state is this rank's own and goes
             into ``state_dict()``. In local SGD the pseudo-gradients are compressed. None sends values as they are
             (default: None).
@@ -228,7 +213,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
         self.compression = None if compression in (None, "none") else compression
         self.compressor: Optional[Compressor] = compression_module.resolve(compression)
         if self.compressor is not None:
-            _bind_compressor(self.compressor, self)
+            compressor_owners.bind(self.compressor, self)
         self.sparse_as_dense = sparse_as_dense
         # The mode owns its arguments (distopt.modes): the shorthands build one, and it refuses what it cannot do.
         self._mode: Mode = resolve(mode, shard_state=shard_state, sync_every=sync_every,
@@ -247,7 +232,9 @@ class DistributedOptimizer(InnerOptimizerSurface):
         if process_group is not None:
             check_member(process_group, "process_group")
         self.rank = collectives.get_rank(self.process_group)
-        self.world_size = collectives.get_world_size(self.process_group)
+        # The one count of the ranks: the engine's World (resized per step under fault tolerance), which
+        # world_size and the mode's context read.
+        self._world = World(collectives.get_world_size(self.process_group))
         # ---- fault tolerance (distopt.fault_tolerance): the replicas' world is the manager's, per step.
         self.fault_tolerance: Optional[ft.FaultTolerance] = None
         if fault_tolerance is not None:
@@ -272,16 +259,18 @@ class DistributedOptimizer(InnerOptimizerSurface):
         self._params: List[Tensor] = []  # every parameter this wrapper broadcasts, in tracking order
         self._context = ModeContext(
             optimizer=optimizer, engine=self._engine, params=self._params, names=self._names_by_id,
-            process_group=process_group, rank=self.rank, world_size=self.world_size, root_rank=root_rank,
+            process_group=process_group, rank=self.rank, root_rank=root_rank,
             reduce_op=reduce_op, stall_warning=self.stall_warning, stall_timeout=self.stall_timeout,
             reduce_for_step=_weakly(self._reduce_for_step), synchronize=_weakly(self.synchronize),
         )
         if self.fault_tolerance is not None:
             self.fault_tolerance.params = self._params
-            self.fault_tolerance.attach(self._set_world)
             if self._mode.fault_tolerant(self.fault_tolerance):  # a quorum and a commit vote per sync, not per step
                 self.fault_tolerance.per_step = False
         self._mode.bind(self)  # before it takes any state on
+        self._join_party = JoinParty(engine=self._engine, mode=self._mode, context=self._context,
+                                     fault_tolerance=self.fault_tolerance, root_rank=root_rank,
+                                     check_usable=self._check_not_retired)
         self._track_new_params()
         self._mode.attach(self._context)
         self._ddp_watched = self.world_size > 1  # a model left in DDP shows at its first forward
@@ -294,13 +283,23 @@ class DistributedOptimizer(InnerOptimizerSurface):
         return self._mode
 
     @property
+    def world_size(self) -> int:
+        """Ranks the gradients are averaged over (under fault tolerance: the replicas of this step)."""
+        return self._world.size
+
+    @property
+    def join_party(self) -> JoinParty:
+        """This wrapper's part in a join block, for :func:`distopt.join` (:mod:`distopt.wrapper.join`)."""
+        return self._join_party
+
+    @property
     def backward_passes_per_step(self) -> int:
         """Backward passes accumulated locally before the gradients are reduced, on the last of them."""
         return self._engine.backward_passes_per_step
 
     @backward_passes_per_step.setter
     def backward_passes_per_step(self, passes: int) -> None:
-        self._engine.backward_passes_per_step = passes
+        self._engine.set_backward_passes_per_step(passes)
 
     @property
     def stats(self) -> StepStats:
@@ -311,7 +310,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
         stats.optimizer_state_bytes = sum(v.numel() * v.element_size() for state in self.optimizer.state.values()
                                           for v in state.values() if isinstance(v, Tensor))
         stats.extra_state_bytes = self._mode.extra_state_bytes(self._context)
-        stats.pack_threshold = self._engine.pack_threshold
+        stats.pack_threshold = self._engine.config.pack_threshold
         self._drift.fill(stats)
         if self.fault_tolerance is not None:
             stats.fault_tolerance = self.fault_tolerance.stats()
@@ -382,7 +381,9 @@ class DistributedOptimizer(InnerOptimizerSurface):
             engine.progress.phase = "inside step()"
         # GradScaler sets these on the object whose step it calls when _step_supports_amp_scaling.
         ctx.found_inf, ctx.grad_scale = getattr(self, "found_inf", None), getattr(self, "grad_scale", None)
-        if self.fault_tolerance is not None and self.fault_tolerance.per_step and not self._commit_or_discard(closure):
+        if (self.fault_tolerance is not None and self.fault_tolerance.per_step and not wiring.commit_or_discard(
+                self.fault_tolerance, engine, self._reduce_for_step if self._mode.reduces_in_backward else None,
+                closure)):
             ctx.found_inf = ctx.grad_scale = None
             return None
         try:
@@ -440,7 +441,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
                 "opt.synchronize() first"
             )
         training = self.world_size if self.world_size == 1 else self._mode.ranks_training(ctx)
-        if training is None and engine.in_join:
+        if training is None and engine.join.in_block:
             raise RuntimeError(
                 "check_drift() was called inside a join block between two syncs of local SGD: a rank that runs out "
                 "of data cannot take part, and the others learn that one has only from a sync's flags; call it "
@@ -521,12 +522,8 @@ class DistributedOptimizer(InnerOptimizerSurface):
 
         The first reducing backward after it averages everything accumulated.
         """
-        engine = self._engine
-        previous, engine.sync_enabled = engine.sync_enabled, False
-        try:
+        with self._engine.no_sync():
             yield
-        finally:
-            engine.sync_enabled = previous
 
     @contextlib.contextmanager
     def join(self, divide_by_world: bool = False) -> Iterator[None]:
@@ -674,106 +671,24 @@ class DistributedOptimizer(InnerOptimizerSurface):
     # ------------------------------------------------------------------ set-up
 
     def _build_engine(self, *, backward_passes_per_step: int) -> GradientEngine:
-        """The gradient engine, over a private group of its own (none in a group of one)."""
-        world_size, mean = self.world_size, self.reduce_op == "mean"
+        """The gradient engine, over a private group of its own (none in a group of one), or over the
+        torchft Manager under fault tolerance; it shares the wrapper's :class:`World`."""
+        pack_threshold = DEFAULT_PACK_THRESHOLD if self.pack_threshold == "auto" else int(self.pack_threshold)
         if self.fault_tolerance is not None:
-            return self._build_fault_tolerant_engine(backward_passes_per_step)
-        # NCCL averages natively. Otherwise the mean's 1/world is applied while each gradient is
-        # copied into its pack (no extra pass), and always before a 16-bit cast, which could overflow.
-        native_avg = world_size > 1 and dist.get_backend(self.process_group) == "nccl"
-        scale = 1.0 / world_size if mean and (self.compressor is not None or not native_avg) else None
-        channel = progress = None
-        if world_size > 1:
-            channel, progress = self._open_channel()
-        return GradientEngine(
-            channel=channel, scale=scale, op=dist.ReduceOp.AVG if mean and scale is None else dist.ReduceOp.SUM,
-            pack_threshold=DEFAULT_PACK_THRESHOLD if self.pack_threshold == "auto" else self.pack_threshold,
-            compressor=self.compressor, sparse_as_dense=self.sparse_as_dense,
-            backward_passes_per_step=backward_passes_per_step, root_rank=self.root_rank, world_size=world_size,
-            mean=mean, progress=progress,
-        )
-
-    # ------------------------------------------------------------------ fault tolerance (distopt.fault_tolerance)
+            return wiring.open_engine(
+                self.fault_tolerance, world=self._world, reduce_op=self.reduce_op, pack_threshold=pack_threshold,
+                compressor=self.compressor, sparse_as_dense=self.sparse_as_dense,
+                backward_passes_per_step=backward_passes_per_step)
+        return open_engine(
+            self.process_group, reduce_op=self.reduce_op, pack_threshold=pack_threshold, compressor=self.compressor,
+            sparse_as_dense=self.sparse_as_dense, backward_passes_per_step=backward_passes_per_step,
+            root_rank=self.root_rank, stall_warning=self.stall_warning, stall_timeout=self.stall_timeout,
+            world=self._world)
 
     @property
     def _reduces(self) -> bool:
         """Whether gradients are reduced at all: a world of more than one, or replicas under fault tolerance."""
         return self.world_size > 1 or self.fault_tolerance is not None
-
-    def _build_fault_tolerant_engine(self, backward_passes_per_step: int) -> GradientEngine:
-        """The engine over the torchft Manager: all-reduces only, averaged by the manager over the replicas
-        taking part in each step (a healing replica sends zeros and no control flag)."""
-        assert self.fault_tolerance is not None
-        mean = self.reduce_op == "mean"
-        # Sums, scaled by 1/participants while copied into the packs (the scale is set per step, when
-        # the round opens and the quorum is known: _set_world), as without fault tolerance.
-        engine = GradientEngine(
-            channel=self.fault_tolerance.channel(), scale=1.0 if mean else None,  # type: ignore[arg-type]
-            op=dist.ReduceOp.SUM,
-            pack_threshold=DEFAULT_PACK_THRESHOLD if self.pack_threshold == "auto" else self.pack_threshold,
-            compressor=self.compressor, sparse_as_dense=self.sparse_as_dense,
-            backward_passes_per_step=backward_passes_per_step, root_rank=0, world_size=1, mean=mean, progress=None,
-        )
-        engine.gather_sum_limit = 0  # small sums as broadcasts: the manager only all-reduces
-        engine.forbid_rows()  # rows as gathers: likewise
-        engine.flags_from_all = False  # a healing replica sends no flags; torchft's count may include it
-        engine.round_failed = self.fault_tolerance.round_failed
-        engine.on_round_open = self.fault_tolerance.enter_round
-        return engine
-
-    def _set_world(self, world: int) -> None:
-        """Fault tolerance: ``world`` replicas take part in this step (before its first collective)."""
-        assert self.fault_tolerance is not None
-        engine = self._engine
-        self.world_size = world
-        engine.world_size = world
-        if self.reduce_op == "mean":
-            engine.scale = 1.0 / world
-        # A codec's round: whether this replica contributes (not while it heals) and the quorum's step count.
-        engine.participating = self.fault_tolerance.participating
-        engine.quorum_step = self.fault_tolerance.quorum_step
-        self._context.world_size = world
-
-    def _commit_or_discard(self, closure: Optional[Callable[[], Any]]) -> bool:
-        """Fault tolerance: finish the round, then torchft's vote. False: the step is discarded."""
-        if closure is not None:
-            raise RuntimeError("step(closure) is not supported with fault_tolerance (torchft's optimizer wrapper "
-                               "refuses closures too): each closure call would need a quorum of its own")
-        assert self.fault_tolerance is not None
-        if self._mode.reduces_in_backward:
-            self._reduce_for_step()
-        if self.fault_tolerance.commit():
-            return True
-        self._engine.reset_round()
-        return False
-
-    def _open_channel(self) -> Tuple[private_groups.PrivateGroup, Progress]:
-        """Create the private group (the *channel*) and have the stall inspector watch it.
-
-        The wrapper's own traffic travels on it, so it never pairs with the user's
-        collectives. Its timeout is the stall timeout, so that blocking collectives (the
-        construction check, broadcasts, the plan) honour it too.
-
-        Raises:
-            StallError: the other ranks did not create theirs within the timeout.
-        """
-        limit = None if self.stall_timeout is None else timedelta(seconds=self.stall_timeout)
-        try:
-            channel = private_groups.create(self.process_group, limit)
-        except RuntimeError as exc:  # torch's wording ("wait timeout after 1500ms, keys: /0//1//cpu//0/1") names no rank
-            if not any(word in str(exc).lower() for word in ("timeout", "timed out")):
-                raise
-            seconds = (limit or private_groups.timeout_of(self.process_group) or timedelta(0)).total_seconds()
-            raise stalls.StallError(
-                f"rank {dist.get_rank()} waited more than {seconds:g} s for the other ranks to build their "
-                "DistributedOptimizer: every rank must build it, at the same point of the script (is a rank stuck, "
-                "or did it fail before reaching it?)"
-            ) from exc
-        timeout = private_groups.timeout_of(channel.group)
-        progress = Progress(channel.group.group_name, dist.get_process_group_ranks(channel.group), dist.get_rank(),
-                            self.stall_warning, self.stall_timeout, None if timeout is None else timeout.total_seconds())
-        stalls.watch(progress)
-        return channel, progress
 
     def _settings(self) -> Dict[str, Any]:
         """Every setting that decides which collectives run; they must match on every rank.
@@ -825,8 +740,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
         if self.fault_tolerance is not None and new:
             # No check across replicas and no broadcast: the replicas come and go, and torchft heals a
             # replica that joins (at step 0 too: init_sync) with a live peer's parameters.
-            engine.track(new, names)
-            engine.planned = True  # the plan stays the registration order: no root to broadcast another
+            engine.track(new, names)  # in registration order: no root to broadcast another (EngineConfig.fixed_plan)
             self._mode.on_track(self._context, new)
             return
         if self.world_size == 1 or not new:
@@ -837,7 +751,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
             checks.check_agreement(self._settings(), new, names, group, self.root_rank)
         if self.pack_threshold == "auto" and not engine.params:
             with stalls.inspected(engine.progress, "the timing of the link (pack_threshold='auto')"):
-                engine.pack_threshold = self._auto_threshold(new)
+                engine.reconfigure(pack_threshold=self._auto_threshold(new))
         if self.bcast_period != -1:
             with torch.no_grad(), stalls.inspected(engine.progress, "the broadcast of the initial parameters"):
                 collectives.broadcast_parameters(new, src=self.root_rank, group=group)
@@ -860,6 +774,8 @@ class DistributedOptimizer(InnerOptimizerSurface):
     def _retire(self) -> None:
         """A newer wrapper took this one's parameters over: stop reducing, for good."""
         self._engine.close()
+        if self.compressor is not None:  # another wrapper may take it now
+            compressor_owners.release(self.compressor, self)
         self._retired_by = "a newer DistributedOptimizer was built over the same parameters and took them over"
 
     def _check_not_retired(self, what: str) -> None:
@@ -868,235 +784,6 @@ class DistributedOptimizer(InnerOptimizerSurface):
                 f"{what} on a DistributedOptimizer that no longer reduces: {self._retired_by}. Use the newer "
                 "wrapper (each parameter is reduced by one wrapper, the newest one built over it)"
             )
-
-    # ------------------------------------------------------------------ join: a rank that ran out of data
-
-    def _enter_join(self, divide_by_world: bool) -> Tuple[bool, bool]:
-        engine = self._engine
-        previous = (engine.in_join, engine.divide_by_world)
-        engine.in_join, engine.divide_by_world = True, bool(divide_by_world)
-        if engine.progress is not None:  # for the other ranks' errors: a hint that fits a block
-            engine.progress.in_join = True
-        return previous
-
-    def _leave_join(self, previous: Tuple[bool, bool]) -> None:
-        engine = self._engine
-        engine.in_join, engine.divide_by_world = previous
-        if engine.progress is not None:
-            engine.progress.in_join = False
-
-    def _start_joined(self) -> Optional[Callable[[], None]]:
-        """This rank ran out of data: settle what it left pending, and launch the mode's last round."""
-        engine = self._engine
-        if engine.inflight:
-            engine.finish_round()  # a round this rank left pending at the end of backward
-        engine.reset_round()  # gradients accumulated but never reduced are not sent
-        if engine.progress is not None:
-            engine.progress.phase = "joined (it ran out of data and waits for the others)"
-        # A mode's last contributing round (local steps not averaged yet), launched already; the
-        # shadow rounds take its place until it is back.
-        return self._mode.leaving(self._context)
-
-    def _shadow_alone(self, final: Optional[Callable[[], None]]) -> None:
-        """Shadow the others' rounds until every rank has joined (one optimizer)."""
-        engine, ft = self._engine, self.fault_tolerance
-        while True:
-            if final is None:
-                engine.shadow_launch()
-            contributors = engine.shadow_finish(final)
-            final = None
-            if ft is not None:
-                # Each shadow round is a step of the quorum: vote it down (this replica then heals from one
-                # that trained, at the next quorum). A round whose collectives failed read no flags: who
-                # still contributes is unknown, so shadow the next one.
-                failed = ft.round_failed()
-                ft.commit(joined=True)
-                if failed:
-                    continue
-            if not contributors:
-                break
-            self._follow_shadow_round()
-
-    def _shadow_poll(self, final: Optional[Callable[[], None]]) -> Optional[bool]:
-        """One look at this optimizer's shadow round among several: None while it is in flight,
-        True once it came back with contributors (the next one is launched), False once none."""
-        engine = self._engine
-        pending = engine.shadow_pending()
-        if pending is not None:
-            _watch(engine, pending.index, pending.seq)
-            return None
-        # A gradient's rows may have overflowed: its dense all-reduce is polled like the rest. Waiting
-        # for it here could wait on a rank that is itself waiting for another optimizer's.
-        if final is None and not engine.poll():
-            return None
-        if engine.shadow_finish(final):
-            self._follow_shadow_round()
-            engine.shadow_launch()
-            return True
-        return False
-
-    def _follow_shadow_round(self) -> None:
-        """After a shadow round that had contributors: what the ranks still training did after theirs.
-
-        Only what the round's control flags announce, which every rank read alike: a closure's
-        round is followed by the reduction of its loss. Then the mode's part (a rank that skipped
-        ``step()`` sends nothing the joined ranks would have to expect).
-        """
-        if self._engine.closure_round:
-            shadow_closure_loss(self._context)
-        self._mode.shadow_step(self._context)
-
-    def _settle_join(self) -> int:
-        """Give every rank the state of a rank that ran the longest; return that rank.
-
-        It is, of the ranks that contributed to the last round with contributors, the one that
-        took the most steps (the highest of those): in local SGD the ranks' last local steps can
-        meet in one final exchange, and all of them then contributed to it, whatever their counts.
-        """
-        engine, ctx = self._engine, self._context
-        if self.fault_tolerance is not None:
-            # Nothing to exchange: every replica took the state of one that trained the longest in the last
-            # shadow round's heal (they all voted it down, so none moved past it).
-            engine.contributors = engine.training = self.world_size
-            engine.contributed_last = True
-            engine.reset_round()
-            return self.fault_tolerance.rank
-        mine = torch.tensor([int(engine.contributed_last), engine.steps], dtype=torch.int64)
-        with stalls.inspected(engine.progress, "the exchange at the end of the join block"):
-            everyone: List[Tensor] = collectives.all_gather(mine, group=ctx.group)
-        contributed = [r for r, t in enumerate(everyone) if t[0].item()]
-        steps = [int(t[1].item()) for t in everyone]
-        last = max(contributed, key=lambda r: (steps[r], r)) if contributed else self.root_rank
-        identical = len(contributed) == len(everyone) and len(set(steps)) == 1
-        self._mode.settle_after_join(ctx, last, identical)
-        ctx.set_steps(steps[last])
-        if not identical:
-            self._mode.broadcast_state(ctx, last)  # after the step count, which decides its phase
-        engine.contributors = engine.training = self.world_size
-        engine.contributed_last = True
-        engine.reset_round()
-        if engine.progress is not None:
-            engine.progress.end()
-        return last
-
-
-@contextlib.contextmanager
-def join(*optimizers: DistributedOptimizer, divide_by_world: bool = False) -> Iterator[None]:
-    """Context around a loop with uneven inputs, for one or several optimizers stepped in it.
-
-    See :meth:`DistributedOptimizer.join`; several optimizers stepped in the
-    same loop must join together, in one block.
-
-    Args:
-        *optimizers: the loop's :class:`DistributedOptimizer`\\ s.
-        divide_by_world: count joined ranks as zeros in the average (default: False).
-
-    Raises:
-        TypeError: an argument is not a DistributedOptimizer.
-        RuntimeError: a block is nested in another block of this process.
-
-    Example::
-
-        >>> with distopt.join(gen_opt, disc_opt):
-        ...     for real in loader:              # a different number of batches per rank
-        ...         train_step(real)
-    """
-    if not optimizers:
-        raise TypeError("join() needs the DistributedOptimizers stepped in the loop, e.g. distopt.join(opt)")
-    for opt in optimizers:
-        if not isinstance(opt, DistributedOptimizer):
-            raise TypeError(f"join() takes DistributedOptimizers, got {type(opt).__name__}")
-        opt._check_not_retired("join()")
-    if _in_blocks:
-        raise RuntimeError(
-            "join blocks cannot be nested: a rank that joins the inner one would leave the outer optimizer's "
-            "rounds without it and the others would wait for ever. Join every optimizer of the loop in one "
-            "block: `with distopt.join(opt1, opt2):`"
-        )
-    for opt in optimizers:
-        if opt.fault_tolerance is not None:
-            _check_fault_tolerant_join(opt, len(optimizers), divide_by_world)
-    previous = [opt._enter_join(divide_by_world) for opt in optimizers]
-    _in_blocks.update(id(opt) for opt in optimizers)
-    try:
-        yield
-        # An exception in the body propagates at once: shadowing would hide it, and the
-        # other ranks learn of it from the stall inspector when their next round fails.
-        join_and_wait(optimizers)
-    finally:
-        _in_blocks.difference_update(id(opt) for opt in optimizers)
-        for opt, before in zip(optimizers, previous):
-            opt._leave_join(before)
-
-
-def join_and_wait(optimizers: Sequence[DistributedOptimizer]) -> int:
-    """Take part in the other ranks' rounds with zeros until every rank has joined.
-
-    Returns:
-        The rank (in the first wrapper's group) whose state every rank now has: of those
-        that contributed to the last round with contributors (the last to join), the one
-        that took the most steps, the highest of those.
-    """
-    # Under fault tolerance the world is the quorum's, step by step: a replica shadows whatever it is now.
-    optimizers = [opt for opt in optimizers if opt.world_size > 1 or opt.fault_tolerance is not None]
-    if not optimizers:
-        return 0
-    finals = [opt._start_joined() for opt in optimizers]
-    try:
-        if len(optimizers) == 1:
-            optimizers[0]._shadow_alone(finals[0])
-        else:
-            _shadow_together(optimizers, finals)
-    finally:
-        for opt in optimizers:
-            opt._engine.joined = False
-    return [opt._settle_join() for opt in optimizers][0]
-
-
-def _check_fault_tolerant_join(opt: DistributedOptimizer, count: int, divide_by_world: bool) -> None:
-    """Refuse what join() cannot do under fault tolerance, with the reason.
-
-    Raises:
-        ValueError: ``divide_by_world=True``.
-        RuntimeError: several optimizers in one block, or local SGD.
-    """
-    if divide_by_world:
-        raise ValueError(
-            "join(divide_by_world=True) cannot be combined with fault_tolerance: the world there is the quorum of "
-            "each step, and a replica that has joined heals at every step instead of taking part, so it is not "
-            "counted in it; use join() (the mean over the replicas that contributed to the step)")
-    if count > 1:
-        raise RuntimeError(
-            "join() over several optimizers is not supported with fault_tolerance: each optimizer's steps are "
-            "quorums and commit votes of its own manager, and a replica that has joined shadows one of them at a "
-            "time; join one fault-tolerant optimizer per block")
-    if opt.fault_tolerance is not None and not opt.fault_tolerance.per_step:  # a quorum per sync, not per step
-        raise RuntimeError(
-            "join() is not supported with fault_tolerance in local SGD or DiLoCo: between two syncs the others ask "
-            "for no quorum, so replicas that have joined and ask for one at once could form a quorum of their own, "
-            "see no contributor and leave the block before the others' last sync. A replica that runs out of data "
-            "can leave instead (manager.shutdown() and exit): the others go on without it from their next sync")
-
-
-def _shadow_together(optimizers: Sequence[DistributedOptimizer], finals: List[Optional[Callable[[], None]]]) -> None:
-    """Keep one shadow round in flight per optimizer, finishing each as it comes back."""
-    final_of = {id(opt): final for opt, final in zip(optimizers, finals) if final is not None}
-    for opt in optimizers:
-        if id(opt) not in final_of:
-            opt._engine.shadow_launch()
-    active = list(optimizers)
-    while active:
-        progressed = False
-        for opt in list(active):
-            outcome = opt._shadow_poll(final_of.get(id(opt)))
-            if outcome is None:
-                continue
-            progressed = True
-            final_of.pop(id(opt), None)
-            if not outcome:
-                active.remove(opt)
-        if not progressed:
-            time.sleep(_POLL)
 
 
 def _weakly(method: Callable[[], None]) -> Callable[[], None]:
@@ -1110,38 +797,3 @@ def _weakly(method: Callable[[], None]) -> Callable[[], None]:
             bound()
 
     return call
-
-
-def _watch(engine: GradientEngine, k: int, seq: int) -> None:
-    """A shadow round waited for by polling is watched like any wait."""
-    progress = engine.progress
-    if progress is None:
-        return
-    what = f"pack {k + 1}/{len(engine.packs)} of the gradient all-reduce (joined, sending zeros)"
-    progress.begin(seq, what)
-    if progress.raise_after is not None and progress.waited() >= progress.raise_after:
-        raise stalls.stall_error(progress, seq, what)
-
-
-# Which wrapper each compressor serves, by id (a user's compressor need not be hashable, e.g. a
-# dataclass): its state (residuals) is one wrapper's, so one object cannot serve two live ones.
-_COMPRESSOR_OWNERS: Dict[int, Tuple[Callable[[], Any], "weakref.ReferenceType[DistributedOptimizer]"]] = {}
-
-
-def _bind_compressor(compressor: Compressor, wrapper: DistributedOptimizer) -> None:
-    for key, (held, owner_ref) in list(_COMPRESSOR_OWNERS.items()):  # forget the dead
-        if held() is None or owner_ref() is None:
-            del _COMPRESSOR_OWNERS[key]
-    entry = _COMPRESSOR_OWNERS.get(id(compressor))
-    owner = None if entry is None or entry[0]() is not compressor else entry[1]()
-    if owner is not None and owner._retired_by is None:
-        raise ValueError(
-            f"compression={compressor!r} already serves another DistributedOptimizer, and its state (error "
-            "feedback) is one wrapper's; give each wrapper a compressor of its own, e.g. "
-            f"compression={type(compressor).__name__}(...) in each constructor call"
-        )
-    try:
-        held: Callable[[], Any] = weakref.ref(compressor)
-    except TypeError:  # a class with __slots__ and no __weakref__: held for the wrapper's life
-        held = lambda: compressor  # noqa: E731
-    _COMPRESSOR_OWNERS[id(compressor)] = (held, weakref.ref(wrapper))

@@ -150,7 +150,7 @@ if kill and kill["where"] == "exchange":  # local SGD: die inside a sync's excha
 
     def send_then_die(*args, **kwargs):
         send(*args, **kwargs)
-        if opt._engine.exchange_fill is not None and armed():
+        if opt._engine.exchange.fill is not None and armed():
             log(dying="exchange", step=manager.current_step())
             os.kill(os.getpid(), signal.SIGKILL)
 

@@ -703,6 +703,17 @@ def dropped_wrapper_worker():
     return freed, hooks_before, hooked, hooks_after
 
 
+def test_a_mode_opens_an_engine_over_a_subgroup_that_averages_over_that_group_alone():
+    results = world_results(3, mode_engine_worker)
+    pair = results[:2]
+    for r in pair:
+        assert r["world"] == 2 and r["hooks"] == 0 and r["packs"] >= 2  # its own packs, no gradient hook
+        assert torch.allclose(r["means"]["a"], torch.full((10,), 1.5, dtype=torch.float64), rtol=0, atol=TOL)
+        assert torch.allclose(r["means"]["b"], torch.arange(30, dtype=torch.float64) * 1.5, rtol=0, atol=TOL)
+        assert r["params_alike"]  # the wrapper's engine averaged over every rank meanwhile
+    assert results[2]["world"] == 1 and results[2]["means"] is None and results[2]["params_alike"]
+
+
 def test_a_dropped_wrapper_is_freed_at_once_and_removes_its_hooks():
     for freed, before, hooked, after in world_results(2, dropped_wrapper_worker):
         assert freed
@@ -742,6 +753,42 @@ def test_reentrant_checkpointing_fails_loudly_and_names_the_fix():
         assert "use_reentrant=False" in message
 
 
+def mode_engine_worker():
+    """A mode's second engine over a subgroup (ModeContext.open_engine): ranks 0 and 1 average through
+    its packs over their group alone, rank 2 is a group of one, and the wrapper's own engine trains on."""
+    rank, world = rank_world()
+    islands = [[0, 1], [2]]
+    groups = [dist.new_group(ranks) for ranks in islands]  # every rank creates every group, in order
+    model = make_model()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), pack_threshold=64)
+    engine = opt._context.open_engine(groups[0 if rank < 2 else 1])
+    values = [torch.full((10,), float(rank + 1), dtype=torch.float64, requires_grad=True),
+              (torch.arange(30, dtype=torch.float64) * (rank + 1)).requires_grad_()]
+    engine.track(values, ["a", "b"])
+
+    def fill(pack):
+        for j, (p, view) in enumerate(zip(pack.params, pack.views)):
+            view.copy_(p.detach() if engine.scale is None else p.detach() * engine.scale)
+
+    exchanging = engine.world_size > 1  # a group of one has nothing to average: no channel
+    if exchanging:
+        engine.launch_exchange(fill)
+    x, y = batches(1)[0]  # the wrapper's own round, while the mode's exchange is in flight
+    opt.zero_grad()
+    nn.functional.mse_loss(model(shard(x)), shard(y)).backward()
+    opt.step()
+    means = None
+    if exchanging:
+        engine.finish_exchange()
+        means = {name: view.clone() for pack in engine.packs
+                 for name, view in zip([engine.names[i] for i in pack.spec.members], pack.views)}
+    result = {"world": engine.world_size, "hooks": len(engine.handles), "packs": len(engine.packs),
+              "means": means, "params_alike": same_on_all_ranks(list(model.parameters()))}
+    engine.close()
+    opt.close()
+    return result
+
+
 # (worlds, check, args): every check the world fixture runs, in order.
 CHECKS = [
     ((1, 2, 3), parity_worker, ()),
@@ -766,6 +813,7 @@ CHECKS = [
     ((2,), plan_worker, ()),
     ((2,), overlap_worker, ()),
     ((2,), dropped_wrapper_worker, ()),
+    ((3,), mode_engine_worker, ()),
     ((2,), checkpoint_worker, (False,)),
     ((2,), checkpoint_worker, (True,)),
     *[((2,), drift_worker, (case,)) for case in DRIFT_CASES],

@@ -80,7 +80,7 @@ def _set_way(way: str) -> None:
 
 
 def _set_transport(opt: DistributedOptimizer, way: str) -> None:
-    opt._engine.gather_sum_limit = WAYS[way][3]
+    opt._engine.reconfigure(gather_sum_limit=WAYS[way][3])
 
 
 def _train(way: str, *, threshold: int = 0, accumulate: bool = False, sparse: bool = False,

@@ -110,7 +110,7 @@ def _model() -> nn.Module:
 def _train_gathered(world: int, limit: int):
     model = _model()
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
-    opt._engine.gather_sum_limit = limit
+    opt._engine.reconfigure(gather_sum_limit=limit)
     for step in range(4):
         x, y = _data(dist.get_rank(), step)
         opt.zero_grad()

@@ -253,7 +253,7 @@ def train_against_simulation(steps, every, fragments, overlap, mixing=0.0, inner
         nbytes.append(opt.stats.bytes)
         checks.append((opt.stats.drift_checks, opt.stats.drifted))
     result = {"diffs": diffs, "anchors_identical": anchors_identical, "bytes": nbytes, "checks": checks,
-              "fragments": len(opt._engine.fragment_packs), "params": params_of(model)}
+              "fragments": len(opt._engine.exchange.fragment_packs), "params": params_of(model)}
     opt.close()
     return result
 

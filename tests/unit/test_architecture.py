@@ -151,6 +151,59 @@ def test_no_module_reads_another_modules_private_names_beyond_the_listed_ones() 
     assert count <= MAX_PRIVATE_READS
 
 
+#: The module whose class owns the engine's attributes; no other module assigns them.
+ENGINE_MODULE = "engine/engine.py"
+#: Assignments of an engine's attribute outside it that remain, each with its reason: none.
+ALLOWED_ENGINE_ASSIGNMENTS: Dict[Tuple[str, str], str] = {}
+
+
+def _is_engine(node: ast.AST) -> bool:
+    """``engine``, ``_engine``, ``self._engine``, ``ctx.engine``, ``opt._engine``, ..."""
+    return ((isinstance(node, ast.Name) and node.id in ("engine", "_engine"))
+            or (isinstance(node, ast.Attribute) and node.attr in ("engine", "_engine")))
+
+
+def _engine_assignments(source: str) -> List[str]:
+    """The engine attributes that ``source`` assigns (``engine.x =``, ``a.engine.x, y = ``, ``+=``, ``setattr``)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Assign):
+            targets = list(node.targets)
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            targets = [node.target]
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("setattr", "delattr")
+              and node.args and _is_engine(node.args[0])):
+            found.append(ast.unparse(node))
+            continue
+        else:
+            continue
+        while targets:
+            target = targets.pop()
+            if isinstance(target, (ast.Tuple, ast.List)):
+                targets.extend(target.elts)
+            elif isinstance(target, ast.Starred):
+                targets.append(target.value)
+            elif isinstance(target, ast.Attribute) and _is_engine(target.value):
+                found.append(ast.unparse(target))
+    return sorted(found)
+
+
+def test_the_engine_assignment_finder_finds_every_form() -> None:
+    source = ("engine.a = 1\nself._engine.b, ctx.engine.c = 2, 3\nopt._engine.d += 1\nsetattr(engine, 'e', 1)\n"
+              "engine.progress.phase = 'x'\nengine.f(1)\nother.g = 1\n")
+    assert _engine_assignments(source) == ["ctx.engine.c", "engine.a", "opt._engine.d", "self._engine.b",
+                                           "setattr(engine, 'e', 1)"]
+
+
+def test_no_module_but_the_engines_own_assigns_an_engine_attribute() -> None:
+    # The engine takes its state at construction and changes it through methods named for what they
+    # mean (enter_join, set_world, reconfigure, ...): its state has one owner.
+    found = {(str(path.relative_to(PACKAGE)), assigned) for path in _modules()
+             if str(path.relative_to(PACKAGE)) != ENGINE_MODULE for assigned in _engine_assignments(path.read_text())}
+    assert sorted(found - set(ALLOWED_ENGINE_ASSIGNMENTS)) == [], "call a method of the engine named for what it means"
+    assert ALLOWED_ENGINE_ASSIGNMENTS == {}
+
+
 @pytest.mark.parametrize("path", _modules(), ids=lambda p: str(p.relative_to(PACKAGE)))
 def test_every_module_declares_its_exports(path: Path) -> None:
     tree = ast.parse(path.read_text())

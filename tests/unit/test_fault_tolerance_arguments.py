@@ -65,7 +65,7 @@ def test_local_sgd_and_streaming_are_accepted_and_vote_per_sync_not_per_step(str
 @pytest.mark.parametrize("compression", list(distopt.compression.NAMES))
 def test_every_compressor_is_accepted(compression: str) -> None:
     opt = distopt.DistributedOptimizer(_opt(), fault_tolerance=RecordingManager(), compression=compression)
-    assert opt.fault_tolerance.compression is not None and opt._engine.compressor is opt.compressor
+    assert opt.fault_tolerance.compression is not None and opt._engine.config.compressor is opt.compressor
 
 
 def test_what_join_cannot_do_is_refused_with_the_reason() -> None:

@@ -178,8 +178,13 @@ class World:
         self.params = list(self.net.parameters())
         self.optimizer = torch.optim.SGD(self.params, lr=lr)
         self.engine = create_autospec(GradientEngine, instance=True)
-        self.engine.steps, self.engine.progress, self.engine.local = 0, None, False
-        self.engine.scale, self.engine.training = 1.0 / world_size, world_size
+        self.engine.steps, self.engine.progress, self.engine.world_size = 0, None, world_size
+        self.engine.exchange = SimpleNamespace(local=False, fragment_packs=[])
+        self.engine.outcome = SimpleNamespace(training=world_size, contributors=world_size)
+        self.engine.scale = 1.0 / world_size
+        # The modes switch local training through the engine's method; the fake records it where they read it.
+        self.engine.keep_gradients_local.side_effect = lambda local: setattr(self.engine.exchange, "local", local)
+        self.engine.set_steps.side_effect = lambda steps: setattr(self.engine, "steps", steps)
         self.pack = SimpleNamespace(params=self.params, views=[torch.zeros_like(p) for p in self.params], absent=[],
                                     flags=torch.ones(len(self.params)))
         self.engine.packs = [self.pack]
@@ -190,7 +195,7 @@ class World:
         self.reduce_for_step = Mock()
         self.mode = mode
         self.ctx = ModeContext(optimizer=self.optimizer, engine=self.engine, params=self.params, names={},
-                               process_group=None, rank=0, world_size=world_size, root_rank=0, reduce_op="mean",
+                               process_group=None, rank=0, root_rank=0, reduce_op="mean",
                                stall_warning=None, stall_timeout=None, reduce_for_step=self.reduce_for_step,
                                synchronize=Mock())
         mode.attach(self.ctx)
@@ -219,7 +224,7 @@ def test_local_sgd_syncs_every_h_steps_and_nothing_between() -> None:
         world.step()
         launched.append(world.engine.launch_exchange.call_count)
     assert launched == [0, 0, 1, 1, 1, 2, 2, 2, 3]
-    world.engine.hooks.assert_called_once_with(False)  # gradients stay local from the start
+    world.engine.keep_gradients_local.assert_called_once_with(True)  # gradients stay local from the start
     world.reduce_for_step.assert_not_called()
 
 
@@ -235,11 +240,11 @@ def test_local_sgd_takes_the_mean_of_the_parameters_and_sends_the_scaled_pseudo_
 
 def test_local_sgd_is_synchronous_during_its_warmup_then_local() -> None:
     world = World(distopt.LocalSGD(every=2, warmup=2))
-    world.engine.hooks.assert_called_once_with(True)
+    world.engine.keep_gradients_local.assert_called_once_with(False)
     world.step()
     world.step()
     assert world.reduce_for_step.call_count == 2 and world.engine.launch_exchange.call_count == 0
-    assert world.engine.hooks.call_args.args == (False,) and world.engine.local is True
+    assert world.engine.keep_gradients_local.call_args.args == (True,) and world.engine.exchange.local is True
     world.step()
     world.step()
     assert world.reduce_for_step.call_count == 2 and world.engine.launch_exchange.call_count == 1

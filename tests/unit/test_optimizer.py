@@ -243,11 +243,11 @@ def test_hooks_come_back_after_local_steps_on_the_parameters_still_trainable():
     # Local SGD drops the gradient hooks during local steps; going back (a load into the warm-up)
     # re-hooks every parameter it can: one frozen meanwhile cannot take a hook, and must not raise.
     from distopt.engine.engine import GradientEngine
+    from distopt.engine.state import EngineConfig
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     params = list(model.parameters())
-    engine = GradientEngine(channel=None, scale=None, op=torch.distributed.ReduceOp.SUM, pack_threshold=0,
-                            compressor=None, sparse_as_dense=False, backward_passes_per_step=1, root_rank=0)
+    engine = GradientEngine(channel=None, config=EngineConfig(op=torch.distributed.ReduceOp.SUM, pack_threshold=0))
     engine.track(params, [str(i) for i in range(len(params))])
     assert len(engine.handles) == 4
     engine.hooks(False)
