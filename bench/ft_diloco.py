@@ -6,7 +6,7 @@
 Needs torchft (``pip install -e ".[ft]"``; measured with torchft 0.2.0). Both contenders train
 the same thing on loopback: ``--replicas`` replica processes (one each, gloo, distopt's
 ``make_manager``) and a lighthouse in this process, the char-level LM of the link benchmark
-(``distopt.benchmark.link.tasks.TASKS["charlm"]``: a 0.83 M-parameter transformer, 3.2 MiB of
+(``distopt.benchmark.slow_link.tasks.TASKS["charlm"]``: a 0.83 M-parameter transformer, 3.2 MiB of
 float32 parameters, on the standard library's sources), every replica on its own shard,
 AdamW inside, outer SGD (lr 0.7, momentum 0.9, Nesterov), ``sync_every`` H, the same seeds,
 the same initial parameters on every replica (so the Manager runs with ``init_sync=False``:
@@ -70,7 +70,7 @@ def worker(spec: Dict[str, Any]) -> None:
     import torch.distributed as dist
 
     import distopt
-    from distopt.benchmark.link.tasks import TASKS
+    from distopt.benchmark.slow_link.tasks import TASKS
     from distopt.fault_tolerance.manager import make_manager
 
     torch.set_num_threads(1)  # one core per replica: the replicas share the host's cores

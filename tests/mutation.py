@@ -131,7 +131,7 @@ MUTANTS: List[Mutant] = [
     Mutant("launch: a failed worker's children end with it", "distopt/launching/supervisor.py",
            "failed = [proc.pid for proc in started if proc not in alive and proc.exitcode != 0]", "failed = []",
            ["tests/launching/test_launcher.py", "-k", "own_child"]),
-    Mutant("shutdown during an error is no finish", "distopt/launching/process_group.py",
+    Mutant("shutdown during an error is no finish", "distopt/launching/lifecycle.py",
            "    stalls.mark_exit(stalls.ending())\n", '    stalls.mark_exit("finished")\n',
            ["tests/launching/test_launcher.py", "-k", "shuts_down_while"]),
     Mutant("gone-rank verdict: a failed call's exit read as finished", "distopt/transport/stalls.py",

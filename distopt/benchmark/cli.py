@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 
 from ..wrapper.optimizer import DEFAULT_PACK_THRESHOLD
 from .config import BenchConfig
-from .link.cli import LINK_ONLY, add_link_arguments, run_link
+from .slow_link.cli import LINK_ONLY, add_link_arguments, run_link
 from .plot import write_sweep_plot
 from .report import format_report, report_to_json
 from .runner import run_benchmark

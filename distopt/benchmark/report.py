@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
-from ..wrapper.drift import DEFAULT_CHECK_EVERY
+from ..wrapper.drift_check import DEFAULT_CHECK_EVERY
 from .mode_specs import display_name
 from .results import WorkloadResult
 from .sizes import format_size

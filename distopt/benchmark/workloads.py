@@ -5,7 +5,7 @@ A workload is a model, a fixed per-rank batch and a loss. Adding one is one
 :class:`~distopt.benchmark.BenchConfig` pick them by name.
 
 :data:`LINK_WORKLOADS` holds the two 12 MiB models of the slow-link benchmark
-(``--link``, :mod:`distopt.benchmark.link`): larger versions of ``transformer`` and
+(``--link``, :mod:`distopt.benchmark.slow_link`): larger versions of ``transformer`` and
 ``mlp``, sized so that sending their gradients over a slow link costs more than
 computing them.
 """

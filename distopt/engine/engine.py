@@ -32,7 +32,7 @@ only them. Waits are watched by the stall inspector (:mod:`distopt.transport.sta
 How a pack travels: a pack of one large CPU gradient that is mostly zero rows (an
 embedding table's) gathers its non-zero rows instead of all-reducing the whole
 (:mod:`distopt.engine.sparse_rows`); a small CPU pack travels once, as one broadcast
-from each rank, and is summed locally in rank order (:mod:`distopt.engine.rounds`).
+from each rank, and is summed locally in rank order (:mod:`distopt.engine.in_flight`).
 A compressed pack (:mod:`distopt.compression`) sends its control flags exactly (in its
 codec's first collective where that is an all-gather, :mod:`distopt.engine.carrier`) and its
 values through its codec, which yields one collective after another: the first is
@@ -85,7 +85,7 @@ from .state import (Announcements, EngineConfig, ExchangeState, JoinState, Round
                     World)
 from .packs import (Pack, adopt_current_grads, build_packs, gather, gather_early, gather_nothing, metas, release,
                     scratch, sums)
-from .rounds import (Sent, broadcast_each, gather_buffer, gather_by_broadcasts, labelled,
+from .in_flight import (Sent, broadcast_each, gather_buffer, gather_by_broadcasts, labelled,
                      plan_gathers, sum_copies, sums_by_gather)
 
 __all__ = ["GradientEngine", "RoundState", "Phase", "BACKWARD_PATIENCE", "PATIENCE_GROWTH"]

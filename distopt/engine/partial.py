@@ -21,7 +21,7 @@ from torch import Tensor
 
 from ..planning.control import Totals
 from .packs import Pack
-from .rounds import Sent
+from .in_flight import Sent
 
 __all__ = ["PartialExchange", "empty_exchange"]
 

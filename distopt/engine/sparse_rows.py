@@ -9,7 +9,7 @@ gives; only the sign of a zero may differ).
 
 The ranks cannot agree beforehand how many rows each will send, so every rank
 sends a fixed *capacity* of rows (padding) with its true count in front, in one
-asynchronous gather (a broadcast from each rank, :func:`distopt.engine.rounds.broadcast_each`)
+asynchronous gather (a broadcast from each rank, :func:`distopt.engine.in_flight.broadcast_each`)
 launched where the all-reduce would have been. If some
 rank had more rows than the capacity, every rank sees it in the counts and the
 gradient is all-reduced densely instead, that round. The capacity then follows

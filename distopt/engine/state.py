@@ -25,7 +25,7 @@ from typing import Any, Callable, List, Optional, Protocol
 
 from ..compression.protocol import Compressor
 from .packs import Pack
-from .rounds import GATHER_SUM_MAX_BYTES
+from .in_flight import GATHER_SUM_MAX_BYTES
 
 __all__ = ["EngineConfig", "World", "JoinState", "RoundOutcome", "Announcements", "ExchangeState", "RoundHooks"]
 
@@ -44,7 +44,7 @@ class EngineConfig:
         sparse_as_dense: densify sparse gradients instead of raising.
         root_rank: the rank (in the channel) whose observed gradient order becomes the plan.
         gather_sum_limit: bytes a rank may receive for a small sum to travel as a gather
-            (:func:`distopt.engine.rounds.sums_by_gather`); 0: never (a channel that only all-reduces).
+            (:func:`distopt.engine.in_flight.sums_by_gather`); 0: never (a channel that only all-reduces).
         rows: a large gradient of mostly zero rows may travel as its rows (a gather).
         flags_from_all: every rank of the world sends control flags (not under fault tolerance,
             where a healing replica sends none: see :meth:`distopt.planning.control.Totals.check`).

@@ -42,7 +42,7 @@ from . import healing
 from .channel import ManagedChannel
 from .compressor_state import CompressorState
 from .membership import MembershipEvent, Record, diff
-from .process_group import group_of
+from .replica_group import group_of
 
 __all__ = ["FaultTolerance", "check_arguments", "WorldCallback"]
 
@@ -292,7 +292,7 @@ class FaultTolerance:
     def process_group(self) -> Any:
         """The manager's process group, reached directly, or None (go through ``manager.allreduce``).
 
-        See :func:`distopt.fault_tolerance.process_group.group_of`.
+        See :func:`distopt.fault_tolerance.replica_group.group_of`.
         """
         group = group_of(self.manager)
         return group if callable(getattr(group, "allreduce", None)) else None

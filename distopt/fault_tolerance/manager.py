@@ -18,7 +18,7 @@ from typing import Any, Optional
 from urllib.parse import urlsplit, urlunsplit
 
 from ..launching.interface import is_loopback, pick_owning_interface
-from .process_group import process_group, register
+from .replica_group import process_group, register
 
 __all__ = ["make_manager", "advertised_url", "HEARTBEAT_INTERVAL", "COLLECTIVE_TIMEOUT"]
 

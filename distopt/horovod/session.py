@@ -16,9 +16,9 @@ import torch.distributed as dist
 
 from .. import collectives
 from ..transport import private_groups
-from ..launching.process_group import under_torchrun
-from ..launching.process_group import init as _init_process_group
-from ..launching.process_group import shutdown as _destroy_process_group
+from ..launching.lifecycle import under_torchrun
+from ..launching.lifecycle import init as _init_process_group
+from ..launching.lifecycle import shutdown as _destroy_process_group
 
 # Horovod's names only; open_session, close_session, require_init, generation, world_group, world_lane
 # and check_root serve the other modules here and are nothing for Horovod users.

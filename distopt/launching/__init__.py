@@ -25,7 +25,7 @@ This is a package rather than a ``distopt/launcher.py`` module because
 """
 from .api import DEFAULT_TIMEOUT, launch, launcher
 from .errors import LaunchError, LaunchTimeoutError, WorkerFailedError
-from .process_group import init, shutdown
+from .lifecycle import init, shutdown
 
 __all__ = [
     "DEFAULT_TIMEOUT",

@@ -26,7 +26,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from .process_group import as_timedelta, check_backend, default_backend, TimeoutLike, under_torchrun, init
+from .lifecycle import as_timedelta, check_backend, default_backend, TimeoutLike, under_torchrun, init
 from .supervisor import check_start_method, run_workers
 from .worker import STORE_TIMEOUT, pickle_job
 

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from ..transport import stalls
 from .interface import pick_interface
-from .process_group import init_default_group, uses_cuda, shutdown
+from .lifecycle import init_default_group, uses_cuda, shutdown
 
 __all__: List[str] = ["STORE_TIMEOUT", "WorkerSpec", "pickle_job", "worker_main"]
 

@@ -31,7 +31,7 @@ works in two stages, and only the first runs while the ranks agree:
 
 A difference within ``atol + rtol * RMS`` is tolerated (reported, not raised);
 with both 0 any difference in the bits counts. Everything here is pure, and
-tested without processes; :mod:`distopt.wrapper.drift` does the communication.
+tested without processes; :mod:`distopt.wrapper.drift_check` does the communication.
 """
 from __future__ import annotations
 

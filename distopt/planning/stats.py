@@ -17,7 +17,7 @@ class StepStats:
             gradient, which is sent where autograd left it and its flags apart (only
             the flags' when the gradient is gathered as rows, and one more when its
             rows overflowed and it went dense). A small CPU sum sent as an all-gather
-            and added up locally (:func:`distopt.engine.rounds.sums_by_gather`) counts here too.
+            and added up locally (:func:`distopt.engine.in_flight.sums_by_gather`) counts here too.
         packs_at_flush: of those, how many launched only at the end of backward
             (the rest overlapped with backward).
         gathers: all-gathers launched: a large gradient whose rows are mostly zero

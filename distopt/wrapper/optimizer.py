@@ -43,11 +43,11 @@ from ..fault_tolerance import wiring
 from ..modes import Mode, ModeContext, OuterFactory, resolve, settings_of, shards
 from ..planning.drift import DriftReport
 from ..planning.stats import StepStats
-from ..planning.link import choose_threshold
+from ..planning.pack_size import choose_threshold
 from ..transport import stalls
-from ..transport.link import measure_link
+from ..transport.link_timing import measure_link
 from . import checks, compressor_owners, ddp_guard
-from .drift import DEFAULT_CHECK_EVERY, DriftCheck
+from .drift_check import DEFAULT_CHECK_EVERY, DriftCheck
 from .forwarding import InnerOptimizerSurface
 from .join import JoinParty, join, join_and_wait
 
@@ -95,7 +95,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
             (default: ``"mean"``).
         pack_threshold: a pack is launched once it holds this many bytes; ``0`` sends
             each gradient on its own; ``"auto"`` times the link when the parameters are
-            first taken on and the root picks the size (:mod:`distopt.planning.link`;
+            first taken on and the root picks the size (:mod:`distopt.planning.pack_size`;
             ``stats.pack_threshold`` says which) (default: 10 MiB).
         bcast_period: re-broadcast parameters from ``root_rank`` after every
             ``bcast_period``-th step; ``0`` broadcasts only at construction; ``-1``

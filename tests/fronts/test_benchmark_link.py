@@ -18,23 +18,23 @@ from typing import Any, Dict, List
 import pytest
 
 from distopt.benchmark import main
-from distopt.benchmark.link import namespaces, plot
-from distopt.benchmark.link.child import Job
-from distopt.benchmark.link.config import LinkConfig
-from distopt.benchmark.link.contenders import CONTENDERS, DISTOPT_SPECS, ContenderOptions
-from distopt.benchmark.link.host import telling_line
-from distopt.benchmark.link.namespaces import Host, ShapedLink
-from distopt.benchmark.link.rates import format_rate, parse_rate, rate_slug
-from distopt.benchmark.link.report import format_link_report, link_report_to_json
-from distopt.benchmark.link.results import ContenderRun, TaskResult, choose_target, merge_ranks, smoothed
-from distopt.benchmark.link.runner import failure_of
-from distopt.benchmark.link.shaping import choose_tbf
-from distopt.benchmark.link.supervisor import Supervisor
-from distopt.benchmark.link.text import StdlibText, read_stdlib_text, stdlib_sources
+from distopt.benchmark.slow_link import namespaces, plot
+from distopt.benchmark.slow_link.child import Job
+from distopt.benchmark.slow_link.config import LinkConfig
+from distopt.benchmark.slow_link.contenders import CONTENDERS, DISTOPT_SPECS, ContenderOptions
+from distopt.benchmark.slow_link.host import telling_line
+from distopt.benchmark.slow_link.namespaces import Host, ShapedLink
+from distopt.benchmark.slow_link.rates import format_rate, parse_rate, rate_slug
+from distopt.benchmark.slow_link.report import format_link_report, link_report_to_json
+from distopt.benchmark.slow_link.results import ContenderRun, TaskResult, choose_target, merge_ranks, smoothed
+from distopt.benchmark.slow_link.runner import failure_of
+from distopt.benchmark.slow_link.shaping import choose_tbf
+from distopt.benchmark.slow_link.supervisor import Supervisor
+from distopt.benchmark.slow_link.text import StdlibText, read_stdlib_text, stdlib_sources
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
-PROBE = Path(__file__).resolve().parents[2] / "distopt" / "benchmark" / "link" / "probe.py"
+PROBE = Path(__file__).resolve().parents[2] / "distopt" / "benchmark" / "slow_link" / "probe.py"
 
 
 # --- rates and tbf -------------------------------------------------------------------------------------

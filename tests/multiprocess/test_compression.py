@@ -19,7 +19,7 @@ from torch import nn
 import distopt
 from distopt import DistributedOptimizer
 from distopt.compression import AllReduce, Codec, Compressor, PowerSGD, Quantize, Sign, TopK
-from distopt.planning.link import AUTO_MAX, AUTO_MIN
+from distopt.planning.pack_size import AUTO_MAX, AUTO_MIN
 
 from _worlds import Worlds
 

@@ -21,7 +21,7 @@ from torch import nn
 from distopt import DistributedOptimizer
 from distopt.planning.packing import PackSpec
 from distopt.engine.packs import Pack
-from distopt.engine.rounds import GATHER_COPIES_BUDGET, GATHER_SUM_MAX_BYTES, gather_buffer, plan_gathers, sum_copies, sums_by_gather
+from distopt.engine.in_flight import GATHER_COPIES_BUDGET, GATHER_SUM_MAX_BYTES, gather_buffer, plan_gathers, sum_copies, sums_by_gather
 from distopt._testing import run_world
 
 WORLD_TIMEOUT = 120

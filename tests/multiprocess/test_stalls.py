@@ -18,7 +18,7 @@ from torch import nn
 
 from distopt import DistributedOptimizer, StallError
 from distopt._testing import run_world
-from distopt.engine.rounds import Broadcasts
+from distopt.engine.in_flight import Broadcasts
 from distopt.transport.stalls import Progress
 from distopt.transport.waiting import wait_for
 

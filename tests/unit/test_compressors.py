@@ -16,7 +16,7 @@ from distopt.compression.quantize import dequantize_blocks, quantize_blocks
 from distopt.compression.testing import CodecWorld, ProtocolError, factor_of, layout_of, mirror, simulate
 from distopt.compression.topk import select_largest
 from distopt.engine.partial import PartialExchange
-from distopt.engine.rounds import Sent
+from distopt.engine.in_flight import Sent
 
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from distopt.planning.link import AUTO_MAX, AUTO_MIN, LinkTiming, choose_threshold, fit_link
+from distopt.planning.pack_size import AUTO_MAX, AUTO_MIN, LinkTiming, choose_threshold, fit_link
 
 
 def test_the_fit_reads_latency_from_small_all_reduces_and_bandwidth_from_the_extra_time_of_large_ones():

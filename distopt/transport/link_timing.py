@@ -7,7 +7,7 @@ from typing import List
 import torch
 import torch.distributed as dist
 
-from ..planning.link import LinkTiming, fit_link
+from ..planning.pack_size import LinkTiming, fit_link
 
 __all__ = ["measure_link"]
 

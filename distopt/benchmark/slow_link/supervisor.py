@@ -118,7 +118,7 @@ class Supervisor:
             to_host, from_host = os.pipe(), os.pipe()
             with open(self.log_dir / f"host{rank}.log", "wb") as log:
                 proc = subprocess.Popen(
-                    [*self.link.exec_prefix(host), sys.executable, "-m", "distopt.benchmark.link.host",
+                    [*self.link.exec_prefix(host), sys.executable, "-m", "distopt.benchmark.slow_link.host",
                      "--core", str(self.cores[rank])],
                     stdin=to_host[0], stdout=from_host[1], stderr=log, env=env, start_new_session=True)
             os.close(to_host[0])

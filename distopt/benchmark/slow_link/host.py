@@ -1,7 +1,7 @@
 """A rank's host: one long-lived process per namespace that forks a process per contender and relays.
 
 The supervisor starts one per namespace (``ip netns exec <ns> python -m
-distopt.benchmark.link.host --core N``). It pins itself to its core, imports torch and
+distopt.benchmark.slow_link.host --core N``). It pins itself to its core, imports torch and
 the benchmark once, and then forks each contender's process (:mod:`.child`) from
 that state: a fork costs milliseconds where a fresh interpreter costs seconds, and
 the children inherit the namespace and the core.
@@ -195,7 +195,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     Returns:
         0.
     """
-    parser = argparse.ArgumentParser(prog="python -m distopt.benchmark.link.host")
+    parser = argparse.ArgumentParser(prog="python -m distopt.benchmark.slow_link.host")
     parser.add_argument("--core", type=int, required=True, help="the CPU core this rank and its contenders run on")
     args = parser.parse_args(argv)
     from .child import die_with_parent
