@@ -209,3 +209,28 @@ def test_every_module_declares_its_exports(path: Path) -> None:
     tree = ast.parse(path.read_text())
     assert any(isinstance(node, (ast.Assign, ast.AnnAssign)) and "__all__" in ast.unparse(node).split("=")[0]
                for node in tree.body), f"{path.name} has no __all__"
+
+
+# One concept per name: a module name used twice names the same role in two fronts (the benchmark's
+# and the slow-link benchmark's command line, report, ...), never two concepts of the core.
+SHARED_MODULE_NAMES = {
+    "cli.py": "the command line of the benchmark and of its slow-link part",
+    "config.py": "the settings of the benchmark and of its slow-link part",
+    "plot.py": "the plots of the benchmark and of its slow-link part",
+    "report.py": "the tables of the benchmark and of its slow-link part",
+    "results.py": "the results of the benchmark and of its slow-link part",
+    "runner.py": "what runs the benchmark and its slow-link part",
+    "supervisor.py": "what watches the launcher's workers, and the slow-link benchmark's hosts",
+    "errors.py": "the errors of the launcher and of the Horovod front",
+    "optimizer.py": "the DistributedOptimizer, and the Horovod front's over it",
+}
+
+
+def test_no_two_modules_share_a_name_for_different_concepts() -> None:
+    names: Dict[str, List[str]] = {}
+    for path in _modules():
+        if path.name != "__init__.py":
+            names.setdefault(path.name, []).append(str(path.relative_to(PACKAGE)))
+    shared = {name for name, paths in names.items() if len(paths) > 1}
+    assert shared - set(SHARED_MODULE_NAMES) == set(), {name: names[name] for name in shared - set(SHARED_MODULE_NAMES)}
+    assert set(SHARED_MODULE_NAMES) - shared == set(), "remove these from SHARED_MODULE_NAMES: no longer shared"
