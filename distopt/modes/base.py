@@ -334,6 +334,16 @@ class Mode:
     def attach(self, ctx: ModeContext) -> None:
         """Called once the wrapper is built (its parameters tracked and broadcast)."""
 
+    def sync_now(self, ctx: ModeContext) -> None:
+        """Bring every rank to the same parameters now, as a sync of this mode does (``opt.sync_now()``).
+
+        Called on every rank at the same point, between two steps (never during backward). Modes
+        that keep the ranks identical at every step have nothing to do (the default).
+
+        Raises:
+            RuntimeError: the mode cannot sync outside its schedule; the message says what to do.
+        """
+
     def leaving(self, ctx: ModeContext) -> Optional[Callable[[], None]]:
         """A rank joins (runs out of data): launch its last contributing round, if it owes one.
 

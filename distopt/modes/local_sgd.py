@@ -198,6 +198,27 @@ class LocalSGDMode(Mode):
         if self.since_sync >= self.sync_every or (self._vote is not None and not self._joined):
             self._sync(ctx)
 
+    def sync_now(self, ctx: ModeContext) -> None:
+        """Sync at once, as at the end of a period (every rank calls it at the same point): the ranks then
+        hold the same parameters, e.g. for a checkpoint saved on one rank. The period starts again from
+        here: the next sync comes ``every`` local steps later. Nothing to do during the warm-up (it is
+        synchronous) or right after a sync.
+
+        Raises:
+            RuntimeError: under fault tolerance, where every sync is a quorum of the replicas on the
+                schedule they share.
+        """
+        if self._vote is not None:
+            raise RuntimeError(
+                "sync_now() is not available with fault_tolerance: every sync is a quorum of the replicas on the "
+                "schedule they share, and a replica that joins later would not make the extra one. Save the "
+                "checkpoint right after a scheduled sync instead (every sync_every steps)")
+        ctx.engine.reset_stats()  # stats then say what this call sent
+        if not ctx.engine.exchange.local or self.since_sync == 0:
+            return
+        self._sync(ctx)
+        self._synced_now = True
+
     def leaving(self, ctx: ModeContext) -> Optional[Callable[[], None]]:
         # Steps not averaged yet are sent once, as a contributor for the last time; a rank without any
         # just shadows.

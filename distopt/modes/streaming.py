@@ -301,6 +301,20 @@ class StreamingMode(LocalSGDMode):
 
     # ------------------------------------------------------------------ join
 
+    def sync_now(self, ctx: ModeContext) -> None:
+        """Refused: streaming syncs each fragment at a step of its own, with its sync in flight for
+        ``overlap`` steps, so no single point holds every fragment synced.
+
+        Raises:
+            RuntimeError: always, with what to do instead.
+        """
+        raise RuntimeError(
+            f"sync_now() is not available in streaming local SGD / DiLoCo ({self.named('fragments')}="
+            f"{self.fragments}): each fragment syncs at a step of its own, with its sync in flight for "
+            "some steps, so the ranks never hold the whole model synced at one point. Between syncs the replicas' "
+            "common state is each fragment's parameters at its last sync, which opt.state_dict() holds on every "
+            "rank; or train without fragments (LocalSGD/DiLoCo) where a checkpoint must hold one replica for all")
+
     def leaving(self, ctx: ModeContext) -> Optional[Callable[[], None]]:
         engine = ctx.engine
         if ctx.world_size == 1:

@@ -511,6 +511,28 @@ class DistributedOptimizer(InnerOptimizerSurface):
         if self._reduces and self._mode.reduces_in_backward:  # local SGD keeps gradients local
             self._engine.synchronize(explicit=True)
 
+    def sync_now(self) -> None:
+        """Bring every rank to the same parameters now, e.g. before a checkpoint saved on one rank.
+
+        In local SGD and DiLoCo the ranks train their own replicas between syncs; this syncs at once
+        (a collective: every rank calls it at the same point, between two steps), and the next sync
+        comes ``every`` steps later. In the modes that keep the ranks identical at every step it does
+        nothing.
+
+        Raises:
+            RuntimeError: in streaming local SGD / DiLoCo, whose fragments sync at steps of their own,
+                and under fault tolerance; the message says what to do instead.
+
+        Example::
+
+            >>> if step % 1000 == 0:
+            ...     opt.sync_now()                      # on every rank
+            ...     if distopt.get_rank() == 0:
+            ...         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
+        """
+        self._check_not_retired("sync_now()")
+        self._mode.sync_now(self._context)
+
     def _reduce_for_step(self) -> None:
         """Reduce what backward did not, as ``step()`` must (the modes call this, through their context)."""
         if self._reduces:

@@ -566,6 +566,48 @@ def drift_at_syncs(steps, sync_every):
 
 
 # (world, check, args, kwargs)
+def sync_now_before_a_save(sync_every, outer):
+    """Between two syncs, ``sync_now()`` leaves every rank with the same parameters, and the next sync comes
+    ``sync_every`` steps later; right after it, a second call sends nothing."""
+    rank = dist.get_rank()
+    model = make_model()
+    factory = None if outer is None else (lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True))
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), sync_every=sync_every,
+                               outer_optimizer=factory)
+    for step in range(sync_every + 1):  # one step past a sync: the replicas differ
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        loss_of(model, x, y).backward()
+        opt.step()
+    before = everyone_equal(params_of(model))
+    opt.sync_now()
+    after = everyone_equal(params_of(model))
+    sent = opt.stats.packs
+    opt.sync_now()  # nothing since the last sync: nothing is sent
+    again = opt.stats.packs
+    exchanges = []
+    for step in range(sync_every + 1, 3 * sync_every + 1):
+        x, y = batch(rank, step)
+        opt.zero_grad()
+        loss_of(model, x, y).backward()
+        opt.step()
+        exchanges.append(opt.stats.packs > 0)
+    opt.close()
+    return {"before": before, "after": after, "sent": sent, "again": again, "exchanges": exchanges}
+
+
+def sync_now_in_streaming():
+    model = make_model()
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05), sync_every=4, sync_fragments=2)
+    try:
+        opt.sync_now()
+    except RuntimeError as exc:
+        return str(exc)
+    finally:
+        opt.close()
+    return None
+
+
 CASES = {
     "plain H=4": (2, train_against_simulation, (12, 4), {"inner": "momentum"}),
     "diloco H=3": (2, train_against_simulation, (12, 3), {"inner": "adam", "outer": "nesterov"}),
@@ -602,6 +644,9 @@ CASES = {
     "root-only load mid-period, after add_param_group": (2, root_only_resume, (7, True), {}),
     "settings differ": (2, outer_optimizer_on_one_rank, (), {}),
     "drift at syncs": (2, drift_at_syncs, (7, 3), {}),
+    "sync_now, averaging": (2, sync_now_before_a_save, (3, None), {}),
+    "sync_now, DiLoCo": (2, sync_now_before_a_save, (3, "nesterov"), {}),
+    "sync_now, streaming": (2, sync_now_in_streaming, (), {}),
     # last: before the fix, these ranks' syncs drift apart and leave the world out of step
     "scaler, inf on one rank": (2, scaled_training, (9, 3, {(1, 0), (1, 4)}), {}),
     "scaler after unscale_, warm-up": (2, scaled_training, (9, 2, {(1, 0), (0, 4)}), {"warmup": 2, "unscale": True}),
@@ -631,6 +676,21 @@ def test_the_drift_check_compares_only_right_after_syncs_and_a_ranks_own_steps_a
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", ["sync_now, averaging", "sync_now, DiLoCo"])
+def test_sync_now_leaves_every_rank_with_the_same_parameters_and_restarts_the_period(name, no_leftover_processes):
+    for r in WORLDS.results(name):
+        assert not r["before"] and r["after"], r
+        assert r["sent"] > 0 and r["again"] == 0, r
+        # sync_every=3: the next syncs come 3 and 6 steps after sync_now()
+        assert r["exchanges"] == [False, False, True, False, False, True], r
+
+
+def test_sync_now_in_streaming_says_why_not_and_what_the_checkpoint_holds(no_leftover_processes):
+    for message in WORLDS.results("sync_now, streaming"):
+        assert message is not None and "sync_now() is not available in streaming" in message
+        assert "sync_fragments=2" in message
+
+
 @pytest.mark.parametrize("name", ["plain H=4", "diloco H=3", "diloco H=4, world 3", "warm-up", "diloco fused outer"])
 def test_training_matches_the_single_process_simulation_after_every_step(name, no_leftover_processes):
     steps, sync_every = CASES[name][2]
