@@ -10,23 +10,27 @@ from distopt._testing import assert_no_children, live_children
 # order. The slowest files go first, longest first, so that none starts near the end while the
 # other worker runs out of files (xdist's own order, by number of tests, started two of the
 # slowest files last). Seconds under the full suite on a 2-core host, as a guide when adding to this list:
-SLOWEST_FIRST = [
-    "fault_tolerance/test_fault_tolerance_modes.py",  # ~100 with fresh interpreters; ~20 since replicas fork
-    "multiprocess/test_peer_gone.py",  # ~45 (one thread per process; 5 torchrun jobs)
-    "fronts/test_benchmark.py",  # ~35, nearly all of it CPU (~70 with the memory probes launched)
-    "fault_tolerance/test_fault_tolerance.py",  # ~55 with fresh interpreters; ~25 since replicas fork
-    "fronts/test_examples.py",  # ~50
-    "fronts/test_lightning.py",  # ~35: one launch of Lightning's, 14 short fits
-    "launching/test_launcher.py",  # ~45
-    "launching/test_two_hosts.py",  # ~60 under the suite
-    "fault_tolerance/test_launch.py",  # ~40: the kill across two namespaced hosts, the example on one
-    "horovod/test_horovod.py",  # ~25
-    "multiprocess/test_stalls.py",  # ~25
-    "multiprocess/test_agreement.py",  # ~20
-    "launching/test_clean_exit.py",  # ~15
-    "fronts/test_benchmark_link.py",  # ~15
-    "multiprocess/test_sharded.py",  # ~12
-    "multiprocess/test_sparse_rows.py",  # ~12
+SLOWEST_FIRST = [  # seconds per file, summed over its tests, in one idle run of the whole suite
+    "launching/test_launcher.py",  # ~74
+    "multiprocess/test_peer_gone.py",  # ~62 (one thread per process; 6 torchrun jobs)
+    "horovod/test_horovod.py",  # ~56
+    "fronts/test_examples.py",  # ~56
+    "fronts/test_benchmark.py",  # ~43, nearly all of it CPU (~70 with the memory probes launched)
+    "fault_tolerance/test_launch.py",  # ~38: the kill across two namespaced hosts, the example on one
+    "fault_tolerance/test_fault_tolerance_modes.py",  # ~34
+    "launching/test_two_hosts.py",  # ~31
+    "multiprocess/test_stalls.py",  # ~24
+    "multiprocess/test_agreement.py",  # ~22
+    "fault_tolerance/test_fault_tolerance.py",  # ~21
+    "fronts/test_lightning.py",  # ~16: one launch of Lightning's, short fits
+    "fault_tolerance/test_fault_tolerance_settings.py",  # ~16
+    "multiprocess/test_sharded.py",  # ~14
+    "multiprocess/test_compression.py",  # ~11
+    "launching/test_clean_exit.py",  # ~11
+    "multiprocess/test_join.py",  # ~10
+    "multiprocess/test_optimizer_dist.py",  # ~10
+    "fronts/test_benchmark_link.py",  # ~9
+    "multiprocess/test_sparse_rows.py",  # ~8
 ]
 
 
