@@ -18,6 +18,7 @@ import distopt
 from distopt import DistributedOptimizer
 from distopt.modes.local_sgd import STATE_KEY
 
+from _drift_outcome import drift_outcome
 from _worlds import Worlds
 
 TOL = 1e-10
@@ -423,16 +424,7 @@ def check_drift_inside_join(counts, sync_every, outer=None):
             opt.zero_grad()
             loss_of(model, *batch(rank, t)).backward()
             opt.step()
-            try:
-                opt.check_drift()
-                outcomes.append("ran")
-            except RuntimeError as exc:
-                if "between two syncs" in str(exc):
-                    outcomes.append("between")
-                elif "after a rank ran out of data" in str(exc):
-                    outcomes.append("joined")
-                else:
-                    raise
+            outcomes.append(drift_outcome(opt))
     _, final, _ = simulate(counts, sync_every, "sgd", outer)
     result = {"outcomes": outcomes, "identical": everyone_equal(model.parameters()),
               "diff": max_diff(params_of(model), final)}

@@ -23,6 +23,7 @@ from distopt.planning.fragments import split_fragments
 from distopt.planning.mixing import mix_
 from distopt.planning.schedule import StreamSchedule
 
+from _drift_outcome import drift_outcome
 from _worlds import Worlds
 
 TOL = 1e-10
@@ -346,16 +347,7 @@ def check_drift_inside_join(counts, every, fragments, overlap, outer=None):
             opt.zero_grad()
             loss_of(model, *batch(rank, t)).backward()
             opt.step()
-            try:
-                opt.check_drift()
-                outcomes.append("ran")
-            except RuntimeError as exc:
-                if "between two syncs" in str(exc):
-                    outcomes.append("between")
-                elif "after a rank ran out of data" in str(exc):
-                    outcomes.append("joined")
-                else:
-                    raise
+            outcomes.append(drift_outcome(opt))
     _, final = simulate(counts, every, fragments, overlap, outer=outer)
     result = {"outcomes": outcomes, "identical": everyone_equal(model.parameters()),
               "diff": max_diff(params_of(model), final)}
