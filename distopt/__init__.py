@@ -6,7 +6,7 @@ planning), :mod:`distopt.transport` (private groups, waits, the stall inspector)
 :mod:`distopt.collectives` and :mod:`distopt.launching`, :mod:`distopt.compression`
 (the protocol, and the compressors ``compression=`` names), :mod:`distopt.engine` (the reduction
 engine), :mod:`distopt.modes` (the modes: :class:`Synchronous`, :class:`ShardedState`,
-:class:`LocalSGD`, :class:`DiLoCo`), :mod:`distopt.fault_tolerance` (torchft, optional),
+:class:`LocalSGD`, :class:`DiLoCo`, :class:`Islands`), :mod:`distopt.fault_tolerance` (torchft, optional),
 :mod:`distopt.wrapper` (the public :class:`DistributedOptimizer`), and the fronts
 :mod:`distopt.horovod` and :mod:`distopt.benchmark`.
 """
@@ -37,7 +37,7 @@ from .collectives import (
     synchronized,
 )
 from .launching import LaunchError, LaunchTimeoutError, WorkerFailedError, init, launch, launcher, shutdown
-from .modes import DiLoCo, LocalSGD, ShardedState, Synchronous, merge_state_dicts
+from .modes import DiLoCo, Islands, LocalSGD, ShardedState, Synchronous, merge_state_dicts
 from .planning.drift import DriftError, DriftReport, DriftWarning
 from .planning.stats import StepStats
 from .transport.stalls import StallError
@@ -55,6 +55,7 @@ __all__ = [
     "ShardedState",
     "LocalSGD",
     "DiLoCo",
+    "Islands",
     "merge_state_dicts",
     "optim",
     "compression",

@@ -32,7 +32,8 @@ After :meth:`Mode.step` returns, the wrapper starts a new round, counts the step
 and re-broadcasts parameters when ``bcast_period`` says so; a mode does not.
 
 A mode may also take part in the rest of the wrapper's life: its settings
-(:meth:`Mode.settings`, checked across ranks), construction (:meth:`Mode.attach`)
+(:meth:`Mode.settings`, checked across ranks), the ranks the wrapper's engine averages over
+(:meth:`Mode.engine_group`), construction (:meth:`Mode.attach`)
 and the parameters it was given (:meth:`Mode.on_track`), ``join()`` (the last
 round of a rank that leaves, :meth:`Mode.leaving`; what a rank that has joined does
 after each shadow round, :meth:`Mode.shadow_step`; the end of the block,
@@ -260,6 +261,24 @@ class Mode:
                 f"mode={type(self).__name__}(...) in each constructor call"
             )
         self._owner = weakref.ref(owner)
+
+    def engine_group(self, process_group: Optional[ProcessGroup]) -> Optional[ProcessGroup]:
+        """The ranks the wrapper's engine averages gradients over during backward (default: the wrapper's
+        ``process_group`` itself).
+
+        The wrapper calls it once, as it opens its engine, before any collective of its own: every rank
+        of ``process_group`` at the same point, so a mode may build process groups here (every rank
+        creating every group it takes part in, in the same order). The wrapper's rank, world size,
+        ``root_rank``, its construction check and broadcasts, and :attr:`ModeContext.process_group` are
+        then those of the group returned (:class:`distopt.Islands`: the ranks of this rank's island).
+
+        Args:
+            process_group: the wrapper's ``process_group`` (None: the default group).
+
+        Returns:
+            A group that holds this rank: ``process_group`` or a subgroup of it.
+        """
+        return process_group
 
     def fault_tolerant(self, vote: SyncVote) -> bool:
         """The wrapper trains under a torchft ``Manager``.

@@ -231,10 +231,13 @@ class DistributedOptimizer(InnerOptimizerSurface):
         self.process_group = process_group
         if process_group is not None:
             check_member(process_group, "process_group")
-        self.rank = collectives.get_rank(self.process_group)
+        # The ranks the engine averages over during backward: the group, or the part of it the mode says
+        # (islands: this host's ranks); the wrapper's rank, world and root are within them.
+        self._engine_group = self._mode.engine_group(process_group)
+        self.rank = collectives.get_rank(self._engine_group)
         # The one count of the ranks: the engine's World (resized per step under fault tolerance), which
         # world_size and the mode's context read.
-        self._world = World(collectives.get_world_size(self.process_group))
+        self._world = World(collectives.get_world_size(self._engine_group))
         # ---- fault tolerance (distopt.fault_tolerance): the replicas' world is the manager's, per step.
         self.fault_tolerance: Optional[ft.FaultTolerance] = None
         if fault_tolerance is not None:
@@ -259,7 +262,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
         self._params: List[Tensor] = []  # every parameter this wrapper broadcasts, in tracking order
         self._context = ModeContext(
             optimizer=optimizer, engine=self._engine, params=self._params, names=self._names_by_id,
-            process_group=process_group, rank=self.rank, root_rank=root_rank,
+            process_group=self._engine_group, rank=self.rank, root_rank=root_rank,
             reduce_op=reduce_op, stall_warning=self.stall_warning, stall_timeout=self.stall_timeout,
             reduce_for_step=_weakly(self._reduce_for_step), synchronize=_weakly(self.synchronize),
         )
@@ -702,7 +705,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
                 compressor=self.compressor, sparse_as_dense=self.sparse_as_dense,
                 backward_passes_per_step=backward_passes_per_step)
         return open_engine(
-            self.process_group, reduce_op=self.reduce_op, pack_threshold=pack_threshold, compressor=self.compressor,
+            self._engine_group, reduce_op=self.reduce_op, pack_threshold=pack_threshold, compressor=self.compressor,
             sparse_as_dense=self.sparse_as_dense, backward_passes_per_step=backward_passes_per_step,
             root_rank=self.root_rank, stall_warning=self.stall_warning, stall_timeout=self.stall_timeout,
             world=self._world)

@@ -1,0 +1,611 @@
+"""Islands: synchronous training inside each host, any mode between the hosts.
+
+The ranks are cut into *islands* of ``k`` ranks (one per host by default:
+:mod:`distopt.planning.topology`), which talk over a fast link inside and a slow one between
+them. Two levels, two engines:
+
+- **inside** an island, *plain replicas*: the wrapper's own engine runs over the island's group
+  (:meth:`Islands.engine_group`, the seam of :mod:`distopt.modes.base`), so its hooks, packs,
+  ``no_sync()``, ``backward_passes_per_step``, ``synchronize()``, clipping and ``GradScaler``
+  work exactly as synchronous training does on a group of ``k``: after backward every rank of an
+  island holds the island's mean gradient.
+- **across** the islands, the mode given as ``across=`` (:class:`~distopt.modes.synchronous.Synchronous`
+  by default, or :class:`~distopt.modes.diloco.LocalSGD` / :class:`~distopt.modes.diloco.DiLoCo`, streaming
+  too) runs on a second engine, over the *across group* of this rank's place (rank ``j`` of every island),
+  which this mode opens (:meth:`~distopt.modes.base.ModeContext.open_engine`), owns and closes. The across
+  mode's own code runs unchanged: it is handed a second :class:`~distopt.modes.base.ModeContext` whose
+  engine and group are the across ones. ``compression=`` compresses that level only.
+
+**Synchronous across is hierarchical.** Once the island's round settles (at the end of backward,
+:meth:`~distopt.engine.GradientEngine.call_when_settled`), the island's mean gradients are laid out
+as one flat vector per (device, dtype), cut into ``k`` slices; rank ``j`` of each island sums only
+slice ``j`` across the islands (``1/k`` of the bytes, on every rank's own link), and each island then
+gathers its slices. So ``.grad`` is the global mean when ``backward()`` returns, and every rank of
+every island holds the same bits (compressed or not: every rank decodes the same sums). A parameter
+without a gradient on some island is averaged with its zeros, and one without a gradient anywhere
+keeps ``grad=None``, as in synchronous training; which is which travels in the presence flags of the
+slice exchange, and only when some island lacks a gradient does a small exact sum of the parameters'
+presence follow.
+
+Local SGD and DiLoCo across: the islands step on their own mean gradients every step, and the across
+mode syncs the parameters every ``every`` steps through the across engine (each rank of an island sends
+the whole pseudo-gradient on its own link; the islands stay identical inside).
+
+What is not supported yet raises at construction or at the call, naming what to do:
+``join()``, ``broadcast_optimizer_state()``, ``bcast_period > 0``, fault tolerance, a closure, the
+across modes ``ShardedState`` and local SGD's ``warmup``, parameters added or unfrozen after the first
+cross-island sum (synchronous across), and FSDP2 inside. The drift check compares the ranks of each
+island (they are identical by design), not the islands.
+"""
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed import ProcessGroup
+from torch.optim import Optimizer
+
+from .. import collectives
+from .. import compression as compression_module
+from ..compression import Compressor
+from ..engine import GradientEngine
+from ..engine.packs import Pack
+from ..launching import placement
+from ..planning import topology as topologies
+from ..planning.stats import StepStats
+from ..planning.topology import Topology
+from ..transport import private_groups, stalls
+from .base import Mode, ModeContext
+from .diloco import LocalSGD
+from .sharded import ShardedState
+from .shorthands import settings_of
+from .synchronous import Synchronous
+
+__all__ = ["Islands", "STATE_KEY"]
+
+#: The key of this mode's own state (the cross-island compressor's) in ``state_dict()``.
+STATE_KEY = "distopt_islands"
+
+_NOT_YET = "is not supported yet with distopt.Islands"
+
+
+class Islands(Mode):
+    """Synchronous training inside each island (host), and ``across`` between the islands.
+
+    Inside an island the ranks are plain replicas: every step's gradients are averaged over the
+    island during backward, uncompressed, as :class:`distopt.Synchronous` does on a group. Between
+    the islands runs ``across``: synchronous training (hierarchical: each rank of an island carries
+    ``1/k`` of the gradient bytes across), or local SGD / DiLoCo / streaming DiLoCo, which sync the
+    islands every ``every`` steps. ``compression`` compresses the cross-island level only. See
+    docs/islands.md. A mode object serves one wrapper.
+
+    Args:
+        across: the mode between the islands, a mode object of its own: :class:`distopt.Synchronous`
+            (the default), :class:`distopt.LocalSGD` or :class:`distopt.DiLoCo` (streaming too).
+        islands: which ranks form an island: None, one island per host, from what torchrun and
+            :func:`distopt.launch` set (``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``); a 2-D
+            ``DeviceMesh`` whose replicate dimension (named ``"replicate"``, else the first) runs across
+            the islands; or a list of global rank lists, e.g. ``[[0, 1], [2, 3]]``. The islands must be of
+            equal size and cover the wrapper's ``process_group``, and every rank must pass the same.
+        compression: how the cross-island level travels: a name of ``distopt.compression.NAMES``
+            (``"int8"``, ...) or a :class:`distopt.compression.Compressor` (default: None, as they are).
+            The wrapper's own ``compression=`` would compress inside the islands and is refused.
+
+    Raises:
+        TypeError: ``across`` is not a mode object, or ``islands`` is neither None, a DeviceMesh nor
+            a list of rank lists; when the wrapper is built, an island of the wrong form.
+        ValueError: an unknown ``compression``; ``across`` a mode not supported across islands yet;
+            when the wrapper is built, islands that overlap, differ in size, do not cover the group, or
+            differ between ranks (on every rank alike, before any group is built).
+
+    Example::
+
+        >>> # torchrun --nnodes 2 --nproc-per-node 4 train.py: 2 islands of 4 ranks, one per host
+        >>> opt = distopt.DistributedOptimizer(
+        ...     torch.optim.AdamW(model.parameters(), lr=3e-4),
+        ...     mode=distopt.Islands(across=distopt.DiLoCo(every=64, outer=lambda ps: torch.optim.SGD(
+        ...         ps, lr=0.7, momentum=0.9, nesterov=True)), compression="int8"))
+        >>> for x, y in loader:
+        ...     opt.zero_grad()
+        ...     loss_fn(model(x), y).backward()   # averaged inside the host
+        ...     opt.step()                        # every 64 steps the hosts sync
+    """
+
+    reduces_in_backward = True
+
+    def __init__(self, across: Optional[Mode] = None, *, islands: Any = None,
+                 compression: Union[str, Compressor, None] = None) -> None:
+        across = Synchronous() if across is None else across
+        if not isinstance(across, Mode):
+            raise TypeError(f"across must be a distopt mode object, e.g. across=distopt.DiLoCo(every=64, outer=...) "
+                            f"or across=distopt.Synchronous(), got {type(across).__name__}")
+        if isinstance(across, (Islands, ShardedState)) or not isinstance(across, (Synchronous, LocalSGD)):
+            raise ValueError(
+                f"across={across!r} {_NOT_YET}: across the islands run distopt.Synchronous(), distopt.LocalSGD(...) "
+                "or distopt.DiLoCo(...) (streaming too); pass one of those")
+        if isinstance(across, LocalSGD) and across.local_warmup:
+            raise ValueError(
+                f"across={across!r}: warmup={across.local_warmup} {_NOT_YET} (the warm-up steps would be synchronous "
+                "across the islands); pass warmup=0, or train the first steps with another wrapper in "
+                "Islands(across=distopt.Synchronous())")
+        if not (islands is None or _is_mesh(islands) or isinstance(islands, (list, tuple))):
+            raise TypeError(f"islands must be None (one island per host), a DeviceMesh or a list of rank lists, e.g. "
+                            f"islands=[[0, 1], [2, 3]], got {type(islands).__name__}")
+        self.across = across
+        self.islands = islands
+        self.compression = None if compression in (None, "none") else compression
+        self.compressor: Optional[Compressor] = compression_module.resolve(compression)
+        #: The islands, once the wrapper was built (:meth:`engine_group`).
+        self.topology: Optional[Topology] = None
+        self._island_group: Optional[ProcessGroup] = None
+        self._across_group: Optional[ProcessGroup] = None
+        self._across_source = 0  # island 0's rank in this rank's across group
+        self._engine: Optional[GradientEngine] = None  # the across engine, this mode's own
+        self._ctx: Optional[ModeContext] = None  # the across mode's view: the across engine and group
+        self._bcast_period = 0
+        self._tracked = 0  # the wrapper's parameters the across level took on
+        self._slices: Optional[_Slices] = None  # synchronous across: the flat layout of the gradients
+        self._crossed_at = -1  # the island round whose gradients were summed across last
+        self._presence_bytes = 0  # the last cross-island sum's exact presence sum, if any
+
+    # ------------------------------------------------------------------ the public object
+
+    def __repr__(self) -> str:
+        shown = [f"across={self.across!r}"]
+        if self.islands is not None:
+            shown.append("islands=<DeviceMesh>" if _is_mesh(self.islands) else f"islands={self.islands!r}")
+        if self.compression is not None:
+            shown.append(f"compression={self.compression!r}")
+        return f"Islands({', '.join(shown)})"
+
+    @property
+    def handles_amp_scaling(self) -> bool:  # type: ignore[override]
+        """As the across mode: local SGD takes ``GradScaler``'s verdict itself, since islands differ."""
+        return self.across.handles_amp_scaling
+
+    @property
+    def across_stats(self) -> StepStats:
+        """What the last step put on the cross-island link, per rank: the across engine's last round
+        (``bytes``, ``packs``, ``all_reduces``), plus the exact presence sum when one ran."""
+        if self._engine is None:
+            return StepStats()
+        stats = self._engine.stats
+        return dataclasses.replace(stats, bytes=stats.bytes + self._presence_bytes)
+
+    def settings(self) -> Dict[str, Any]:
+        return {
+            "islands": None if self.topology is None else self.topology.describe(),
+            "islands_across": {**settings_of(self.across)},
+            "islands_compression": None if self.compressor is None else self.compressor.settings(),
+        }
+
+    def check_compatible(self, *, optimizer: Optimizer, reduce_op: str, bcast_period: int,
+                         fault_tolerant: bool) -> None:
+        if fault_tolerant:
+            raise ValueError(f"fault_tolerance {_NOT_YET}: a replica group of several ranks per island is not "
+                             "built yet; use fault tolerance with one process per replica, without Islands")
+        if bcast_period > 0:
+            raise ValueError(f"bcast_period={bcast_period!r} {_NOT_YET}: the re-broadcast would reach one island only; "
+                             "use bcast_period=0 (the islands start identical and stay so at every sync)")
+        self._bcast_period = bcast_period
+        self.across.check_compatible(optimizer=optimizer, reduce_op=reduce_op, bcast_period=bcast_period,
+                                     fault_tolerant=False)
+
+    def bind(self, owner: object) -> None:
+        super().bind(owner)
+        self.across.bind(owner)
+
+    # ------------------------------------------------------------------ the topology and the groups
+
+    def engine_group(self, process_group: Optional[ProcessGroup]) -> Optional[ProcessGroup]:
+        """Agree on the islands across the whole group, build the island and across groups, and
+        return this rank's island: the wrapper's engine averages over it.
+
+        Raises:
+            TypeError, ValueError: on every rank alike, the first rank's error or where two ranks'
+                islands differ, before any group is built.
+        """
+        if not collectives.is_distributed():
+            self.topology = Topology(((0,),))
+            return process_group
+        group = process_group if process_group is not None else dist.group.WORLD
+        ranks = dist.get_process_group_ranks(group)
+        mine: Any
+        try:
+            mine = self._own_view(ranks)
+        except (TypeError, ValueError) as exc:
+            mine = (type(exc).__name__, str(exc))
+        with stalls.inspected(None, "the comparison of the islands"):
+            everyone = collectives.all_gather_object((mine, placement.this_process()), group=process_group)
+        views: List[Any] = []
+        for view, _ in everyone:
+            if view == "hosts":
+                try:
+                    view = topologies.from_hosts([place for _, place in everyone], ranks)
+                except ValueError as exc:
+                    view = ("ValueError", str(exc))
+            views.append(view)
+        refused = next(((rank, v) for rank, v in enumerate(views) if isinstance(v, tuple)
+                        and not isinstance(v, Topology)), None)
+        if refused is not None:
+            rank, (kind, message) = refused
+            error = TypeError if kind == "TypeError" else ValueError
+            raise error(message if len(views) == 1 else f"rank {rank}: {message}")
+        why = topologies.disagreement(views)
+        if why is not None:
+            raise ValueError(why)
+        topology = views[0]
+        me = dist.get_rank()
+        place = topology.place_of(me)
+        island = topology.islands[topology.island_of(me)]
+        across = topology.across()[place]
+        # Every rank builds its island's group, then its place's across group: the same number of groups
+        # in the same order on every rank, as torch's hashed group names need.
+        self._island_group = _subgroup(island, ranks, group)
+        self._across_group = _subgroup(across, ranks, group)
+        self._across_source = sorted(across).index(topology.islands[0][place])
+        self.topology = topology
+        return self._island_group if self._island_group is not group else process_group
+
+    def _own_view(self, ranks: List[int]) -> Any:
+        """This rank's islands from its own arguments ("hosts": from every rank's place, once gathered)."""
+        if self.islands is None:
+            return "hosts"
+        if _is_mesh(self.islands):
+            mesh = self.islands
+            return topologies.from_mesh(mesh.mesh.tolist(), mesh.mesh_dim_names, ranks)
+        return topologies.from_groups(self.islands, ranks)
+
+    # ------------------------------------------------------------------ construction
+
+    def attach(self, ctx: ModeContext) -> None:
+        if ctx.engine.config.compressor is not None:
+            raise ValueError(
+                "the wrapper's compression= would compress inside the islands, which stay uncompressed; pass it to "
+                "the mode instead: mode=distopt.Islands(across=..., compression=...) compresses the cross-island level")
+        topology = self.topology
+        if (isinstance(self.across, Synchronous) and topology is not None and topology.size == 1
+                and topology.count > 1):
+            raise ValueError(
+                f"islands={topology.describe()} are of one rank each, and across=Synchronous() then is flat "
+                "synchronous training: use mode=distopt.Synchronous() (or islands of several ranks)")
+        self._engine = ctx.open_engine(self._across_group, self.compressor)
+        engine = self._engine
+        weakref.finalize(self, engine.close)  # the mode owns it: closed when the mode (with its wrapper) goes
+        across_rank = collectives.get_rank(self._across_group)
+        self._ctx = ModeContext(
+            optimizer=ctx.optimizer, engine=engine, params=ctx.params, names=ctx.names,
+            process_group=self._across_group, rank=across_rank, root_rank=self._across_source,
+            reduce_op=ctx.reduce_op, stall_warning=ctx.stall_warning, stall_timeout=ctx.stall_timeout,
+            reduce_for_step=_weakly(self, lambda mode: mode._reduce_across(ctx)),
+            synchronize=_weakly(self, lambda mode: mode._reduce_across(ctx)))
+        self._agree_across(ctx)
+        if self._bcast_period != -1 and engine.world_size > 1 and ctx.params:
+            with torch.no_grad(), stalls.inspected(engine.progress, "the broadcast of island 0's parameters"):
+                collectives.broadcast_parameters(ctx.params, src=self._across_source, group=self._ctx.group)
+        if isinstance(self.across, Synchronous):
+            if engine.world_size > 1:
+                ctx.engine.call_when_settled(_weakly(self, lambda mode: mode._cross_after_round(ctx)))
+        else:
+            self._track_across(ctx)
+        self._ctx.set_steps(ctx.steps)
+        self.across.attach(self._ctx)
+
+    def _agree_across(self, ctx: ModeContext) -> None:
+        """Every island built the same wrapper: compare what decides the across level's collectives
+        (the islands agree inside already: the wrapper compared its settings there).
+
+        The pack size is island 0's (``pack_threshold="auto"`` times each island's link).
+
+        Raises:
+            ValueError: two islands differ, naming what.
+        """
+        engine = self._engine
+        if engine.world_size == 1:
+            return
+        mine = {
+            "settings": self.settings(),
+            "reduce_op": ctx.reduce_op,
+            "backward_passes_per_step": ctx.engine.backward_passes_per_step,
+            "parameters": [(ctx.names.get(id(p), str(i)), tuple(p.shape), str(p.dtype), p.requires_grad)
+                           for i, p in enumerate(ctx.params)],
+            "pack_threshold": ctx.engine.config.pack_threshold,
+        }
+        with stalls.inspected(engine.progress, "the check that every island built the same optimizer"):
+            everyone = collectives.all_gather_object(mine, group=self._ctx.group)
+        first = everyone[self._across_source]
+        for rank, theirs in enumerate(everyone):
+            for key in ("settings", "reduce_op", "backward_passes_per_step", "parameters"):
+                if theirs[key] != first[key]:
+                    raise ValueError(
+                        f"the islands built different optimizers: {key} is {first[key]!r} on island 0 and "
+                        f"{theirs[key]!r} on another (global rank {dist.get_process_group_ranks(self._ctx.group)[rank]}); "
+                        "build the same model, optimizer and DistributedOptimizer arguments on every rank")
+        engine.reconfigure(pack_threshold=first["pack_threshold"])
+
+    def _track_across(self, ctx: ModeContext) -> List[Tensor]:
+        """The across engine takes on the wrapper's parameters it lacks (local SGD exchanges them)."""
+        new = ctx.params[self._tracked:]
+        if new:
+            self._engine.track(new, [ctx.names.get(id(p), f"parameter {self._tracked + i}") for i, p in enumerate(new)])
+            self._tracked = len(ctx.params)
+        return new
+
+    def on_track(self, ctx: ModeContext, params: List[Tensor]) -> None:
+        if self._engine is None:  # at construction: attach() takes them on
+            return
+        if isinstance(self.across, Synchronous):
+            raise RuntimeError(
+                f"add_param_group() {_NOT_YET}(across=Synchronous()) after construction (the cross-island slices "
+                "are laid out once); give every parameter group to the optimizer before wrapping it")
+        new = self._track_across(ctx)
+        if new:
+            self.across.on_track(self._ctx, new)
+
+    # ------------------------------------------------------------------ the step
+
+    def step(self, ctx: ModeContext, closure: Optional[Callable[[], Any]]) -> Any:
+        self._refuse_join(ctx, "a step inside join()")
+        if closure is not None:
+            raise RuntimeError(f"step(closure) {_NOT_YET}; call step() after backward()")
+        ctx.reduce_for_step()  # the island's round, if it was left pending
+        across = self._ctx
+        across.set_steps(ctx.steps)
+        across.found_inf, across.grad_scale = ctx.found_inf, ctx.grad_scale
+        try:
+            return self.across.step(across, None)
+        finally:
+            across.found_inf = across.grad_scale = None
+            self._engine.after_step()  # as the wrapper does for its own engine: the next round starts
+
+    def sync_now(self, ctx: ModeContext) -> None:
+        self._ctx.set_steps(ctx.steps)
+        self.across.sync_now(self._ctx)
+
+    def _refuse_join(self, ctx: ModeContext, what: str) -> None:
+        if ctx.engine.join.in_block:
+            raise RuntimeError(
+                f"{what}: join() {_NOT_YET}; give every rank the same number of batches (e.g. drop the last, "
+                "uneven ones with DistributedSampler(drop_last=True))")
+
+    def leaving(self, ctx: ModeContext) -> Optional[Callable[[], None]]:
+        self._refuse_join(ctx, "a rank ran out of data")
+        return None
+
+    def shadow_step(self, ctx: ModeContext) -> None:
+        self._refuse_join(ctx, "a rank ran out of data")
+
+    def _reduce_across(self, ctx: ModeContext) -> None:
+        """What the across mode's ``reduce_for_step`` means here: the island's round, then its sum across."""
+        ctx.reduce_for_step()
+        if isinstance(self.across, Synchronous) and self._crossed_at != ctx.engine.rounds:
+            self._cross(ctx)
+
+    def _cross_after_round(self, ctx: ModeContext) -> None:
+        """The island's round settled: sum its gradients across the islands now, so that ``.grad`` is the
+        global mean when ``backward()`` returns."""
+        if self._crossed_at != ctx.engine.rounds:
+            self._cross(ctx)
+
+    def _cross(self, ctx: ModeContext) -> None:
+        """The hierarchical sum: slice ``j`` across the islands on rank ``j`` of each, then gathered inside.
+
+        Raises:
+            RuntimeError: parameters became trainable since the layout was made.
+        """
+        self._crossed_at = ctx.engine.rounds
+        self._presence_bytes = 0
+        engine = self._engine
+        if engine.world_size == 1:
+            return
+        slices = self._layout(ctx)
+        if not slices.groups:
+            return
+        k, place = self.topology.size, self.topology.place_of(dist.get_rank())
+        absent_groups = [any(ctx.params[i].grad is None for i in g.members) for g in slices.groups]
+
+        def fill(pack: Pack) -> None:
+            scale = engine.scale
+            pack.absent.clear()
+            for j, view in enumerate(pack.views):
+                g = slices.of_slot[id(pack.params[j])]
+                slices.groups[g].read_slice(ctx.params, view, place)
+                if scale is not None:
+                    view.mul_(scale)
+                if absent_groups[g]:
+                    pack.absent.append(j)
+
+        with torch.no_grad():
+            if engine.progress is not None:
+                engine.progress.phase = "after backward (islands: the gradients' sum across the islands)"
+            engine.reset_round()  # a round of its own, even where no step came between two (zero_grad, backward)
+            engine.launch_exchange(fill)
+            engine.finish_exchange()
+            count = engine.world_size
+            averaged = engine.config.op == dist.ReduceOp.AVG
+            results: List[Tuple[_Group, Tensor, bool]] = []
+            for pack in engine.packs:
+                flags = pack.flags[: len(pack.params)].tolist()
+                for j, view in enumerate(pack.views):
+                    group = slices.groups[slices.of_slot[id(pack.params[j])]]
+                    complete = flags[j] * (count if averaged else 1) > count - 0.5
+                    results.append((group, view, complete))
+            for group, view, complete in results:
+                whole = group.gather(view, k, ctx.group, ctx.progress)
+                present = None if complete else self._presence(ctx, group)
+                group.write_back(ctx.params, whole, present)
+
+    def _presence(self, ctx: ModeContext, group: "_Group") -> List[bool]:
+        """Which of ``group``'s parameters have a gradient on some island: an exact sum of their presence."""
+        mine = torch.tensor([ctx.params[i].grad is not None for i in group.members], dtype=torch.int32)
+        with stalls.inspected(self._engine.progress, "the sum of the gradients' presence across the islands"):
+            collectives.all_reduce(mine, op="sum", group=self._ctx.group)
+        self._presence_bytes += mine.numel() * mine.element_size()
+        return [bool(v) for v in mine.tolist()]
+
+    def _layout(self, ctx: ModeContext) -> "_Slices":
+        """The flat layout of the trainable parameters' gradients, made at the first sum across.
+
+        Raises:
+            RuntimeError: a parameter became trainable since (not supported yet).
+        """
+        trainable = [i for i, p in enumerate(ctx.params) if p.requires_grad]
+        if self._slices is None:
+            self._slices = _Slices.build(ctx.params, trainable, self.topology.size)
+            slots = [slot for g in self._slices.groups for slot in (g.slot,)]
+            self._engine.track(slots, [f"island slice of the {g.key[1]} gradients" for g in self._slices.groups])
+        elif not set(trainable) <= self._slices.members:
+            raise RuntimeError(
+                f"a parameter became trainable after the first sum across the islands, which {_NOT_YET}"
+                "(across=Synchronous()): the slices are laid out once; make every parameter trainable before the "
+                "first backward")
+        return self._slices
+
+    # ------------------------------------------------------------------ checkpoints, stats, the drift check
+
+    def state_dict(self, ctx: ModeContext) -> Dict[str, Any]:
+        self._ctx.set_steps(ctx.steps)
+        state = self.across.state_dict(self._ctx)
+        if self.compressor is not None:
+            state = dict(state)
+            state[STATE_KEY] = {"compression": self.compressor.state_dict()}
+        return state
+
+    def load_state_dict(self, ctx: ModeContext, state_dict: Dict[str, Any]) -> None:
+        mine = state_dict.get(STATE_KEY)
+        rest = {k: v for k, v in state_dict.items() if k != STATE_KEY}
+        self._ctx.set_steps(ctx.steps)
+        self.across.load_state_dict(self._ctx, rest)
+        ctx.set_steps(self._ctx.steps)  # local SGD's checkpoint holds the step count
+        if self.compressor is not None and mine is not None:
+            self.compressor.load_state_dict(mine["compression"])
+
+    def broadcast_optimizer_state(self, ctx: ModeContext, src: int) -> None:
+        raise RuntimeError(f"broadcast_optimizer_state() {_NOT_YET}: load the checkpoint on every rank "
+                           "(opt.load_state_dict(torch.load(path)) on each)")
+
+    def settle_after_join(self, ctx: ModeContext, last: int, identical: bool) -> None:
+        self._refuse_join(ctx, "the end of a join block")
+
+    def broadcast_state(self, ctx: ModeContext, src: int) -> None:
+        raise RuntimeError(f"taking one rank's state {_NOT_YET}: load the checkpoint on every rank")
+
+    def extra_state_bytes(self, ctx: ModeContext) -> int:
+        held = 0 if self._slices is None else self._slices.nbytes()
+        return held + (0 if self._ctx is None else self.across.extra_state_bytes(self._ctx))
+
+
+@dataclasses.dataclass
+class _Group:
+    """The gradients of one (device, dtype), laid out flat and cut into ``k`` slices of ``length``.
+
+    Attributes:
+        key: (device, dtype).
+        members: the parameters' indices, in the wrapper's order.
+        offsets: each member's first element in the flat layout.
+        length: one slice's elements (the layout padded to ``k`` slices).
+        slot: the tensor the across engine tracks for this rank's slice (its pack view carries it).
+        whole: the gathered layout, ``k * length`` elements.
+    """
+
+    key: Tuple[torch.device, torch.dtype]
+    members: List[int]
+    offsets: List[int]
+    length: int
+    slot: Tensor
+    whole: Tensor
+
+    def read_slice(self, params: List[Tensor], out: Tensor, place: int) -> None:
+        """Write slice ``place`` of the flat gradients into ``out`` (zeros where a gradient is None or past the end)."""
+        start, stop = place * self.length, (place + 1) * self.length
+        out.zero_()
+        for i, offset in zip(self.members, self.offsets):
+            p = params[i]
+            lo, hi = max(start, offset), min(stop, offset + p.numel())
+            if lo >= hi or p.grad is None:
+                continue
+            out[lo - start: hi - start].copy_(p.grad.reshape(-1)[lo - offset: hi - offset])
+
+    def gather(self, view: Tensor, k: int, group: Optional[ProcessGroup], progress: Any) -> Tensor:
+        """Every rank's slice of the island, in place order: the whole layout."""
+        if k == 1:
+            self.whole.copy_(view)
+            return self.whole
+        with stalls.inspected(progress, "the gather of the island's slices"):
+            dist.all_gather_single(self.whole, view.contiguous(), group=group)
+        return self.whole
+
+    def write_back(self, params: List[Tensor], whole: Tensor, present: Optional[List[bool]]) -> None:
+        """Give each member its global mean; None where no island had a gradient (``present``)."""
+        for n, (i, offset) in enumerate(zip(self.members, self.offsets)):
+            p = params[i]
+            values = whole[offset: offset + p.numel()].view_as(p)
+            if present is not None and not present[n]:
+                p.grad = None
+            elif p.grad is None:
+                p.grad = values.clone()
+            else:
+                p.grad.copy_(values)
+
+    def nbytes(self) -> int:
+        return (self.slot.numel() + self.whole.numel()) * self.whole.element_size()
+
+
+@dataclasses.dataclass
+class _Slices:
+    """The layout of every (device, dtype) group, and which group each across slot is."""
+
+    groups: List[_Group]
+    of_slot: Dict[int, int]
+    members: Set[int]
+
+    @staticmethod
+    def build(params: List[Tensor], trainable: List[int], k: int) -> "_Slices":
+        by_key: Dict[Tuple[torch.device, torch.dtype], List[int]] = {}
+        for i in trainable:
+            by_key.setdefault((params[i].device, params[i].dtype), []).append(i)
+        groups = []
+        for key, members in by_key.items():
+            offsets, total = [], 0
+            for i in members:
+                offsets.append(total)
+                total += params[i].numel()
+            length = -(-total // k)
+            device, dtype = key
+            slot = torch.zeros(length, dtype=dtype, device=device, requires_grad=True)
+            groups.append(_Group(key, members, offsets, length, slot,
+                                 torch.zeros(length * k, dtype=dtype, device=device)))
+        return _Slices(groups, {id(g.slot): n for n, g in enumerate(groups)}, set(trainable))
+
+
+def _is_mesh(value: Any) -> bool:
+    """Whether ``value`` is a ``DeviceMesh`` (imported only when one could be: torch's module is heavy)."""
+    if not (hasattr(value, "mesh") and hasattr(value, "mesh_dim_names")):
+        return False
+    from torch.distributed.device_mesh import DeviceMesh
+    return isinstance(value, DeviceMesh)
+
+
+def _subgroup(members: Tuple[int, ...], ranks: List[int], parent: ProcessGroup) -> ProcessGroup:
+    """A group of ``members`` (global ranks): ``parent`` itself when they are all of it, else a new group
+    built by its members only."""
+    if len(members) == len(ranks):
+        return parent
+    return dist.new_group(ranks=sorted(members), backend=dist.get_backend(parent),
+                          timeout=private_groups.timeout_of(parent), use_local_synchronization=True)
+
+
+def _weakly(mode: "Islands", call: Callable[["Islands"], None]) -> Callable[[], None]:
+    """``call(mode)`` through a weak reference, so that the engines' callbacks keep no dropped mode alive."""
+    ref = weakref.ref(mode)
+
+    def run() -> None:
+        held = ref()
+        if held is not None:
+            call(held)
+
+    return run
