@@ -1,0 +1,337 @@
+"""Islands: synchronous inside each island, a mode across them (``mode=distopt.Islands(...)``).
+
+One world of 4 ranks, 2 islands x 2 ranks (``[[0, 1], [2, 3]]``, gloo). Every check trains in
+float64 and is compared, in the test, against a single-process reference: training on the global
+batch (synchronous across), or a replay of the protocol (each island steps on its mean gradient,
+the islands sync every H steps). Streaming DiLoCo across is compared with flat streaming DiLoCo
+over 2 ranks, each training on its island's whole batch, which is the same protocol.
+"""
+import io
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import distopt
+from distopt import DistributedOptimizer
+
+from _worlds import Worlds
+
+TOL = 1e-12
+ISLANDS = [[0, 1], [2, 3]]
+ROWS = 4
+STEPS = 5
+
+
+def make_model(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)).double()
+
+
+def batch(rank, step):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(ROWS, 4, generator=g, dtype=torch.float64), torch.randn(ROWS, 2, generator=g, dtype=torch.float64)
+
+
+def island_batch(island, step):
+    xs, ys = zip(*(batch(r, step) for r in ISLANDS[island]))
+    return torch.cat(xs), torch.cat(ys)
+
+
+def loss_of(model, x, y):
+    return nn.functional.mse_loss(model(x), y)
+
+
+def params_of(model):
+    return [p.detach().clone() for p in model.parameters()]
+
+
+INNER = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # noqa: E731
+OUTER = lambda ps: torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)  # noqa: E731
+
+
+def train(opt, model, steps, start=0):
+    rank = dist.get_rank()
+    for t in range(start, start + steps):
+        x, y = batch(rank, t)
+        opt.zero_grad()
+        loss_of(model, x, y).backward()
+        opt.step()
+
+
+# ---------------------------------------------------------------------- checks (on every rank)
+
+
+class WithHeads(nn.Module):
+    """A body every rank uses, a head only island 0 uses, and a head no rank uses."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.body = make_model()
+        self.island0 = nn.Linear(4, 1).double()
+        self.unused = nn.Linear(2, 2).double()
+
+    def loss(self, x, y, rank):
+        loss = loss_of(self.body, x, y)
+        if rank in ISLANDS[0]:
+            loss = loss + self.island0(x).pow(2).mean()
+        return loss
+
+
+def synchronous_across():
+    rank = dist.get_rank()
+    net = WithHeads()
+    opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
+                               mode=distopt.Islands(islands=ISLANDS))
+    grads_after_backward = []
+    for t in range(STEPS):
+        x, y = batch(rank, t)
+        opt.zero_grad()
+        net.loss(x, y, rank).backward()
+        grads_after_backward.append([None if p.grad is None else p.grad.clone() for p in net.parameters()])
+        opt.step()
+    return params_of(net), grads_after_backward, opt.mode.topology.islands
+
+
+def compressed_across():
+    net = make_model()
+    opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
+                               mode=distopt.Islands(islands=ISLANDS, compression="int8"))
+    train(opt, net, STEPS)
+    return params_of(net), opt.mode.across_stats.bytes
+
+
+def local_across(outer):
+    net = make_model()
+    mode = distopt.DiLoCo(2, OUTER) if outer else distopt.LocalSGD(2)
+    opt = DistributedOptimizer(INNER(net.parameters()), mode=distopt.Islands(across=mode, islands=ISLANDS))
+    train(opt, net, STEPS)
+    return params_of(net)
+
+
+def streaming_across():
+    """Islands over streaming DiLoCo, and flat streaming DiLoCo over the across groups with island batches."""
+    rank = dist.get_rank()
+    mode = lambda: distopt.DiLoCo(4, OUTER, fragments=2, overlap=1)  # noqa: E731
+    net = make_model()
+    opt = DistributedOptimizer(INNER(net.parameters()), mode=distopt.Islands(across=mode(), islands=ISLANDS))
+    train(opt, net, 8)
+    across = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
+    flat = make_model()
+    flat_opt = DistributedOptimizer(INNER(flat.parameters()), mode=mode(), process_group=across)
+    island = 0 if rank in ISLANDS[0] else 1
+    for t in range(8):
+        x, y = island_batch(island, t)
+        flat_opt.zero_grad()
+        loss_of(flat, x, y).backward()
+        flat_opt.step()
+    return params_of(net), params_of(flat)
+
+
+def resume():
+    """DiLoCo across with int8 across: save between two syncs, resume in a new wrapper, bitwise."""
+    def build():
+        net = make_model()
+        mode = distopt.Islands(across=distopt.DiLoCo(3, OUTER), islands=ISLANDS, compression="int8")
+        return net, DistributedOptimizer(torch.optim.Adam(net.parameters(), lr=0.01), mode=mode)
+
+    net, opt = build()
+    train(opt, net, 4)
+    buf = io.BytesIO()
+    torch.save({"model": net.state_dict(), "opt": opt.state_dict()}, buf)
+    train(opt, net, 4, start=4)
+    buf.seek(0)
+    saved = torch.load(buf, weights_only=False)
+    again, again_opt = build()
+    again.load_state_dict(saved["model"])
+    again_opt.load_state_dict(saved["opt"])
+    train(again_opt, again, 4, start=4)
+    return params_of(net), params_of(again), sorted(saved["opt"])
+
+
+def bytes_across():
+    """Cross-island bytes per rank vs flat's, on 8 layers of 32 x 32: every rank carries its half of the
+    gradients, plus one pack's presence and control flags (11 values), which flat's 16 presence flags outweigh."""
+    def layers():
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(32, 32) for _ in range(8)])
+
+    net, flat_net = layers(), layers()
+    islands = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), mode=distopt.Islands(islands=ISLANDS))
+    flat = DistributedOptimizer(torch.optim.SGD(flat_net.parameters(), lr=0.1))
+    x = torch.randn(4, 32)
+    for model, opt in ((net, islands), (flat_net, flat)):
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        opt.step()
+    return islands.mode.across_stats.bytes, flat.stats.bytes, sum(p.numel() * 4 for p in net.parameters())
+
+
+def mismatched(kind):
+    """Ranks that disagree on the islands: every rank raises the same error, before any group is built."""
+    rank = dist.get_rank()
+    islands = {"differ": ISLANDS if rank == 0 else [[0, 2], [1, 3]],
+               "overlap": ISLANDS if rank != 2 else [[0, 1], [1, 3]]}[kind]
+    net = make_model()
+    try:
+        DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), mode=distopt.Islands(islands=islands))
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def mesh_and_hosts():
+    """Islands from a DeviceMesh ("replicate", "shard"), and by default one island per host (the spawn
+    helper starts the 4 ranks on one host)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    net = make_model()
+    opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), mode=distopt.Islands(islands=mesh))
+    train(opt, net, 2)
+    hosts = DistributedOptimizer(torch.optim.SGD(make_model().parameters(), lr=0.1), mode=distopt.Islands())
+    return opt.mode.topology.islands, params_of(net), hosts.mode.topology.islands, hosts.world_size
+
+
+CASES = {
+    "synchronous": (4, synchronous_across, ()),
+    "compressed": (4, compressed_across, ()),
+    "local sgd": (4, local_across, (False,)),
+    "diloco": (4, local_across, (True,)),
+    "streaming": (4, streaming_across, ()),
+    "resume": (4, resume, ()),
+    "bytes": (4, bytes_across, ()),
+    "differ": (4, mismatched, ("differ",)),
+    "overlap": (4, mismatched, ("overlap",)),
+    "mesh": (4, mesh_and_hosts, ()),
+}
+WORLDS = Worlds(CASES, timeout=200)
+results = WORLDS.results
+
+
+# ---------------------------------------------------------------------- references (one process)
+
+
+def global_batch_reference():
+    net = WithHeads()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    grads = []
+    for t in range(STEPS):
+        opt.zero_grad()
+        # Each rank's mean loss, averaged over the ranks: the global batch's mean, the heads as each rank uses them.
+        sum(net.loss(*batch(r, t), r) for r in range(4)).div(4).backward()
+        grads.append([None if p.grad is None else p.grad.clone() for p in net.parameters()])
+        opt.step()
+    return params_of(net), grads
+
+
+def local_reference(outer, steps=STEPS, every=2):
+    """The protocol replayed: each island steps its own copy on its mean gradient (the gradient of its
+    whole batch's mean loss), and every ``every`` steps the islands average (or step the outer optimizer on)
+    the mean pseudo-gradient."""
+    models = [make_model(), make_model()]
+    inners = [INNER(m.parameters()) for m in models]
+    anchors = params_of(models[0])
+    outer_opt = OUTER(anchors) if outer else None
+    for t in range(steps):
+        for i, (m, o) in enumerate(zip(models, inners)):
+            o.zero_grad()
+            loss_of(m, *island_batch(i, t)).backward()
+            o.step()
+        if (t + 1) % every == 0:
+            with torch.no_grad():
+                pseudo = [((a - p0) + (a - p1)) / 2 for a, p0, p1 in zip(anchors, models[0].parameters(), models[1].parameters())]
+                if outer_opt is None:
+                    for a, g in zip(anchors, pseudo):
+                        a.sub_(g)
+                else:
+                    for a, g in zip(anchors, pseudo):
+                        a.grad = g
+                    outer_opt.step()
+                for m in models:
+                    for p, a in zip(m.parameters(), anchors):
+                        p.copy_(a)
+    return [params_of(m) for m in models]
+
+
+def close(a, b, tol=TOL):
+    return all((x - y).abs().max().item() <= tol for x, y in zip(a, b))
+
+
+# ---------------------------------------------------------------------- tests
+
+
+def test_synchronous_inside_and_across_trains_as_one_process_on_the_global_batch():
+    per_rank = results("synchronous")
+    params, grads = global_batch_reference()
+    assert per_rank[0][2] == ((0, 1), (2, 3))
+    for rank_params, rank_grads, _ in per_rank:
+        assert close(rank_params, params)
+        for step, (got, want) in enumerate(zip(rank_grads, grads)):
+            # .grad is the global mean when backward() returns (clipping and GradScaler read it there).
+            for g, w in zip(got, want):
+                assert (g is None) == (w is None), step
+                assert g is None or (g - w).abs().max().item() <= TOL
+    # The head no rank uses keeps grad None and does not move; every rank holds the same bits.
+    assert per_rank[0][1][-1][-1] is None and per_rank[0][1][-1][-2] is None
+    for other in per_rank[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(per_rank[0][0], other[0]))
+
+
+def test_compression_across_leaves_every_rank_of_every_island_bitwise_identical():
+    per_rank = results("compressed")
+    first = per_rank[0][0]
+    for params, _ in per_rank[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(first, params))
+    reference = local_reference(False, steps=0)[0]  # the initial parameters
+    assert not all(torch.equal(a, b) for a, b in zip(first, reference))  # it trained
+    assert per_rank[0][1] > 0
+
+
+@pytest.mark.parametrize("case, outer", [("local sgd", False), ("diloco", True)])
+def test_local_sgd_and_diloco_across_match_a_replay_of_the_protocol(case, outer):
+    per_rank = results(case)
+    replay = local_reference(outer)
+    for rank, params in enumerate(per_rank):
+        island = 0 if rank in ISLANDS[0] else 1
+        assert close(params, replay[island])
+    # Right after the last sync (step 4) both islands held the same parameters; step 5 is local.
+    assert all(torch.equal(a, b) for a, b in zip(per_rank[0], per_rank[1]))
+    assert not close(per_rank[0], per_rank[2], tol=0.0)
+
+
+def test_streaming_diloco_across_islands_is_flat_streaming_diloco_on_the_islands_batches():
+    for rank, (islands, flat) in enumerate(results("streaming")):
+        assert close(islands, flat)
+
+
+def test_a_checkpoint_between_two_syncs_resumes_bitwise_with_the_across_mode_and_compressor_state():
+    for uninterrupted, resumed, keys in results("resume"):
+        assert all(torch.equal(a, b) for a, b in zip(uninterrupted, resumed))
+        assert "distopt_local_sgd" in keys and "distopt_islands" in keys
+
+
+def test_each_rank_carries_at_most_1_over_k_of_flat_bytes_across_the_islands():
+    for across, flat, gradient_bytes in results("bytes"):
+        assert flat >= gradient_bytes
+        assert across <= flat / 2
+        assert across >= gradient_bytes / 2  # its slice really travels
+
+
+def test_ranks_that_disagree_on_the_islands_all_get_the_same_error_naming_both_views_and_the_fix():
+    messages = results("differ")
+    assert len(set(messages)) == 1 and messages[0] is not None
+    assert "rank 0 has islands=[[0, 1], [2, 3]] and rank 1 has islands=[[0, 2], [1, 3]]" in messages[0]
+    assert "pass the same islands= on every rank" in messages[0]
+    overlap = results("overlap")
+    assert len(set(overlap)) == 1
+    assert overlap[0].startswith("rank 2: islands=[[0, 1], [1, 3]]: rank 1 is in two islands")
+
+
+def test_islands_come_from_a_device_mesh_and_by_default_from_the_hosts():
+    per_rank = results("mesh")
+    for islands, params, hosts, hosts_world in per_rank:
+        assert islands == ((0, 1), (2, 3))
+        assert all(torch.equal(a, b) for a, b in zip(params, per_rank[0][1]))
+        assert hosts == ((0, 1, 2, 3),) and hosts_world == 4
