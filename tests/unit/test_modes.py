@@ -286,3 +286,56 @@ def test_a_mode_without_a_shorthand_spells_its_arguments_its_own_way_in_errors()
     except ValueError as error:
         message = str(error)
     assert "sync_" not in message and re.search(r"fragments=9 must be at most every=4", message)
+
+
+# ---------------------------------------------------------------------- Islands, in one process
+
+
+@pytest.mark.parametrize("build, error, match", [
+    (lambda: distopt.Islands(across=torch.optim.SGD), TypeError, r"across must be a distopt mode object"),
+    (lambda: distopt.Islands(across=distopt.ShardedState()), ValueError,
+     r"across=ShardedState\(\) is not supported yet with distopt.Islands: .*distopt.Synchronous\(\)"),
+    (lambda: distopt.Islands(across=distopt.LocalSGD(4, warmup=2)), ValueError,
+     r"warmup=2 is not supported yet with distopt.Islands .*pass warmup=0"),
+    (lambda: distopt.Islands(islands="0,1"), TypeError, r"islands must be None \(one island per host\), a DeviceMesh"),
+    (lambda: distopt.Islands(compression="int3"), ValueError, r"compression must be None, one of"),
+])
+def test_islands_check_their_own_arguments(build, error, match) -> None:
+    with pytest.raises(error, match=match):
+        build()
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    ({"bcast_period": 5}, ValueError, r"bcast_period=5 is not supported yet with distopt.Islands"),
+    ({"compression": "int8"}, ValueError, r"the wrapper's compression= would compress inside the islands"),
+    ({"reduce_op": "sum", "across": distopt.LocalSGD(2)}, ValueError, r"reduce_op='sum' cannot be combined"),
+])
+def test_islands_refuse_the_wrapper_arguments_they_cannot_work_with_yet(kwargs, error, match) -> None:
+    across = kwargs.pop("across", None)
+    with pytest.raises(error, match=match):
+        DistributedOptimizer(torch.optim.SGD(model().parameters(), lr=0.1), mode=distopt.Islands(across), **kwargs)
+
+
+@pytest.mark.parametrize("across", [None, lambda: distopt.DiLoCo(2, OUTER)])
+def test_islands_in_one_process_train_as_the_across_mode_does(across) -> None:
+    runs = []
+    for mode in (distopt.Islands(across=across and across()), across() if across else distopt.Synchronous()):
+        net = model()
+        opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), mode=mode)
+        for t in range(5):
+            opt.zero_grad()
+            net(torch.full((4, 3), float(t))).pow(2).sum().backward()
+            opt.step()
+        runs.append([p.detach().clone() for p in net.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+    assert repr(distopt.Islands(distopt.LocalSGD(4), islands=[[0, 1], [2, 3]], compression="int8")) == (
+        "Islands(across=LocalSGD(every=4), islands=[[0, 1], [2, 3]], compression='int8')")
+
+
+def test_islands_refuse_a_closure_join_and_taking_one_ranks_state_saying_what_to_do() -> None:
+    net = model()
+    opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), mode=distopt.Islands())
+    with pytest.raises(RuntimeError, match=r"step\(closure\) is not supported yet with distopt.Islands"):
+        opt.step(lambda: 0.0)
+    with pytest.raises(RuntimeError, match=r"broadcast_optimizer_state\(\) is not supported yet .*on every rank"):
+        opt.broadcast_optimizer_state()
