@@ -162,6 +162,21 @@ MUTANTS: List[Mutant] = [
     Mutant("agreement: a setting only another rank's mode has is compared", "distopt/wrapper/checks.py",
            "    for key in sorted(keys, key=lambda k: k == \"mode\"):", "    for key in settings:",
            ["tests/unit/test_modes.py", "-k", "told_the_setting"]),
+    Mutant("islands: rank j of each island sums slice j across", "distopt/modes/islands.py",
+           "start, stop = place * self.length, (place + 1) * self.length",
+           "start, stop = 0, self.length",
+           ["tests/multiprocess/test_islands.py", "-k", "global_batch"]),
+    Mutant("islands: a gradient no island had stays None", "distopt/modes/islands.py",
+           "present = None if complete else self._presence(ctx, group)", "present = None",
+           ["tests/multiprocess/test_islands.py", "-k", "global_batch"]),
+    Mutant("islands: every island starts from island 0's parameters", "distopt/modes/islands.py",
+           "if self._bcast_period != -1 and engine.world_size > 1 and ctx.params:",
+           "if False:",
+           ["tests/multiprocess/test_islands.py", "-k", "island_0s_parameters"]),
+    Mutant("islands: the across mode steps through the across engine", "distopt/modes/islands.py",
+           "            return self.across.step(across, None)\n",
+           "            return self.across.step(ctx, None)\n",
+           ["tests/multiprocess/test_islands.py", "-k", "replay or flat_streaming"]),
 ]
 
 

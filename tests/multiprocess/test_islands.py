@@ -194,6 +194,21 @@ def mesh_and_hosts():
     return opt.mode.topology.islands, params_of(net), hosts.mode.topology.islands, hosts.world_size
 
 
+def starts_identical_and_refuses_join():
+    """Each rank builds its own initial parameters; the wrapper gives every rank island 0's root's. A step
+    inside join() is refused on every rank, before any collective."""
+    rank = dist.get_rank()
+    net = make_model(seed=rank)
+    opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), mode=distopt.Islands(islands=ISLANDS))
+    start = params_of(net)
+    try:
+        with opt.join():
+            train(opt, net, 1)
+    except RuntimeError as exc:
+        return start, str(exc)
+    return start, None
+
+
 CASES = {
     "synchronous": (4, synchronous_across, ()),
     "compressed": (4, compressed_across, ()),
@@ -205,6 +220,7 @@ CASES = {
     "differ": (4, mismatched, ("differ",)),
     "overlap": (4, mismatched, ("overlap",)),
     "mesh": (4, mesh_and_hosts, ()),
+    "start": (4, starts_identical_and_refuses_join, ()),
 }
 WORLDS = Worlds(CASES, timeout=200)
 results = WORLDS.results
@@ -335,3 +351,14 @@ def test_islands_come_from_a_device_mesh_and_by_default_from_the_hosts():
         assert islands == ((0, 1), (2, 3))
         assert all(torch.equal(a, b) for a, b in zip(params, per_rank[0][1]))
         assert hosts == ((0, 1, 2, 3),) and hosts_world == 4
+
+
+def test_every_rank_of_every_island_starts_from_island_0s_parameters():
+    reference = params_of(make_model(seed=0))
+    for start, _ in results("start"):
+        assert all(torch.equal(a, b) for a, b in zip(start, reference))
+
+
+def test_join_is_refused_on_every_rank_at_the_first_step_inside_the_block():
+    for _, message in results("start"):
+        assert message is not None and "join() is not supported yet with distopt.Islands" in message

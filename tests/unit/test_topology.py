@@ -103,3 +103,16 @@ def test_the_ranks_disagreement_names_two_views_or_the_first_error():
         "the ranks disagree on the islands: rank 0 has islands=[[0, 1], [2, 3]] and rank 2 has "
         "islands=[[0, 2], [1, 3]]; pass the same islands= on every rank (every rank must build the same islands)")
     assert topology.disagreement([a, "bad islands", b]) == "rank 1: bad islands"
+
+
+def test_a_process_knows_its_host_from_torchrun_or_distopt_launch(monkeypatch):
+    from distopt.launching import placement
+    for name in ("RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    assert placement.this_process() is None  # no launcher: the islands must be given
+    monkeypatch.setenv("RANK", "5")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert placement.this_process() == (4, 1)  # distopt.launch: the host's first rank
+    monkeypatch.setenv("GROUP_RANK", "1")
+    assert placement.this_process() == (1, 1)  # torchrun: its agent's index
