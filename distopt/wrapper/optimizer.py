@@ -104,7 +104,10 @@ class DistributedOptimizer(InnerOptimizerSurface):
             gradients are reduced, on the last of them (default: ``1``).
         named_parameters: ``(name, parameter)`` pairs, e.g.
             ``model.named_parameters()``, so errors name parameters (default: None).
-        process_group: the group to average over (default: the default group).
+        process_group: the group to average over (default: the default group). A mode may average
+            over part of it during backward (:meth:`distopt.modes.Mode.engine_group`): with
+            :class:`distopt.Islands`, this rank's island, and ``rank``, ``world_size`` and
+            ``root_rank`` are then within the island.
         root_rank: rank within ``process_group`` that broadcasts (default: ``0``).
         compression: how float packs travel: a :class:`distopt.compression.Compressor`
             (``PowerSGD(rank=4)``, ``Quantize(bits=8)``, ``TopK(group_size=64)``,
@@ -123,8 +126,9 @@ class DistributedOptimizer(InnerOptimizerSurface):
         mode: how local gradients become a step, an object that serves this wrapper alone:
             :class:`distopt.Synchronous` (gradients averaged during backward, the default),
             :class:`distopt.ShardedState` (ZeRO-1), :class:`distopt.LocalSGD` (periodic model
-            averaging, streaming with ``fragments``) or :class:`distopt.DiLoCo` (an outer
-            optimizer); see docs/modes.md. Pass it or the shorthands below, not both (default: None).
+            averaging, streaming with ``fragments``), :class:`distopt.DiLoCo` (an outer
+            optimizer) or :class:`distopt.Islands` (synchronous inside each host, one of the
+            others between hosts); see docs/modes.md. Pass it or the shorthands below, not both (default: None).
         shard_state: shorthand for ``mode=distopt.ShardedState()`` (default: False).
         sync_every: shorthand: ``H > 1`` is ``mode=distopt.LocalSGD(every=H)``, or with
             ``outer_optimizer`` ``mode=distopt.DiLoCo(every=H, outer=...)`` (default: 1).
