@@ -40,6 +40,7 @@ island (they are identical by design), not the islands.
 from __future__ import annotations
 
 import dataclasses
+import warnings
 import weakref
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
 
@@ -288,12 +289,29 @@ class Islands(Mode):
             with torch.no_grad(), stalls.inspected(engine.progress, "the broadcast of island 0's parameters"):
                 collectives.broadcast_parameters(ctx.params, src=self._across_source, group=self._ctx.group)
         if isinstance(self.across, Synchronous):
+            self._warn_if_flat_slices_gain_nothing(ctx)
             if engine.world_size > 1:
                 ctx.engine.call_when_settled(_weakly(self, lambda mode: mode._cross_after_round(ctx)))
         else:
             self._track_across(ctx)
         self._ctx.set_steps(ctx.steps)
         self.across.attach(self._ctx)
+
+    def _warn_if_flat_slices_gain_nothing(self, ctx: ModeContext) -> None:
+        """A compressor of matrices (PowerSGD) sends the flat slices of the hierarchical sum as they are."""
+        trainable = [p for p in ctx.params if p.requires_grad]
+        if self.compressor is None or not trainable or self.topology is None:
+            return
+        dtype = trainable[0].dtype
+        flat = torch.Size([-(-sum(p.numel() for p in trainable) // self.topology.size)])
+        if (self.compressor.wire_fraction([flat], dtype) >= 1.0
+                and self.compressor.wire_fraction([p.shape for p in trainable], dtype) < 1.0):
+            warnings.warn(
+                f"compression={self.compression!r} gains nothing across the islands with across=Synchronous(): the "
+                "hierarchical sum sends each rank's flat slice of the gradients, and this compressor compresses "
+                "matrices only, so the slices travel as they are. Use a compressor of flat values across "
+                "(compression='int8', 'topk', 'sign'), or across=distopt.DiLoCo(...)/LocalSGD(...), whose "
+                "pseudo-gradients keep their shapes", RuntimeWarning, stacklevel=2)
 
     def _agree_across(self, ctx: ModeContext) -> None:
         """Every island built the same wrapper: compare what decides the across level's collectives

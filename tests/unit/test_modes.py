@@ -339,3 +339,9 @@ def test_islands_refuse_a_closure_join_and_taking_one_ranks_state_saying_what_to
         opt.step(lambda: 0.0)
     with pytest.raises(RuntimeError, match=r"broadcast_optimizer_state\(\) is not supported yet .*on every rank"):
         opt.broadcast_optimizer_state()
+
+
+def test_islands_warn_where_a_compressor_of_matrices_cannot_compress_the_flat_slices_across() -> None:
+    with pytest.warns(RuntimeWarning, match=r"compression='powersgd' gains nothing across the islands .*'int8'"):
+        DistributedOptimizer(torch.optim.SGD(nn.Linear(64, 64).parameters(), lr=0.1),
+                             mode=distopt.Islands(compression="powersgd"))
