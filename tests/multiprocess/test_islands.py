@@ -95,6 +95,22 @@ def synchronous_across():
     return params_of(net), grads_after_backward, opt.mode.topology.islands
 
 
+def accumulated_and_clipped():
+    """Two micro-batches per step (``no_sync()`` on the first), then clipping, which reads the global mean."""
+    rank = dist.get_rank()
+    net = make_model()
+    opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.5), mode=distopt.Islands(islands=ISLANDS))
+    norms = []
+    for t in range(3):
+        opt.zero_grad()
+        with opt.no_sync():
+            loss_of(net, *batch(rank, 2 * t)).backward()
+        loss_of(net, *batch(rank, 2 * t + 1)).backward()
+        norms.append(float(nn.utils.clip_grad_norm_(net.parameters(), 0.05)))
+        opt.step()
+    return params_of(net), norms
+
+
 def compressed_across():
     net = make_model()
     opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
@@ -211,6 +227,7 @@ def starts_identical_and_refuses_join():
 
 CASES = {
     "synchronous": (4, synchronous_across, ()),
+    "accumulated": (4, accumulated_and_clipped, ()),
     "compressed": (4, compressed_across, ()),
     "local sgd": (4, local_across, (False,)),
     "diloco": (4, local_across, (True,)),
@@ -240,6 +257,19 @@ def global_batch_reference():
         grads.append([None if p.grad is None else p.grad.clone() for p in net.parameters()])
         opt.step()
     return params_of(net), grads
+
+
+def accumulated_reference():
+    net = make_model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.5)
+    norms = []
+    for t in range(3):
+        opt.zero_grad()
+        for micro in (2 * t, 2 * t + 1):  # summed over the micro-batches, averaged over the ranks
+            sum(loss_of(net, *batch(r, micro)) for r in range(4)).div(4).backward()
+        norms.append(float(nn.utils.clip_grad_norm_(net.parameters(), 0.05)))
+        opt.step()
+    return params_of(net), norms
 
 
 def local_reference(outer, steps=STEPS, every=2):
@@ -293,6 +323,14 @@ def test_synchronous_inside_and_across_trains_as_one_process_on_the_global_batch
     assert per_rank[0][1][-1][-1] is None and per_rank[0][1][-1][-2] is None
     for other in per_rank[1:]:
         assert all(torch.equal(a, b) for a, b in zip(per_rank[0][0], other[0]))
+
+
+def test_accumulation_and_clipping_see_the_global_mean_as_synchronous_training_does():
+    params, norms = accumulated_reference()
+    for rank_params, rank_norms in results("accumulated"):
+        assert close(rank_params, params)
+        assert max(abs(a - b) for a, b in zip(rank_norms, norms)) <= TOL
+        assert min(norms) > 0.05  # the clipping bit
 
 
 def test_compression_across_leaves_every_rank_of_every_island_bitwise_identical():
