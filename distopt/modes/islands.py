@@ -329,20 +329,29 @@ class Islands(Mode):
             "settings": self.settings(),
             "reduce_op": ctx.reduce_op,
             "backward_passes_per_step": ctx.engine.backward_passes_per_step,
-            "parameters": [(ctx.names.get(id(p), str(i)), tuple(p.shape), str(p.dtype), p.requires_grad)
-                           for i, p in enumerate(ctx.params)],
+            "parameters": [(ctx.names.get(id(p)), tuple(p.shape), str(p.dtype), p.requires_grad)
+                           for p in ctx.params],
             "pack_threshold": ctx.engine.config.pack_threshold,
         }
         with stalls.inspected(engine.progress, "the check that every island built the same optimizer"):
             everyone = collectives.all_gather_object(mine, group=self._ctx.group)
         first = everyone[self._across_source]
+        ranks = dist.get_process_group_ranks(self._ctx.group)
         for rank, theirs in enumerate(everyone):
+            island = f"island {self.topology.island_of(ranks[rank])} (global rank {ranks[rank]})"
             for key in ("settings", "reduce_op", "backward_passes_per_step", "parameters"):
-                if theirs[key] != first[key]:
-                    raise ValueError(
-                        f"the islands built different optimizers: {key} is {first[key]!r} on island 0 and "
-                        f"{theirs[key]!r} on another (global rank {dist.get_process_group_ranks(self._ctx.group)[rank]}); "
-                        "build the same model, optimizer and DistributedOptimizer arguments on every rank")
+                if theirs[key] == first[key]:
+                    continue
+                if key == "parameters":
+                    ours, other = first[key], theirs[key]
+                    i = next((i for i, (a, b) in enumerate(zip(ours, other)) if a != b), min(len(ours), len(other)))
+                    what = (f"parameter {i} is {_param(ours, i)} on island 0 and {_param(other, i)} on {island}"
+                            if i < max(len(ours), len(other)) else "")
+                else:
+                    what = f"{key} is {first[key]!r} on island 0 and {theirs[key]!r} on {island}"
+                raise ValueError(
+                    f"the islands built different optimizers: {what}; build the same model, optimizer and "
+                    "DistributedOptimizer arguments on every rank")
         engine.reconfigure(pack_threshold=first["pack_threshold"])
 
     def _track_across(self, ctx: ModeContext) -> List[Tensor]:
@@ -598,6 +607,15 @@ class _Slices:
             groups.append(_Group(key, members, offsets, length, slot,
                                  torch.zeros(length * k, dtype=dtype, device=device)))
         return _Slices(groups, {id(g.slot): n for n, g in enumerate(groups)}, set(trainable))
+
+
+def _param(described: List[Tuple[Optional[str], Tuple[int, ...], str, bool]], i: int) -> str:
+    """Parameter ``i`` as :meth:`Islands._agree_across` describes it, for an error message."""
+    if i >= len(described):
+        return "missing"
+    name, shape, dtype, trainable = described[i]
+    named = "" if name is None else f"{name!r} "
+    return f"{named}of shape {list(shape)} {dtype}{'' if trainable else ' (frozen)'}"
 
 
 def _is_mesh(value: Any) -> bool:

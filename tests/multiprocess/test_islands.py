@@ -120,11 +120,26 @@ def compressed_across():
 
 
 def local_across(outer):
+    """STEPS steps (the last one local), then ``sync_now()``."""
     net = make_model()
     mode = distopt.DiLoCo(2, OUTER) if outer else distopt.LocalSGD(2)
     opt = DistributedOptimizer(INNER(net.parameters()), mode=distopt.Islands(across=mode, islands=ISLANDS))
     train(opt, net, STEPS)
-    return params_of(net)
+    local = params_of(net)
+    opt.sync_now()
+    return local, params_of(net)
+
+
+def islands_of_one_rank():
+    """Islands of one rank each, DiLoCo across: flat DiLoCo over the 4 ranks."""
+    runs = []
+    for mode in (distopt.Islands(across=distopt.DiLoCo(2, OUTER), islands=[[0], [1], [2], [3]]),
+                 distopt.DiLoCo(2, OUTER)):
+        net = make_model()
+        opt = DistributedOptimizer(INNER(net.parameters()), mode=mode)
+        train(opt, net, 4)
+        runs.append(params_of(net))
+    return runs
 
 
 def streaming_across():
@@ -189,8 +204,8 @@ def mismatched(kind):
     """Ranks that disagree on the islands: every rank raises the same error, before any group is built."""
     rank = dist.get_rank()
     islands = {"differ": ISLANDS if rank == 0 else [[0, 2], [1, 3]],
-               "overlap": ISLANDS if rank != 2 else [[0, 1], [1, 3]]}[kind]
-    net = make_model()
+               "overlap": ISLANDS if rank != 2 else [[0, 1], [1, 3]], "model": ISLANDS}[kind]
+    net = make_model() if kind != "model" or rank < 2 else nn.Sequential(nn.Linear(4, 9)).double()
     try:
         DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), mode=distopt.Islands(islands=islands))
     except ValueError as exc:
@@ -236,6 +251,8 @@ CASES = {
     "bytes": (4, bytes_across, ()),
     "differ": (4, mismatched, ("differ",)),
     "overlap": (4, mismatched, ("overlap",)),
+    "model": (4, mismatched, ("model",)),
+    "islands of one": (4, islands_of_one_rank, ()),
     "mesh": (4, mesh_and_hosts, ()),
     "start": (4, starts_identical_and_refuses_join, ()),
 }
@@ -272,7 +289,7 @@ def accumulated_reference():
     return params_of(net), norms
 
 
-def local_reference(outer, steps=STEPS, every=2):
+def local_reference(outer, steps=STEPS, every=2, sync_at_end=False):
     """The protocol replayed: each island steps its own copy on its mean gradient (the gradient of its
     whole batch's mean loss), and every ``every`` steps the islands average (or step the outer optimizer on)
     the mean pseudo-gradient."""
@@ -285,7 +302,7 @@ def local_reference(outer, steps=STEPS, every=2):
             o.zero_grad()
             loss_of(m, *island_batch(i, t)).backward()
             o.step()
-        if (t + 1) % every == 0:
+        if (t + 1) % every == 0 or (sync_at_end and t == steps - 1):
             with torch.no_grad():
                 pseudo = [((a - p0) + (a - p1)) / 2 for a, p0, p1 in zip(anchors, models[0].parameters(), models[1].parameters())]
                 if outer_opt is None:
@@ -347,12 +364,20 @@ def test_compression_across_leaves_every_rank_of_every_island_bitwise_identical(
 def test_local_sgd_and_diloco_across_match_a_replay_of_the_protocol(case, outer):
     per_rank = results(case)
     replay = local_reference(outer)
-    for rank, params in enumerate(per_rank):
+    synced = local_reference(outer, sync_at_end=True)[0]
+    for rank, (params, after_sync_now) in enumerate(per_rank):
         island = 0 if rank in ISLANDS[0] else 1
         assert close(params, replay[island])
-    # Right after the last sync (step 4) both islands held the same parameters; step 5 is local.
-    assert all(torch.equal(a, b) for a, b in zip(per_rank[0], per_rank[1]))
-    assert not close(per_rank[0], per_rank[2], tol=0.0)
+        assert close(after_sync_now, synced)  # sync_now() syncs the islands at once
+        # The ranks of an island are identical at every step, and all ranks right after a sync.
+        assert all(torch.equal(a, b) for a, b in zip(after_sync_now, per_rank[0][1]))
+    assert all(torch.equal(a, b) for a, b in zip(per_rank[0][0], per_rank[1][0]))
+    assert not close(per_rank[0][0], per_rank[2][0], tol=0.0)  # step 5 was local: the islands differ
+
+
+def test_islands_of_one_rank_with_diloco_across_are_flat_diloco():
+    for islands, flat in results("islands of one"):
+        assert close(islands, flat)
 
 
 def test_streaming_diloco_across_islands_is_flat_streaming_diloco_on_the_islands_batches():
@@ -381,6 +406,10 @@ def test_ranks_that_disagree_on_the_islands_all_get_the_same_error_naming_both_v
     overlap = results("overlap")
     assert len(set(overlap)) == 1
     assert overlap[0].startswith("rank 2: islands=[[0, 1], [1, 3]]: rank 1 is in two islands")
+    for message in results("model"):  # each island agrees inside; the islands differ
+        assert message.startswith(
+            "the islands built different optimizers: parameter 0 is of shape [8, 4] torch.float64 on island 0 and "
+            "of shape [9, 4] torch.float64 on island 1 (global rank ")
 
 
 def test_islands_come_from_a_device_mesh_and_by_default_from_the_hosts():
