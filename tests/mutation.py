@@ -177,6 +177,10 @@ MUTANTS: List[Mutant] = [
            "            return self.across.step(across, None)\n",
            "            return self.across.step(ctx, None)\n",
            ["tests/multiprocess/test_islands.py", "-k", "replay or flat_streaming"]),
+    Mutant("islands: the drift check compares the islands with each other", "distopt/modes/islands.py",
+           "        if self._world is None:\n            return ctx\n",
+           "        if True:\n            return ctx\n",
+           ["tests/multiprocess/test_islands.py", "-k", "drift"]),
 ]
 
 

@@ -40,8 +40,9 @@ after each shadow round, :meth:`Mode.shadow_step`; the end of the block,
 :meth:`Mode.settle_after_join` and :meth:`Mode.broadcast_state`), checkpoints
 (:meth:`Mode.state_dict`, :meth:`Mode.load_state_dict`), ``stats``
 (:meth:`Mode.extra_state_bytes`) and the drift check (:meth:`Mode.kept_identical`: what
-it keeps identical on every rank, and when; :meth:`Mode.ranks_training`: whether the ranks
-know at this point that none of them has joined). The defaults do what synchronous training needs.
+it keeps identical on every rank, and when; :meth:`Mode.drift_context`: over which ranks;
+:meth:`Mode.ranks_training`: whether the ranks know at this point that none of them has
+joined). The defaults do what synchronous training needs.
 """
 from __future__ import annotations
 
@@ -399,6 +400,15 @@ class Mode:
             (local SGD between two syncs): a rank may have joined unseen.
         """
         return ctx.engine.outcome.training
+
+    def drift_context(self, ctx: ModeContext) -> ModeContext:
+        """The ranks the drift check compares :meth:`kept_identical` over, as a context (its group, its
+        progress, its step count): the wrapper's own, by default.
+
+        A mode whose engine averages over part of the group (:meth:`engine_group`) returns one over
+        the whole group, so that the check compares every rank (:class:`distopt.Islands`: every island).
+        """
+        return ctx
 
     def kept_identical(self, ctx: ModeContext, scheduled: bool) -> Optional[drift.Kept]:
         """What this mode keeps identical on every rank now, for the drift check to compare.

@@ -34,8 +34,11 @@ the whole pseudo-gradient on its own link; the islands stay identical inside).
 What is not supported yet raises at construction or at the call, naming what to do:
 ``join()``, ``broadcast_optimizer_state()``, ``bcast_period > 0``, fault tolerance, a closure, the
 across modes ``ShardedState`` and local SGD's ``warmup``, parameters added or unfrozen after the first
-cross-island sum (synchronous across), and FSDP2 inside. The drift check compares the ranks of each
-island (they are identical by design), not the islands.
+cross-island sum (synchronous across), and FSDP2 inside.
+
+The drift check compares every rank of every island (:meth:`Islands.drift_context`): with synchronous
+training across, everything synchronous training keeps alike; with local SGD or DiLoCo across, what
+the across mode keeps alike (the parameters right after a sync, the last-sync copies between two).
 """
 from __future__ import annotations
 
@@ -56,6 +59,7 @@ from ..compression import Compressor
 from ..engine import GradientEngine
 from ..engine.packs import Pack
 from ..launching import placement
+from ..planning import drift
 from ..planning import topology as topologies
 from ..planning.stats import StepStats
 from ..planning.topology import Topology
@@ -147,6 +151,8 @@ class Islands(Mode):
         self._across_source = 0  # island 0's rank in this rank's across group
         self._engine: Optional[GradientEngine] = None  # the across engine, this mode's own
         self._ctx: Optional[ModeContext] = None  # the across mode's view: the across engine and group
+        self._whole: Optional[ProcessGroup] = None  # the wrapper's process_group, which the islands divide
+        self._world: Optional[ModeContext] = None  # the drift check's view: every rank of every island
         self._bcast_period = 0
         self._tracked = 0  # the wrapper's parameters the across level took on
         self._slices: Optional[_Slices] = None  # synchronous across: the flat layout of the gradients
@@ -249,6 +255,7 @@ class Islands(Mode):
         self._island_group = _subgroup(island, ranks, group)
         self._across_group = _subgroup(across, ranks, group)
         self._across_source = sorted(across).index(topology.islands[0][place])
+        self._whole = process_group
         self.topology = topology
         return self._island_group if self._island_group is not group else process_group
 
@@ -284,6 +291,8 @@ class Islands(Mode):
             reduce_op=ctx.reduce_op, stall_warning=ctx.stall_warning, stall_timeout=ctx.stall_timeout,
             reduce_for_step=_weakly(self, lambda mode: mode._reduce_across(ctx)),
             synchronize=_weakly(self, lambda mode: mode._reduce_across(ctx)))
+        if topology is not None and topology.count > 1 and topology.size > 1:
+            self._world = self._open_world(ctx)
         self._agree_across(ctx)
         if self._bcast_period != -1 and engine.world_size > 1 and ctx.params:
             with torch.no_grad(), stalls.inspected(engine.progress, "the broadcast of island 0's parameters"):
@@ -296,6 +305,17 @@ class Islands(Mode):
             self._track_across(ctx)
         self._ctx.set_steps(ctx.steps)
         self.across.attach(self._ctx)
+
+    def _open_world(self, ctx: ModeContext) -> ModeContext:
+        """A context over every rank of every island, for the drift check (an engine of its own, which
+        tracks nothing: its private group and its stall watch)."""
+        engine = ctx.open_engine(self._whole)
+        weakref.finalize(self, engine.close)
+        return ModeContext(
+            optimizer=ctx.optimizer, engine=engine, params=ctx.params, names=ctx.names, process_group=self._whole,
+            rank=collectives.get_rank(self._whole), root_rank=0, reduce_op=ctx.reduce_op,
+            stall_warning=ctx.stall_warning, stall_timeout=ctx.stall_timeout,
+            reduce_for_step=_nothing, synchronize=_nothing)
 
     def _warn_if_flat_slices_gain_nothing(self, ctx: ModeContext) -> None:
         """A compressor of matrices (PowerSGD) sends the flat slices of the hierarchical sum as they are."""
@@ -521,6 +541,22 @@ class Islands(Mode):
     def broadcast_state(self, ctx: ModeContext, src: int) -> None:
         raise RuntimeError(f"taking one rank's state {_NOT_YET}: load the checkpoint on every rank")
 
+    def drift_context(self, ctx: ModeContext) -> ModeContext:
+        """Every rank of every island: the islands are compared with each other, not only inside."""
+        if self._world is None:
+            return ctx
+        self._world.set_steps(ctx.steps)
+        return self._world
+
+    def kept_identical(self, ctx: ModeContext, scheduled: bool) -> Optional[drift.Kept]:
+        """What every rank of every island holds alike: everything with synchronous training across (as
+        synchronous training keeps it); with local SGD or DiLoCo across, what they keep alike (the
+        parameters right after a sync, the last-sync copies and the outer optimizer between two)."""
+        if isinstance(self.across, Synchronous):
+            return super().kept_identical(ctx, scheduled)
+        self._ctx.set_steps(ctx.steps)
+        return self.across.kept_identical(self._ctx, scheduled)
+
     def extra_state_bytes(self, ctx: ModeContext) -> int:
         held = 0 if self._slices is None else self._slices.nbytes()
         return held + (0 if self._ctx is None else self.across.extra_state_bytes(self._ctx))
@@ -633,6 +669,10 @@ def _subgroup(members: Tuple[int, ...], ranks: List[int], parent: ProcessGroup) 
         return parent
     return dist.new_group(ranks=sorted(members), backend=dist.get_backend(parent),
                           timeout=private_groups.timeout_of(parent), use_local_synchronization=True)
+
+
+def _nothing() -> None:
+    """What the drift check's context does for ``reduce_for_step`` and ``synchronize``: it reduces nothing."""
 
 
 def _weakly(mode: "Islands", call: Callable[["Islands"], None]) -> Callable[[], None]:

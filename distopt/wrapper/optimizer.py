@@ -463,7 +463,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
         kept = None if self.world_size == 1 else self._mode.kept_identical(ctx, scheduled=False)
         if kept is None:
             return DriftReport(step=engine.steps)
-        report = self._drift.run(ctx, kept, self._param_names())
+        report = self._drift.run(self._mode.drift_context(ctx), kept, self._param_names())
         self._drift.act(report, when=f"called as opt.check_drift() after step {engine.steps}", root=self.root_rank,
                         bcast_period=self.bcast_period, stacklevel=2)
         return report
@@ -481,7 +481,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
         kept = self._mode.kept_identical(self._context, scheduled=True)
         if kept is None:  # e.g. local SGD between two syncs: the next step tries again
             return None
-        report = self._drift.run(self._context, kept, self._param_names())
+        report = self._drift.run(self._mode.drift_context(self._context), kept, self._param_names())
         if rebroadcast:
             report.corrected = report.parameter_drift
         return report

@@ -240,6 +240,27 @@ def starts_identical_and_refuses_join():
     return start, None
 
 
+def drift_across(across):
+    """The whole of island 1 moves a parameter: the ranks of each island still agree, the islands do not."""
+    rank = dist.get_rank()
+    net = make_model()
+    mode = distopt.Islands(across=distopt.DiLoCo(2, OUTER) if across else None, islands=ISLANDS)
+    opt = DistributedOptimizer(INNER(net.parameters()), mode=mode, named_parameters=net.named_parameters())
+    train(opt, net, 3)  # with DiLoCo across, step 3 is local: the islands' parameters differ on purpose
+    clean = opt.check_drift()
+    if rank in ISLANDS[1]:
+        with torch.no_grad():
+            if across:  # the last-sync copies (the state dict holds them, not copies) are what DiLoCo keeps alike
+                opt.state_dict()["distopt_local_sgd"]["anchors"][1].add_(1e-3)
+            else:
+                net[0].bias.add_(1e-3)
+    try:
+        opt.check_drift()
+    except distopt.DriftError as exc:
+        return clean.drifted, str(exc)
+    return clean.drifted, None
+
+
 CASES = {
     "synchronous": (4, synchronous_across, ()),
     "accumulated": (4, accumulated_and_clipped, ()),
@@ -255,6 +276,8 @@ CASES = {
     "islands of one": (4, islands_of_one_rank, ()),
     "mesh": (4, mesh_and_hosts, ()),
     "start": (4, starts_identical_and_refuses_join, ()),
+    "drift": (4, drift_across, (False,)),
+    "drift diloco": (4, drift_across, (True,)),
 }
 WORLDS = Worlds(CASES, timeout=200)
 results = WORLDS.results
@@ -429,3 +452,10 @@ def test_every_rank_of_every_island_starts_from_island_0s_parameters():
 def test_join_is_refused_on_every_rank_at_the_first_step_inside_the_block():
     for _, message in results("start"):
         assert message is not None and "join() is not supported yet with distopt.Islands" in message
+
+
+@pytest.mark.parametrize("case", ["drift", "drift diloco"])
+def test_the_drift_check_compares_the_islands_with_each_other(case):
+    for clean, message in results(case):
+        assert clean == []  # trained alike (DiLoCo: the last-sync copies, between two syncs)
+        assert message is not None and "'0.bias'" in message, message
