@@ -177,10 +177,10 @@ MUTANTS: List[Mutant] = [
            "            return self.across.step(across, None)\n",
            "            return self.across.step(ctx, None)\n",
            ["tests/multiprocess/test_islands.py", "-k", "replay or flat_streaming"]),
-    Mutant("islands: the drift check compares the islands with each other", "distopt/modes/islands.py",
-           "        if self._world is None:\n            return ctx\n",
-           "        if True:\n            return ctx\n",
-           ["tests/multiprocess/test_islands.py", "-k", "drift"]),
+    Mutant("islands: the drift check and the broadcasts reach every island", "distopt/modes/islands.py",
+           "        if self._world is not None:\n            whole = self._world\n",
+           "        if False:\n            whole = self._world\n",
+           ["tests/multiprocess/test_islands.py", "-k", "drift or broadcast"]),
 ]
 
 

@@ -40,7 +40,7 @@ after each shadow round, :meth:`Mode.shadow_step`; the end of the block,
 :meth:`Mode.settle_after_join` and :meth:`Mode.broadcast_state`), checkpoints
 (:meth:`Mode.state_dict`, :meth:`Mode.load_state_dict`), ``stats``
 (:meth:`Mode.extra_state_bytes`) and the drift check (:meth:`Mode.kept_identical`: what
-it keeps identical on every rank, and when; :meth:`Mode.drift_context`: over which ranks;
+it keeps identical on every rank, and when; :meth:`Mode.whole_context`: over which ranks;
 :meth:`Mode.ranks_training`: whether the ranks know at this point that none of them has
 joined). The defaults do what synchronous training needs.
 """
@@ -401,12 +401,13 @@ class Mode:
         """
         return ctx.engine.outcome.training
 
-    def drift_context(self, ctx: ModeContext) -> ModeContext:
-        """The ranks the drift check compares :meth:`kept_identical` over, as a context (its group, its
-        progress, its step count): the wrapper's own, by default.
+    def whole_context(self, ctx: ModeContext) -> ModeContext:
+        """Every rank the wrapper serves (its ``process_group``), as a context: its group, progress, step
+        count and ``root_rank``. The drift check compares :meth:`kept_identical` over it, and
+        ``broadcast_parameters()`` (``bcast_period`` too) broadcasts from its root over it.
 
-        A mode whose engine averages over part of the group (:meth:`engine_group`) returns one over
-        the whole group, so that the check compares every rank (:class:`distopt.Islands`: every island).
+        The wrapper's own context, by default. A mode whose engine averages over part of the group
+        (:meth:`engine_group`) returns one over the whole group (:class:`distopt.Islands`: every island).
         """
         return ctx
 

@@ -32,11 +32,13 @@ mode syncs the parameters every ``every`` steps through the across engine (each 
 the whole pseudo-gradient on its own link; the islands stay identical inside).
 
 What is not supported yet raises at construction or at the call, naming what to do:
-``join()``, ``broadcast_optimizer_state()``, ``bcast_period > 0``, fault tolerance, a closure, the
+``join()``, fault tolerance, a closure, the
 across modes ``ShardedState`` and local SGD's ``warmup``, parameters added or unfrozen after the first
 cross-island sum (synchronous across), and FSDP2 inside.
 
-The drift check compares every rank of every island (:meth:`Islands.drift_context`): with synchronous
+The drift check compares every rank of every island, and ``broadcast_parameters()`` (``bcast_period``)
+and ``broadcast_optimizer_state()`` reach every rank of every island from island 0's root
+(:meth:`Islands.whole_context`). The drift check compares, with synchronous
 training across, everything synchronous training keeps alike; with local SGD or DiLoCo across, what
 the across mode keeps alike (the parameters right after a sync, the last-sync copies between two).
 """
@@ -99,6 +101,9 @@ class Islands(Mode):
         compression: how the cross-island level travels: a name of ``distopt.compression.NAMES``
             (``"int8"``, ...) or a :class:`distopt.compression.Compressor` (default: None, as they are).
             The wrapper's own ``compression=`` would compress inside the islands and is refused.
+
+    ``broadcast_parameters()``, ``bcast_period`` and ``broadcast_optimizer_state()`` reach every rank
+    of every island from island 0's ``root_rank``; the drift check compares every rank of every island.
 
     Raises:
         TypeError: ``across`` is not a mode object, or ``islands`` is neither None, a DeviceMesh nor
@@ -195,9 +200,6 @@ class Islands(Mode):
         if fault_tolerant:
             raise ValueError(f"fault_tolerance {_NOT_YET}: a replica group of several ranks per island is not "
                              "built yet; use fault tolerance with one process per replica, without Islands")
-        if bcast_period > 0:
-            raise ValueError(f"bcast_period={bcast_period!r} {_NOT_YET}: the re-broadcast would reach one island only; "
-                             "use bcast_period=0 (the islands start identical and stay so at every sync)")
         self._bcast_period = bcast_period
         self.across.check_compatible(optimizer=optimizer, reduce_op=reduce_op, bcast_period=bcast_period,
                                      fault_tolerant=False)
@@ -291,7 +293,7 @@ class Islands(Mode):
             reduce_op=ctx.reduce_op, stall_warning=ctx.stall_warning, stall_timeout=ctx.stall_timeout,
             reduce_for_step=_weakly(self, lambda mode: mode._reduce_across(ctx)),
             synchronize=_weakly(self, lambda mode: mode._reduce_across(ctx)))
-        if topology is not None and topology.count > 1 and topology.size > 1:
+        if topology is not None and topology.size > 1:
             self._world = self._open_world(ctx)
         self._agree_across(ctx)
         if self._bcast_period != -1 and engine.world_size > 1 and ctx.params:
@@ -307,15 +309,20 @@ class Islands(Mode):
         self.across.attach(self._ctx)
 
     def _open_world(self, ctx: ModeContext) -> ModeContext:
-        """A context over every rank of every island, for the drift check (an engine of its own, which
+        """A context over every rank of every island, rooted at island 0's root (an engine of its own, which
         tracks nothing: its private group and its stall watch)."""
         engine = ctx.open_engine(self._whole)
         weakref.finalize(self, engine.close)
         return ModeContext(
             optimizer=ctx.optimizer, engine=engine, params=ctx.params, names=ctx.names, process_group=self._whole,
-            rank=collectives.get_rank(self._whole), root_rank=0, reduce_op=ctx.reduce_op,
+            rank=collectives.get_rank(self._whole), root_rank=self._whole_rank(ctx.root_rank), reduce_op=ctx.reduce_op,
             stall_warning=ctx.stall_warning, stall_timeout=ctx.stall_timeout,
             reduce_for_step=_nothing, synchronize=_nothing)
+
+    def _whole_rank(self, island_rank: int) -> int:
+        """Island 0's rank ``island_rank``, numbered in the wrapper's ``process_group``."""
+        whole = self._whole if self._whole is not None else dist.group.WORLD
+        return dist.get_group_rank(whole, self.topology.islands[0][island_rank])
 
     def _warn_if_flat_slices_gain_nothing(self, ctx: ModeContext) -> None:
         """A compressor of matrices (PowerSGD) sends the flat slices of the hierarchical sum as they are."""
@@ -532,8 +539,17 @@ class Islands(Mode):
             self.compressor.load_state_dict(mine["compression"])
 
     def broadcast_optimizer_state(self, ctx: ModeContext, src: int) -> None:
-        raise RuntimeError(f"broadcast_optimizer_state() {_NOT_YET}: load the checkpoint on every rank "
-                           "(opt.load_state_dict(torch.load(path)) on each)")
+        """Give every rank of every island island 0's rank ``src``'s optimizer state, and the across mode's
+        (local SGD's step count, last-sync copies and outer optimizer)."""
+        whole = self.whole_context(ctx)
+        if whole.world_size == 1:
+            return
+        root = self._whole_rank(src) if whole is not ctx else src
+        with stalls.inspected(whole.progress, "the optimizer-state broadcast"):
+            collectives.broadcast_optimizer_state(ctx.optimizer, src=root, group=whole.group)
+        if not isinstance(self.across, Synchronous):
+            self.across.broadcast_state(whole, root)  # the across engine's phase follows the step count
+            ctx.set_steps(whole.steps)
 
     def settle_after_join(self, ctx: ModeContext, last: int, identical: bool) -> None:
         self._refuse_join(ctx, "the end of a join block")
@@ -541,12 +557,17 @@ class Islands(Mode):
     def broadcast_state(self, ctx: ModeContext, src: int) -> None:
         raise RuntimeError(f"taking one rank's state {_NOT_YET}: load the checkpoint on every rank")
 
-    def drift_context(self, ctx: ModeContext) -> ModeContext:
-        """Every rank of every island: the islands are compared with each other, not only inside."""
-        if self._world is None:
+    def whole_context(self, ctx: ModeContext) -> ModeContext:
+        """Every rank of every island, rooted at island 0's root: the drift check compares the islands with
+        each other, not only inside, and ``broadcast_parameters()`` reaches every island."""
+        if self._world is not None:
+            whole = self._world
+        elif self.topology is not None and self.topology.count > 1:  # islands of one rank: across is everyone
+            whole = self._ctx
+        else:
             return ctx
-        self._world.set_steps(ctx.steps)
-        return self._world
+        whole.set_steps(ctx.steps)
+        return whole
 
     def kept_identical(self, ctx: ModeContext, scheduled: bool) -> Optional[drift.Kept]:
         """What every rank of every island holds alike: everything with synchronous training across (as

@@ -463,7 +463,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
         kept = None if self.world_size == 1 else self._mode.kept_identical(ctx, scheduled=False)
         if kept is None:
             return DriftReport(step=engine.steps)
-        report = self._drift.run(self._mode.drift_context(ctx), kept, self._param_names())
+        report = self._drift.run(self._mode.whole_context(ctx), kept, self._param_names())
         self._drift.act(report, when=f"called as opt.check_drift() after step {engine.steps}", root=self.root_rank,
                         bcast_period=self.bcast_period, stacklevel=2)
         return report
@@ -481,7 +481,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
         kept = self._mode.kept_identical(self._context, scheduled=True)
         if kept is None:  # e.g. local SGD between two syncs: the next step tries again
             return None
-        report = self._drift.run(self._mode.drift_context(self._context), kept, self._param_names())
+        report = self._drift.run(self._mode.whole_context(self._context), kept, self._param_names())
         if rebroadcast:
             report.corrected = report.parameter_drift
         return report
@@ -679,9 +679,10 @@ class DistributedOptimizer(InnerOptimizerSurface):
     def broadcast_parameters(self) -> None:
         """Overwrite every rank's parameters with the root's (coalesced per device and dtype)."""
         self._check_not_retired("broadcast_parameters()")
-        if self.world_size > 1 and self._params:
-            with torch.no_grad(), stalls.inspected(self._engine.progress, "the parameter broadcast"):
-                collectives.broadcast_parameters(self._params, src=self.root_rank, group=self._context.group)
+        whole = self._mode.whole_context(self._context)  # every rank, where the engine averages over part
+        if whole.world_size > 1 and self._params:
+            with torch.no_grad(), stalls.inspected(whole.progress, "the parameter broadcast"):
+                collectives.broadcast_parameters(self._params, src=whole.root_rank, group=whole.group)
 
     def broadcast_optimizer_state(self) -> None:
         """Give every rank the root's optimizer state, e.g. when only the root loaded a checkpoint.

@@ -261,6 +261,52 @@ def drift_across(across):
     return clean.drifted, None
 
 
+def rebroadcast_across():
+    """``bcast_period=2``: island 1 moves a parameter after step 1; the re-broadcast after step 2 gives every
+    rank of every island island 0's root's parameters."""
+    rank = dist.get_rank()
+    net = make_model()
+    opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), mode=distopt.Islands(islands=ISLANDS),
+                               bcast_period=2, check_every=0)
+    train(opt, net, 1)
+    if rank in ISLANDS[1]:
+        with torch.no_grad():
+            net[0].bias.add_(1e-3)
+    train(opt, net, 1, start=1)
+    return params_of(net)
+
+
+def root_loads_and_broadcasts():
+    """DiLoCo across: a checkpoint right after a sync, loaded on rank 0 only and broadcast to every island
+    (parameters, optimizer state, the across mode's), trains on as the uninterrupted run, bitwise."""
+    rank = dist.get_rank()
+
+    def build():
+        net = make_model()
+        mode = distopt.Islands(across=distopt.DiLoCo(2, OUTER), islands=ISLANDS)
+        return net, DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), mode=mode)
+
+    net, opt = build()
+    train(opt, net, 4)  # step 4 syncs: every rank holds the same parameters and state
+    saved = {"model": {k: v.clone() for k, v in net.state_dict().items()}, "opt": copy_of(opt.state_dict())}
+    train(opt, net, 3, start=4)
+    again, again_opt = build()
+    if rank == 0:
+        again.load_state_dict(saved["model"])
+        again_opt.load_state_dict(saved["opt"])
+    again_opt.broadcast_parameters()
+    again_opt.broadcast_optimizer_state()
+    train(again_opt, again, 3, start=4)
+    return params_of(net), params_of(again)
+
+
+def copy_of(state):
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+
+
 CASES = {
     "synchronous": (4, synchronous_across, ()),
     "accumulated": (4, accumulated_and_clipped, ()),
@@ -277,6 +323,8 @@ CASES = {
     "mesh": (4, mesh_and_hosts, ()),
     "start": (4, starts_identical_and_refuses_join, ()),
     "drift": (4, drift_across, (False,)),
+    "rebroadcast": (4, rebroadcast_across, ()),
+    "root loads": (4, root_loads_and_broadcasts, ()),
     "drift diloco": (4, drift_across, (True,)),
 }
 WORLDS = Worlds(CASES, timeout=200)
@@ -459,3 +507,14 @@ def test_the_drift_check_compares_the_islands_with_each_other(case):
     for clean, message in results(case):
         assert clean == []  # trained alike (DiLoCo: the last-sync copies, between two syncs)
         assert message is not None and "'0.bias'" in message, message
+
+
+def test_bcast_period_re_broadcasts_island_0s_root_to_every_island():
+    per_rank = results("rebroadcast")
+    for params in per_rank[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(per_rank[0], params))
+
+
+def test_a_checkpoint_loaded_on_rank_0_and_broadcast_reaches_every_island_with_the_across_state():
+    for uninterrupted, resumed in results("root loads"):
+        assert all(torch.equal(a, b) for a, b in zip(uninterrupted, resumed))

@@ -306,7 +306,6 @@ def test_islands_check_their_own_arguments(build, error, match) -> None:
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
-    ({"bcast_period": 5}, ValueError, r"bcast_period=5 is not supported yet with distopt.Islands"),
     ({"compression": "int8"}, ValueError, r"the wrapper's compression= would compress inside the islands"),
     ({"reduce_op": "sum", "across": distopt.LocalSGD(2)}, ValueError, r"reduce_op='sum' cannot be combined"),
 ])
@@ -332,13 +331,11 @@ def test_islands_in_one_process_train_as_the_across_mode_does(across) -> None:
         "Islands(across=LocalSGD(every=4), islands=[[0, 1], [2, 3]], compression='int8')")
 
 
-def test_islands_refuse_a_closure_join_and_taking_one_ranks_state_saying_what_to_do() -> None:
+def test_islands_refuse_a_closure_saying_what_to_do() -> None:
     net = model()
     opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), mode=distopt.Islands())
     with pytest.raises(RuntimeError, match=r"step\(closure\) is not supported yet with distopt.Islands"):
         opt.step(lambda: 0.0)
-    with pytest.raises(RuntimeError, match=r"broadcast_optimizer_state\(\) is not supported yet .*on every rank"):
-        opt.broadcast_optimizer_state()
 
 
 def test_islands_warn_where_a_compressor_of_matrices_cannot_compress_the_flat_slices_across() -> None:
