@@ -111,6 +111,24 @@ def accumulated_and_clipped():
     return params_of(net), norms
 
 
+def with_grad_scaler():
+    """``GradScaler``: an inf on one rank of island 1 at step 1 reaches every rank of every island through the
+    cross-island sum, so every rank skips that step and lowers its scale alike."""
+    rank = dist.get_rank()
+    net = make_model()
+    opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), mode=distopt.Islands(islands=ISLANDS))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10)
+    for t in range(3):
+        opt.zero_grad()
+        loss = loss_of(net, *batch(rank, t))
+        if t == 1 and rank == 3:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    return params_of(net), scaler.get_scale()
+
+
 def compressed_across():
     net = make_model()
     opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
@@ -311,6 +329,7 @@ CASES = {
     "synchronous": (4, synchronous_across, ()),
     "accumulated": (4, accumulated_and_clipped, ()),
     "compressed": (4, compressed_across, ()),
+    "grad scaler": (4, with_grad_scaler, ()),
     "local sgd": (4, local_across, (False,)),
     "diloco": (4, local_across, (True,)),
     "streaming": (4, streaming_across, ()),
@@ -419,6 +438,18 @@ def test_accumulation_and_clipping_see_the_global_mean_as_synchronous_training_d
         assert close(rank_params, params)
         assert max(abs(a - b) for a, b in zip(rank_norms, norms)) <= TOL
         assert min(norms) > 0.05  # the clipping bit
+
+
+def test_grad_scaler_skips_a_step_with_an_inf_on_one_rank_on_every_rank_of_every_island():
+    net = make_model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1)
+    for t in (0, 2):  # step 1 is skipped
+        opt.zero_grad()
+        sum(loss_of(net, *batch(r, t)) for r in range(4)).div(4).backward()
+        opt.step()
+    for params, scale in results("grad scaler"):
+        assert scale == 2.0 ** 9
+        assert close(params, params_of(net))
 
 
 def test_compression_across_leaves_every_rank_of_every_island_bitwise_identical():
