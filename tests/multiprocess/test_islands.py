@@ -7,6 +7,7 @@ the islands sync every H steps). Streaming DiLoCo across is compared with flat s
 over 2 ranks, each training on its island's whole batch, which is the same protocol.
 """
 import io
+import os
 
 import pytest
 import torch
@@ -240,7 +241,16 @@ def mesh_and_hosts():
     opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), mode=distopt.Islands(islands=mesh))
     train(opt, net, 2)
     hosts = DistributedOptimizer(torch.optim.SGD(make_model().parameters(), lr=0.1), mode=distopt.Islands())
-    return opt.mode.topology.islands, params_of(net), hosts.mode.topology.islands, hosts.world_size
+    # As torchrun sets it up on 2 hosts of 2 processes each, every host's ranks numbered in turn.
+    rank, saved = dist.get_rank(), dict(os.environ)
+    os.environ.update(GROUP_RANK=str(rank % 2), LOCAL_RANK=str(rank // 2), LOCAL_WORLD_SIZE="2")
+    try:
+        torchrun = DistributedOptimizer(torch.optim.SGD(make_model().parameters(), lr=0.1), mode=distopt.Islands())
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return (opt.mode.topology.islands, params_of(net), hosts.mode.topology.islands, hosts.world_size,
+            torchrun.mode.topology.islands)
 
 
 def starts_identical_and_refuses_join():
@@ -516,10 +526,11 @@ def test_ranks_that_disagree_on_the_islands_all_get_the_same_error_naming_both_v
 
 def test_islands_come_from_a_device_mesh_and_by_default_from_the_hosts():
     per_rank = results("mesh")
-    for islands, params, hosts, hosts_world in per_rank:
+    for islands, params, hosts, hosts_world, torchrun in per_rank:
         assert islands == ((0, 1), (2, 3))
         assert all(torch.equal(a, b) for a, b in zip(params, per_rank[0][1]))
-        assert hosts == ((0, 1, 2, 3),) and hosts_world == 4
+        assert hosts == ((0, 1, 2, 3),) and hosts_world == 4  # distopt.launch started all 4 on one host
+        assert torchrun == ((0, 2), (1, 3))  # GROUP_RANK: ranks 0 and 2 on host 0
 
 
 def test_every_rank_of_every_island_starts_from_island_0s_parameters():
