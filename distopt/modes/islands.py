@@ -162,7 +162,9 @@ class Islands(Mode):
         self._tracked = 0  # the wrapper's parameters the across level took on
         self._slices: Optional[_Slices] = None  # synchronous across: the flat layout of the gradients
         self._crossed_at = -1  # the island round whose gradients were summed across last
-        self._presence_bytes = 0  # the last cross-island sum's exact presence sum, if any
+        self._extra_bytes = 0  # the last sum across: its exact sums beside the slices (presence, contributors)
+        self._contributors: Optional[int] = None  # in a join block: the last round's contributors, every island's
+        self._steps_after_join: Optional[int] = None  # the step count every rank takes after a join block
 
     # ------------------------------------------------------------------ the public object
 
@@ -186,7 +188,7 @@ class Islands(Mode):
         if self._engine is None:
             return StepStats()
         stats = self._engine.stats
-        return dataclasses.replace(stats, bytes=stats.bytes + self._presence_bytes)
+        return dataclasses.replace(stats, bytes=stats.bytes + self._extra_bytes)
 
     def settings(self) -> Dict[str, Any]:
         return {
@@ -252,10 +254,7 @@ class Islands(Mode):
         place = topology.place_of(me)
         island = topology.islands[topology.island_of(me)]
         across = topology.across()[place]
-        # Every rank builds its island's group, then its place's across group: the same number of groups
-        # in the same order on every rank, as torch's hashed group names need.
-        self._island_group = _subgroup(island, ranks, group)
-        self._across_group = _subgroup(across, ranks, group)
+        self._island_group, self._across_group = _subgroups(topology, island, across, ranks, group)
         self._across_source = sorted(across).index(topology.islands[0][place])
         self._whole = process_group
         self.topology = topology
@@ -404,6 +403,7 @@ class Islands(Mode):
 
     def step(self, ctx: ModeContext, closure: Optional[Callable[[], Any]]) -> Any:
         self._refuse_join(ctx, "a step inside join()")
+        self._steps_from_join(ctx)
         if closure is not None:
             raise RuntimeError(f"step(closure) {_NOT_YET}; call step() after backward()")
         ctx.reduce_for_step()  # the island's round, if it was left pending
@@ -421,17 +421,62 @@ class Islands(Mode):
         self.across.sync_now(self._ctx)
 
     def _refuse_join(self, ctx: ModeContext, what: str) -> None:
-        if ctx.engine.join.in_block:
+        if ctx.engine.join.in_block and not isinstance(self.across, Synchronous):
             raise RuntimeError(
-                f"{what}: join() {_NOT_YET}; give every rank the same number of batches (e.g. drop the last, "
-                "uneven ones with DistributedSampler(drop_last=True))")
+                f"{what}: join() {_NOT_YET}(across={self.across!r}), only with across=Synchronous(); give every "
+                "rank the same number of batches (e.g. drop the last, uneven ones with "
+                "DistributedSampler(drop_last=True))")
+
+    # ------------------------------------------------------------------ join(), with synchronous training across
 
     def leaving(self, ctx: ModeContext) -> Optional[Callable[[], None]]:
+        """A rank ran out of data: it shadows its island's rounds, and takes part in every sum across with its
+        island's values, until no rank of any island contributes (:meth:`_shadow_until_every_island_joined`).
+
+        The wrapper's own loop ends when no rank of the island contributes; an island whose ranks have all
+        joined must still send zeros across while another island trains, so this rank's loop runs here,
+        in place of the wrapper's first shadow round, and ends when every island's has."""
         self._refuse_join(ctx, "a rank ran out of data")
-        return None
+        if self._engine is None or self._engine.world_size == 1:
+            return None  # one island: the wrapper's join is the whole story
+        return _weakly(self, lambda mode: mode._shadow_until_every_island_joined(ctx))
+
+    def _shadow_until_every_island_joined(self, ctx: ModeContext) -> None:
+        engine = ctx.engine
+        while True:
+            engine.shadow_launch()
+            engine.shadow_finish()  # the round settles: its sum across counts every island's contributors
+            if not self._contributors:
+                return
 
     def shadow_step(self, ctx: ModeContext) -> None:
         self._refuse_join(ctx, "a rank ran out of data")
+
+    def settle_after_join(self, ctx: ModeContext, last: int, identical: bool) -> None:
+        """Every rank of every island takes the parameters, optimizer state and step count of a rank that
+        trained the longest (the most steps): every rank that trained to the end holds the same."""
+        whole = self.whole_context(ctx)
+        if whole is ctx or whole.world_size == 1:
+            super().settle_after_join(ctx, last, identical)
+            return
+        mine = torch.tensor([ctx.steps], dtype=torch.int64)
+        with stalls.inspected(whole.progress, "the exchange of step counts at the end of the join block"):
+            steps = [int(t.item()) for t in collectives.all_gather(mine, group=whole.group)]
+        longest = max(steps)
+        source = steps.index(longest)
+        if min(steps) != longest:
+            with torch.no_grad(), stalls.inspected(whole.progress, "the parameter broadcast at the end of the join block"):
+                collectives.broadcast_parameters(ctx.params, src=source, group=whole.group)
+            with stalls.inspected(whole.progress, "the optimizer-state broadcast at the end of the join block"):
+                collectives.broadcast_optimizer_state(ctx.optimizer, src=source, group=whole.group)
+        # The wrapper sets the island's count next; every later use takes this one first.
+        self._steps_after_join = longest
+
+    def _steps_from_join(self, ctx: ModeContext) -> None:
+        """After a join block: the step count of the rank that trained the longest, on every island."""
+        if self._steps_after_join is not None:
+            ctx.set_steps(self._steps_after_join)
+            self._steps_after_join = None
 
     def _reduce_across(self, ctx: ModeContext) -> None:
         """What the across mode's ``reduce_for_step`` means here: the island's round, then its sum across."""
@@ -452,9 +497,13 @@ class Islands(Mode):
             RuntimeError: parameters became trainable since the layout was made.
         """
         self._crossed_at = ctx.engine.rounds
-        self._presence_bytes = 0
+        self._extra_bytes = 0
+        self._steps_from_join(ctx)
         engine = self._engine
         if engine.world_size == 1:
+            return
+        scale = self._island_weight(ctx)
+        if self._contributors == 0:  # inside join(): no rank of any island contributed; nothing to sum
             return
         slices = self._layout(ctx)
         if not slices.groups:
@@ -463,7 +512,6 @@ class Islands(Mode):
         absent_groups = [any(ctx.params[i].grad is None for i in g.members) for g in slices.groups]
 
         def fill(pack: Pack) -> None:
-            scale = engine.scale
             pack.absent.clear()
             for j, view in enumerate(pack.views):
                 g = slices.of_slot[id(pack.params[j])]
@@ -493,12 +541,34 @@ class Islands(Mode):
                 present = None if complete else self._presence(ctx, group)
                 group.write_back(ctx.params, whole, present)
 
+    def _island_weight(self, ctx: ModeContext) -> Optional[float]:
+        """What this island's mean counts for in the sum across: ``1/islands`` (or nothing, for a sum).
+
+        Inside ``join()`` an island's mean is over its ranks that contributed, so the islands' means are
+        weighted by their contributors (an exact sum of the counts across comes first): the result is the
+        mean over every rank that contributed, as in a flat world. It also tells a rank that has joined
+        when no rank of any island contributes any more (:attr:`_contributors`).
+        """
+        engine, island = self._engine, ctx.engine
+        if not island.join.in_block:
+            self._contributors = None
+            return engine.scale
+        mine = island.outcome.contributors
+        count = torch.tensor([mine], dtype=torch.int64)
+        with stalls.inspected(engine.progress, "the sum of the islands' contributors (join)"):
+            collectives.all_reduce(count, op="sum", group=self._ctx.group)
+        self._extra_bytes += count.numel() * count.element_size()
+        self._contributors = int(count.item())
+        if engine.scale is None or island.join.divide_by_world or not self._contributors:
+            return engine.scale  # a sum; or every island's mean is over its whole island already
+        return mine / self._contributors
+
     def _presence(self, ctx: ModeContext, group: "_Group") -> List[bool]:
         """Which of ``group``'s parameters have a gradient on some island: an exact sum of their presence."""
         mine = torch.tensor([ctx.params[i].grad is not None for i in group.members], dtype=torch.int32)
         with stalls.inspected(self._engine.progress, "the sum of the gradients' presence across the islands"):
             collectives.all_reduce(mine, op="sum", group=self._ctx.group)
-        self._presence_bytes += mine.numel() * mine.element_size()
+        self._extra_bytes += mine.numel() * mine.element_size()
         return [bool(v) for v in mine.tolist()]
 
     def _layout(self, ctx: ModeContext) -> "_Slices":
@@ -522,6 +592,7 @@ class Islands(Mode):
     # ------------------------------------------------------------------ checkpoints, stats, the drift check
 
     def state_dict(self, ctx: ModeContext) -> Dict[str, Any]:
+        self._steps_from_join(ctx)
         self._ctx.set_steps(ctx.steps)
         state = self.across.state_dict(self._ctx)
         if self.compressor is not None:
@@ -551,15 +622,14 @@ class Islands(Mode):
             self.across.broadcast_state(whole, root)  # the across engine's phase follows the step count
             ctx.set_steps(whole.steps)
 
-    def settle_after_join(self, ctx: ModeContext, last: int, identical: bool) -> None:
-        self._refuse_join(ctx, "the end of a join block")
-
     def broadcast_state(self, ctx: ModeContext, src: int) -> None:
-        raise RuntimeError(f"taking one rank's state {_NOT_YET}: load the checkpoint on every rank")
+        """The end of a join block: :meth:`settle_after_join` gave every rank its state already."""
+        self._steps_from_join(ctx)
 
     def whole_context(self, ctx: ModeContext) -> ModeContext:
         """Every rank of every island, rooted at island 0's root: the drift check compares the islands with
         each other, not only inside, and ``broadcast_parameters()`` reaches every island."""
+        self._steps_from_join(ctx)
         if self._world is not None:
             whole = self._world
         elif self.topology is not None and self.topology.count > 1:  # islands of one rank: across is everyone
@@ -573,6 +643,7 @@ class Islands(Mode):
         """What every rank of every island holds alike: everything with synchronous training across (as
         synchronous training keeps it); with local SGD or DiLoCo across, what they keep alike (the
         parameters right after a sync, the last-sync copies and the outer optimizer between two)."""
+        self._steps_from_join(ctx)
         if isinstance(self.across, Synchronous):
             return super().kept_identical(ctx, scheduled)
         self._ctx.set_steps(ctx.steps)
@@ -683,13 +754,27 @@ def _is_mesh(value: Any) -> bool:
     return isinstance(value, DeviceMesh)
 
 
-def _subgroup(members: Tuple[int, ...], ranks: List[int], parent: ProcessGroup) -> ProcessGroup:
-    """A group of ``members`` (global ranks): ``parent`` itself when they are all of it, else a new group
-    built by its members only."""
-    if len(members) == len(ranks):
-        return parent
-    return dist.new_group(ranks=sorted(members), backend=dist.get_backend(parent),
-                          timeout=private_groups.timeout_of(parent), use_local_synchronization=True)
+def _subgroups(topology: Topology, island: Tuple[int, ...], across: Tuple[int, ...], ranks: List[int],
+               parent: ProcessGroup) -> Tuple[ProcessGroup, ProcessGroup]:
+    """This rank's island group and across group (``parent`` itself where one holds all of its ranks).
+
+    Over the default group every rank builds every island's group, then every across group, in that order,
+    so that torch numbers them (a name built from the ranks and the number of groups a process holds, what
+    a group built by its members alone gets, can come round again once a group is destroyed). Over a
+    subgroup only its ranks may take part, so each builds its own two, island first
+    (:func:`~distopt.transport.private_groups.build_by_members`).
+    """
+    options = {"backend": dist.get_backend(parent), "timeout": private_groups.timeout_of(parent)}
+    whole = len(ranks) == dist.get_world_size()
+    built: Dict[Tuple[int, ...], ProcessGroup] = {}
+    for members in ([*topology.islands] if whole else [island]) + (topology.across() if whole else [across]):
+        if len(members) == len(ranks):
+            built[members] = parent
+        elif whole:
+            built[members] = dist.new_group(ranks=sorted(members), **options)
+        else:
+            built[members] = private_groups.build_by_members(sorted(members), options["backend"], options["timeout"])
+    return built[island], built[across]
 
 
 def _nothing() -> None:

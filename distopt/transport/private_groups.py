@@ -17,17 +17,21 @@ from __future__ import annotations
 import itertools
 import weakref
 from datetime import timedelta
-from typing import Dict, List, Optional, Set
+from typing import Any, Dict, List, Optional, Set
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
-__all__ = ["PrivateGroup", "create", "destroy_all", "timeout_of"]
+__all__ = ["PrivateGroup", "create", "destroy_all", "timeout_of", "build_by_members"]
 
 _groups: Dict[int, ProcessGroup] = {}
 _keep_until_shutdown: Set[int] = set()
 _keys = itertools.count()
+#: Groups of this process alone, built only to move torch's count of groups on (:func:`build_by_members`).
+_fillers: List[ProcessGroup] = []
+#: How many of them one group may need before the clash is taken for one that will not go away.
+_MAX_FILLERS = 8
 
 
 class PrivateGroup:
@@ -103,15 +107,39 @@ def create(parent: Optional[ProcessGroup], timeout: Optional[timedelta] = None) 
         # Only the subgroup's ranks take part, so torch names the group by a hash of its ranks; a
         # destroyed group's name would be given again, with its stale addresses still in the store.
         # Such groups therefore stay until shutdown.
-        ranks = dist.get_process_group_ranks(parent)
-        group = dist.new_group(ranks=ranks, backend=dist.get_backend(parent), timeout=timeout,
-                               use_local_synchronization=True)
+        group = build_by_members(dist.get_process_group_ranks(parent), dist.get_backend(parent), timeout)
         local = True
     key = next(_keys)
     _groups[key] = group
     if local:
         _keep_until_shutdown.add(key)
     return PrivateGroup(key)
+
+
+def build_by_members(ranks: List[int], backend: Any, timeout: Optional[timedelta]) -> ProcessGroup:
+    """A group of ``ranks`` (global ranks) built by its members alone: every member, and only those, calls
+    it, in the same order relative to their other group creations.
+
+    torch names such a group after its ranks and the number of groups this process holds. That number
+    falls when a group is destroyed (a wrapper over the default group, closed), so the name of a group
+    still alive can come round again, and torch refuses it ("The specified group name has already been
+    created"), before any rank waits for another. Every member holds the same groups (each built them at
+    the same point of the same script), so every member meets the same clash; each then builds a group of
+    itself alone, which moves the count on alike everywhere, and tries again. Those are kept until
+    :func:`destroy_all`.
+
+    Raises:
+        ValueError: the name still clashes after :data:`_MAX_FILLERS` tries.
+    """
+    for _ in range(_MAX_FILLERS):
+        try:
+            return dist.new_group(ranks=ranks, backend=backend, timeout=timeout, use_local_synchronization=True)
+        except ValueError as exc:
+            if "already been created" not in str(exc):
+                raise
+            _fillers.append(dist.new_group(ranks=[dist.get_rank()], backend=backend, timeout=timeout,
+                                           use_local_synchronization=True))
+    return dist.new_group(ranks=ranks, backend=backend, timeout=timeout, use_local_synchronization=True)
 
 
 def destroy_all() -> List["weakref.ReferenceType[ProcessGroup]"]:
@@ -123,4 +151,8 @@ def destroy_all() -> List["weakref.ReferenceType[ProcessGroup]"]:
     refs = [weakref.ref(group) for group in _groups.values()]
     for key in list(_groups):
         _destroy(key)
+    if dist.is_initialized():
+        for filler in _fillers:
+            dist.destroy_process_group(filler)
+    _fillers.clear()
     return refs

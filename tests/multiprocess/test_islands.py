@@ -254,11 +254,12 @@ def mesh_and_hosts():
 
 
 def starts_identical_and_refuses_join():
-    """Each rank builds its own initial parameters; the wrapper gives every rank island 0's root's. A step
-    inside join() is refused on every rank, before any collective."""
+    """Each rank builds its own initial parameters; the wrapper gives every rank island 0's root's. With DiLoCo
+    across, a step inside join() is refused on every rank, before any collective."""
     rank = dist.get_rank()
     net = make_model(seed=rank)
-    opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), mode=distopt.Islands(islands=ISLANDS))
+    opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
+                               mode=distopt.Islands(across=distopt.DiLoCo(2, OUTER), islands=ISLANDS))
     start = params_of(net)
     try:
         with opt.join():
@@ -266,6 +267,22 @@ def starts_identical_and_refuses_join():
     except RuntimeError as exc:
         return start, str(exc)
     return start, None
+
+
+BATCHES = {0: 4, 1: 2, 2: 5, 3: 3}  # island 0 runs out (both ranks) while rank 2 of island 1 trains on
+
+
+def uneven_batches(divide_by_world=False):
+    """join() with synchronous training across: each rank runs out of data at its own step."""
+    rank = dist.get_rank()
+    net = make_model()
+    opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
+                               mode=distopt.Islands(islands=ISLANDS))
+    with opt.join(divide_by_world=divide_by_world):
+        train(opt, net, BATCHES[rank])
+    report = opt.check_drift()  # every rank of every island holds the same state and step count again
+    train(opt, net, 1, start=10)  # and trains on together
+    return params_of(net), report.step, report.drifted
 
 
 def drift_across(across):
@@ -335,6 +352,20 @@ def copy_of(state):
     return torch.load(buf, weights_only=False)
 
 
+def subgroup_after_a_closed_wrapper():
+    """torch names a group built by its members alone after its ranks and the number of groups a process
+    holds, which falls when a wrapper over the default group is closed: the next wrapper over a subgroup
+    must still get a group of its own (the islands' groups and channels are such groups)."""
+    subgroup = dist.new_group([0, 1, 2, 3])
+    flat = DistributedOptimizer(torch.optim.SGD(make_model().parameters(), lr=0.1))
+    first = DistributedOptimizer(torch.optim.SGD(make_model().parameters(), lr=0.1), process_group=subgroup)
+    flat.close()
+    second_net = make_model()
+    second = DistributedOptimizer(torch.optim.SGD(second_net.parameters(), lr=0.1), process_group=subgroup)
+    train(second, second_net, 1)
+    return first.world_size, second.world_size, params_of(second_net)
+
+
 CASES = {
     "synchronous": (4, synchronous_across, ()),
     "accumulated": (4, accumulated_and_clipped, ()),
@@ -351,6 +382,9 @@ CASES = {
     "islands of one": (4, islands_of_one_rank, ()),
     "mesh": (4, mesh_and_hosts, ()),
     "start": (4, starts_identical_and_refuses_join, ()),
+    "join": (4, uneven_batches, ()),
+    "join divide_by_world": (4, uneven_batches, (True,)),
+    "closed wrapper": (4, subgroup_after_a_closed_wrapper, ()),
     "drift": (4, drift_across, (False,)),
     "rebroadcast": (4, rebroadcast_across, ()),
     "root loads": (4, root_loads_and_broadcasts, ()),
@@ -539,9 +573,24 @@ def test_every_rank_of_every_island_starts_from_island_0s_parameters():
         assert all(torch.equal(a, b) for a, b in zip(start, reference))
 
 
-def test_join_is_refused_on_every_rank_at_the_first_step_inside_the_block():
+def test_join_with_local_sgd_across_is_refused_on_every_rank_at_the_first_step_inside_the_block():
     for _, message in results("start"):
-        assert message is not None and "join() is not supported yet with distopt.Islands" in message
+        assert message is not None and "join() is not supported yet with distopt.Islands(across=DiLoCo" in message
+
+
+@pytest.mark.parametrize("case", ["join", "join divide_by_world"])
+def test_uneven_batches_in_join_train_as_one_process_on_the_batches_there_are(case):
+    net = make_model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    for t in list(range(max(BATCHES.values()))) + [10]:
+        ranks = [r for r in range(4) if BATCHES[r] > t or t == 10]
+        opt.zero_grad()
+        # The mean over the ranks that train (divide_by_world: over all 4, the others counting as zeros).
+        sum(loss_of(net, *batch(r, t)) for r in ranks).div(4 if "world" in case else len(ranks)).backward()
+        opt.step()
+    for params, steps, drifted in results(case):
+        assert steps == max(BATCHES.values()) and drifted == []
+        assert close(params, params_of(net))
 
 
 @pytest.mark.parametrize("case", ["drift", "drift diloco"])
@@ -560,3 +609,10 @@ def test_bcast_period_re_broadcasts_island_0s_root_to_every_island():
 def test_a_checkpoint_loaded_on_rank_0_and_broadcast_reaches_every_island_with_the_across_state():
     for uninterrupted, resumed in results("root loads"):
         assert all(torch.equal(a, b) for a, b in zip(uninterrupted, resumed))
+
+
+def test_a_wrapper_over_a_subgroup_gets_its_own_group_after_a_wrapper_over_the_default_group_was_closed():
+    per_rank = results("closed wrapper")
+    for first, second, params in per_rank:
+        assert first == second == 4
+        assert all(torch.equal(a, b) for a, b in zip(params, per_rank[0][2]))
