@@ -31,8 +31,12 @@ Local SGD and DiLoCo across: the islands step on their own mean gradients every 
 mode syncs the parameters every ``every`` steps through the across engine (each rank of an island sends
 the whole pseudo-gradient on its own link; the islands stay identical inside).
 
+``join()`` works with synchronous training across: each island's mean counts by its contributors,
+and a rank that has joined takes part in the sums across until no rank of any island contributes
+(:meth:`Islands.leaving`).
+
 What is not supported yet raises at construction or at the call, naming what to do:
-``join()``, fault tolerance, a closure, the
+``join()`` with local SGD or DiLoCo across, fault tolerance, a closure, the
 across modes ``ShardedState`` and local SGD's ``warmup``, parameters added or unfrozen after the first
 cross-island sum (synchronous across), and FSDP2 inside.
 
