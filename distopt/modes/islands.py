@@ -476,6 +476,17 @@ class Islands(Mode):
         # The wrapper sets the island's count next; every later use takes this one first.
         self._steps_after_join = longest
 
+    def ranks_training(self, ctx: ModeContext) -> Optional[int]:
+        """As the island's round says; inside ``join()``, fewer than the island's ranks as soon as a rank of
+        any island has joined (the sum across counts every island's contributors), since a collective over
+        every island (the drift check, a re-broadcast) cannot run then."""
+        training = super().ranks_training(ctx)
+        everyone = self._contributors
+        if (not ctx.engine.join.in_block or everyone is None or training is None
+                or everyone == self.topology.count * self.topology.size):
+            return training
+        return min(training, ctx.world_size - 1)
+
     def _steps_from_join(self, ctx: ModeContext) -> None:
         """After a join block: the step count of the rank that trained the longest, on every island."""
         if self._steps_after_join is not None:

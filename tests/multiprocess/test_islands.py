@@ -269,15 +269,16 @@ def starts_identical_and_refuses_join():
     return start, None
 
 
-BATCHES = {0: 4, 1: 2, 2: 5, 3: 3}  # island 0 runs out (both ranks) while rank 2 of island 1 trains on
+BATCHES = {0: 4, 1: 2, 2: 5, 3: 5}  # island 0 runs out (both ranks) while island 1 trains on
 
 
 def uneven_batches(divide_by_world=False):
     """join() with synchronous training across: each rank runs out of data at its own step."""
     rank = dist.get_rank()
     net = make_model()
+    # A drift check is due every 2 steps: at step 4, island 1 trains whole, and must not run it without island 0.
     opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
-                               mode=distopt.Islands(islands=ISLANDS))
+                               mode=distopt.Islands(islands=ISLANDS), check_every=2)
     with opt.join(divide_by_world=divide_by_world):
         train(opt, net, BATCHES[rank])
     report = opt.check_drift()  # every rank of every island holds the same state and step count again
