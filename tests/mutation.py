@@ -162,7 +162,7 @@ MUTANTS: List[Mutant] = [
     Mutant("agreement: a setting only another rank's mode has is compared", "distopt/wrapper/checks.py",
            "    for key in sorted(keys, key=lambda k: k == \"mode\"):", "    for key in settings:",
            ["tests/unit/test_modes.py", "-k", "told_the_setting"]),
-    Mutant("islands: rank j of each island sums slice j across", "distopt/modes/islands.py",
+    Mutant("islands: rank j of each island sums slice j across", "distopt/modes/island_slices.py",
            "start, stop = place * self.length, (place + 1) * self.length",
            "start, stop = 0, self.length",
            ["tests/multiprocess/test_islands.py", "-k", "global_batch"]),

@@ -51,7 +51,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -71,6 +71,7 @@ from ..planning.stats import StepStats
 from ..planning.topology import Topology
 from ..transport import private_groups, stalls
 from .base import Mode, ModeContext
+from .island_slices import SliceGroup, Slices
 from .diloco import LocalSGD
 from .sharded import ShardedState
 from .shorthands import settings_of
@@ -164,7 +165,7 @@ class Islands(Mode):
         self._world: Optional[ModeContext] = None  # the drift check's view: every rank of every island
         self._bcast_period = 0
         self._tracked = 0  # the wrapper's parameters the across level took on
-        self._slices: Optional[_Slices] = None  # synchronous across: the flat layout of the gradients
+        self._slices: Optional[Slices] = None  # synchronous across: the flat layout of the gradients
         self._crossed_at = -1  # the island round whose gradients were summed across last
         self._extra_bytes = 0  # the last sum across: its exact sums beside the slices (presence, contributors)
         self._contributors: Optional[int] = None  # in a join block: the last round's contributors, every island's
@@ -544,7 +545,7 @@ class Islands(Mode):
             engine.finish_exchange()
             count = engine.world_size
             averaged = engine.config.op == dist.ReduceOp.AVG
-            results: List[Tuple[_Group, Tensor, bool]] = []
+            results: List[Tuple[SliceGroup, Tensor, bool]] = []
             for pack in engine.packs:
                 flags = pack.flags[: len(pack.params)].tolist()
                 for j, view in enumerate(pack.views):
@@ -578,7 +579,7 @@ class Islands(Mode):
             return engine.scale  # a sum; or every island's mean is over its whole island already
         return mine / self._contributors
 
-    def _presence(self, ctx: ModeContext, group: "_Group") -> List[bool]:
+    def _presence(self, ctx: ModeContext, group: "SliceGroup") -> List[bool]:
         """Which of ``group``'s parameters have a gradient on some island: an exact sum of their presence."""
         mine = torch.tensor([ctx.params[i].grad is not None for i in group.members], dtype=torch.int32)
         with stalls.inspected(self._engine.progress, "the sum of the gradients' presence across the islands"):
@@ -586,7 +587,7 @@ class Islands(Mode):
         self._extra_bytes += mine.numel() * mine.element_size()
         return [bool(v) for v in mine.tolist()]
 
-    def _layout(self, ctx: ModeContext) -> "_Slices":
+    def _layout(self, ctx: ModeContext) -> "Slices":
         """The flat layout of the trainable parameters' gradients, made at the first sum across.
 
         Raises:
@@ -594,7 +595,7 @@ class Islands(Mode):
         """
         trainable = [i for i, p in enumerate(ctx.params) if p.requires_grad]
         if self._slices is None:
-            self._slices = _Slices.build(ctx.params, trainable, self.topology.size)
+            self._slices = Slices.build(ctx.params, trainable, self.topology.size)
             slots = [slot for g in self._slices.groups for slot in (g.slot,)]
             self._engine.track(slots, [f"island slice of the {g.key[1]} gradients" for g in self._slices.groups])
         elif not set(trainable) <= self._slices.members:
@@ -667,89 +668,6 @@ class Islands(Mode):
     def extra_state_bytes(self, ctx: ModeContext) -> int:
         held = 0 if self._slices is None else self._slices.nbytes()
         return held + (0 if self._ctx is None else self.across.extra_state_bytes(self._ctx))
-
-
-@dataclasses.dataclass
-class _Group:
-    """The gradients of one (device, dtype), laid out flat and cut into ``k`` slices of ``length``.
-
-    Attributes:
-        key: (device, dtype).
-        members: the parameters' indices, in the wrapper's order.
-        offsets: each member's first element in the flat layout.
-        length: one slice's elements (the layout padded to ``k`` slices).
-        slot: the tensor the across engine tracks for this rank's slice (its pack view carries it).
-        whole: the gathered layout, ``k * length`` elements.
-    """
-
-    key: Tuple[torch.device, torch.dtype]
-    members: List[int]
-    offsets: List[int]
-    length: int
-    slot: Tensor
-    whole: Tensor
-
-    def read_slice(self, params: List[Tensor], out: Tensor, place: int) -> None:
-        """Write slice ``place`` of the flat gradients into ``out`` (zeros where a gradient is None or past the end)."""
-        start, stop = place * self.length, (place + 1) * self.length
-        out.zero_()
-        for i, offset in zip(self.members, self.offsets):
-            p = params[i]
-            lo, hi = max(start, offset), min(stop, offset + p.numel())
-            if lo >= hi or p.grad is None:
-                continue
-            out[lo - start: hi - start].copy_(p.grad.reshape(-1)[lo - offset: hi - offset])
-
-    def gather(self, view: Tensor, k: int, group: Optional[ProcessGroup], progress: Any) -> Tensor:
-        """Every rank's slice of the island, in place order: the whole layout."""
-        if k == 1:
-            self.whole.copy_(view)
-            return self.whole
-        with stalls.inspected(progress, "the gather of the island's slices"):
-            dist.all_gather_single(self.whole, view.contiguous(), group=group)
-        return self.whole
-
-    def write_back(self, params: List[Tensor], whole: Tensor, present: Optional[List[bool]]) -> None:
-        """Give each member its global mean; None where no island had a gradient (``present``)."""
-        for n, (i, offset) in enumerate(zip(self.members, self.offsets)):
-            p = params[i]
-            values = whole[offset: offset + p.numel()].view_as(p)
-            if present is not None and not present[n]:
-                p.grad = None
-            elif p.grad is None:
-                p.grad = values.clone()
-            else:
-                p.grad.copy_(values)
-
-    def nbytes(self) -> int:
-        return (self.slot.numel() + self.whole.numel()) * self.whole.element_size()
-
-
-@dataclasses.dataclass
-class _Slices:
-    """The layout of every (device, dtype) group, and which group each across slot is."""
-
-    groups: List[_Group]
-    of_slot: Dict[int, int]
-    members: Set[int]
-
-    @staticmethod
-    def build(params: List[Tensor], trainable: List[int], k: int) -> "_Slices":
-        by_key: Dict[Tuple[torch.device, torch.dtype], List[int]] = {}
-        for i in trainable:
-            by_key.setdefault((params[i].device, params[i].dtype), []).append(i)
-        groups = []
-        for key, members in by_key.items():
-            offsets, total = [], 0
-            for i in members:
-                offsets.append(total)
-                total += params[i].numel()
-            length = -(-total // k)
-            device, dtype = key
-            slot = torch.zeros(length, dtype=dtype, device=device, requires_grad=True)
-            groups.append(_Group(key, members, offsets, length, slot,
-                                 torch.zeros(length * k, dtype=dtype, device=device)))
-        return _Slices(groups, {id(g.slot): n for n, g in enumerate(groups)}, set(trainable))
 
 
 def _param(described: List[Tuple[Optional[str], Tuple[int, ...], str, bool]], i: int) -> str:
