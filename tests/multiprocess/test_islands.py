@@ -150,15 +150,40 @@ def local_across(outer):
 
 
 def islands_of_one_rank():
-    """Islands of one rank each, DiLoCo across: flat DiLoCo over the 4 ranks."""
+    """Islands of one rank each, DiLoCo across: flat DiLoCo over the 4 ranks; and over a subgroup of the
+    world (ranks 0, 1 and ranks 2, 3: islands built by their members alone), flat DiLoCo over the subgroup."""
+    rank = dist.get_rank()
+    halves = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    half, members = halves[rank // 2], [[0], [1]] if rank < 2 else [[2], [3]]
     runs = []
-    for mode in (distopt.Islands(across=distopt.DiLoCo(2, OUTER), islands=[[0], [1], [2], [3]]),
-                 distopt.DiLoCo(2, OUTER)):
+    for mode, group in ((distopt.Islands(across=distopt.DiLoCo(2, OUTER), islands=[[0], [1], [2], [3]]), None),
+                        (distopt.DiLoCo(2, OUTER), None),
+                        (distopt.Islands(across=distopt.DiLoCo(2, OUTER), islands=members), half),
+                        (distopt.DiLoCo(2, OUTER), half)):
         net = make_model()
-        opt = DistributedOptimizer(INNER(net.parameters()), mode=mode)
+        opt = DistributedOptimizer(INNER(net.parameters()), mode=mode, process_group=group)
         train(opt, net, 4)
         runs.append(params_of(net))
     return runs
+
+
+def local_across_with_grad_scaler():
+    """DiLoCo across and GradScaler: an inf on rank 3 at step 1 skips island 1's inner step (its ranks hold
+    the island's mean gradient) but not island 0's; the step counts, and the islands' syncs stay paired."""
+    rank = dist.get_rank()
+    net = make_model()
+    opt = DistributedOptimizer(INNER(net.parameters()),
+                               mode=distopt.Islands(across=distopt.DiLoCo(2, OUTER), islands=ISLANDS))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=1000)
+    for t in range(STEPS):
+        opt.zero_grad()
+        loss = loss_of(net, *batch(rank, t))
+        if t == 1 and rank == 3:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+    return params_of(net)
 
 
 def streaming_across():
@@ -381,6 +406,7 @@ CASES = {
     "overlap": (4, mismatched, ("overlap",)),
     "model": (4, mismatched, ("model",)),
     "islands of one": (4, islands_of_one_rank, ()),
+    "local grad scaler": (4, local_across_with_grad_scaler, ()),
     "mesh": (4, mesh_and_hosts, ()),
     "start": (4, starts_identical_and_refuses_join, ()),
     "join": (4, uneven_batches, ()),
@@ -424,10 +450,10 @@ def accumulated_reference():
     return params_of(net), norms
 
 
-def local_reference(outer, steps=STEPS, every=2, sync_at_end=False):
+def local_reference(outer, steps=STEPS, every=2, sync_at_end=False, skipped=()):
     """The protocol replayed: each island steps its own copy on its mean gradient (the gradient of its
     whole batch's mean loss), and every ``every`` steps the islands average (or step the outer optimizer on)
-    the mean pseudo-gradient."""
+    the mean pseudo-gradient. ``skipped``: (island, step) whose inner step is skipped."""
     models = [make_model(), make_model()]
     inners = [INNER(m.parameters()) for m in models]
     anchors = params_of(models[0])
@@ -436,7 +462,8 @@ def local_reference(outer, steps=STEPS, every=2, sync_at_end=False):
         for i, (m, o) in enumerate(zip(models, inners)):
             o.zero_grad()
             loss_of(m, *island_batch(i, t)).backward()
-            o.step()
+            if (i, t) not in skipped:
+                o.step()
         if (t + 1) % every == 0 or (sync_at_end and t == steps - 1):
             with torch.no_grad():
                 pseudo = [((a - p0) + (a - p1)) / 2 for a, p0, p1 in zip(anchors, models[0].parameters(), models[1].parameters())]
@@ -523,8 +550,15 @@ def test_local_sgd_and_diloco_across_match_a_replay_of_the_protocol(case, outer)
 
 
 def test_islands_of_one_rank_with_diloco_across_are_flat_diloco():
-    for islands, flat in results("islands of one"):
+    for islands, flat, islands_of_subgroup, flat_of_subgroup in results("islands of one"):
         assert close(islands, flat)
+        assert close(islands_of_subgroup, flat_of_subgroup)
+
+
+def test_diloco_across_with_grad_scaler_skips_the_inner_step_of_the_island_that_saw_an_inf():
+    replay = local_reference(True, skipped={(1, 1)})
+    for rank, params in enumerate(results("local grad scaler")):
+        assert close(params, replay[0 if rank in ISLANDS[0] else 1])
 
 
 def test_streaming_diloco_across_islands_is_flat_streaming_diloco_on_the_islands_batches():
