@@ -87,9 +87,12 @@ class Slices:
     of_slot: Dict[int, int]
     members: Set[int]
 
-    @staticmethod
-    def build(params: List[Tensor], trainable: List[int], k: int) -> "Slices":
-        """The layout of ``params[i]`` for ``i`` in ``trainable``, grouped by (device, dtype), in ``k`` slices."""
+    def add(self, params: List[Tensor], trainable: List[int], k: int) -> List[SliceGroup]:
+        """Lay ``params[i]`` for ``i`` in ``trainable`` out in new groups, by (device, dtype), in ``k`` slices.
+
+        Returns:
+            The groups added (parameters added later get groups of their own: the others' stay as they are).
+        """
         by_key: Dict[Tuple[torch.device, torch.dtype], List[int]] = {}
         for i in trainable:
             by_key.setdefault((params[i].device, params[i].dtype), []).append(i)
@@ -104,4 +107,8 @@ class Slices:
             slot = torch.zeros(length, dtype=dtype, device=device, requires_grad=True)
             groups.append(SliceGroup(key, members, offsets, length, slot,
                                      torch.zeros(length * k, dtype=dtype, device=device)))
-        return Slices(groups, {id(g.slot): n for n, g in enumerate(groups)}, set(trainable))
+        for group in groups:
+            self.of_slot[id(group.slot)] = len(self.groups)
+            self.groups.append(group)
+        self.members.update(trainable)
+        return groups

@@ -37,8 +37,8 @@ and a rank that has joined takes part in the sums across until no rank of any is
 
 What is not supported yet raises at construction or at the call, naming what to do:
 ``join()`` with local SGD or DiLoCo across, fault tolerance, a closure, the
-across modes ``ShardedState`` and local SGD's ``warmup``, parameters added or unfrozen after the first
-cross-island sum (synchronous across), and FSDP2 inside.
+across modes ``ShardedState`` and local SGD's ``warmup``, a frozen parameter made trainable after the
+first cross-island sum (synchronous across; ``add_param_group()`` works), and FSDP2 inside.
 
 The drift check compares every rank of every island, and ``broadcast_parameters()`` (``bcast_period``)
 and ``broadcast_optimizer_state()`` reach every rank of every island from island 0's root
@@ -394,12 +394,16 @@ class Islands(Mode):
         return new
 
     def on_track(self, ctx: ModeContext, params: List[Tensor]) -> None:
+        """``add_param_group()`` (every rank, at the same point): the islands compare the parameters again,
+        and the across level takes the new ones on (synchronous: slices of their own)."""
         if self._engine is None:  # at construction: attach() takes them on
             return
+        self._agree_across(ctx)
         if isinstance(self.across, Synchronous):
-            raise RuntimeError(
-                f"add_param_group() {_NOT_YET}(across=Synchronous()) after construction (the cross-island slices "
-                "are laid out once); give every parameter group to the optimizer before wrapping it")
+            if self._slices is not None:
+                self._lay_out(ctx, [i for i, p in enumerate(ctx.params) if p.requires_grad
+                                    and i not in self._slices.members])
+            return
         new = self._track_across(ctx)
         if new:
             self.across.on_track(self._ctx, new)
@@ -595,15 +599,22 @@ class Islands(Mode):
         """
         trainable = [i for i, p in enumerate(ctx.params) if p.requires_grad]
         if self._slices is None:
-            self._slices = Slices.build(ctx.params, trainable, self.topology.size)
-            slots = [slot for g in self._slices.groups for slot in (g.slot,)]
-            self._engine.track(slots, [f"island slice of the {g.key[1]} gradients" for g in self._slices.groups])
+            self._lay_out(ctx, trainable)
         elif not set(trainable) <= self._slices.members:
             raise RuntimeError(
-                f"a parameter became trainable after the first sum across the islands, which {_NOT_YET}"
-                "(across=Synchronous()): the slices are laid out once; make every parameter trainable before the "
-                "first backward")
+                f"a frozen parameter became trainable after the first sum across the islands, which {_NOT_YET}"
+                "(across=Synchronous()); make it trainable before the first backward, or give it to the optimizer "
+                "later with add_param_group() (every rank, at the same point)")
         return self._slices
+
+    def _lay_out(self, ctx: ModeContext, members: List[int]) -> None:
+        """Lay ``members`` (parameter indices) out in slices of their own, which the across engine takes on."""
+        if self._slices is None:
+            self._slices = Slices(groups=[], of_slot={}, members=set())
+        added = self._slices.add(ctx.params, members, self.topology.size)
+        if added:
+            self._engine.track([g.slot for g in added], [f"island slice of {len(g.members)} {g.key[1]} gradients"
+                                                         for g in added])
 
     # ------------------------------------------------------------------ checkpoints, stats, the drift check
 

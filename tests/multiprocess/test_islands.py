@@ -130,6 +130,25 @@ def with_grad_scaler():
     return params_of(net), scaler.get_scale()
 
 
+def added_group(reference=False):
+    """``add_param_group()`` after 2 steps: the new parameters are summed across in slices of their own."""
+    net = WithHeads()
+    rank = dist.get_rank() if not reference else None
+    opt = torch.optim.SGD(net.body.parameters(), lr=0.1, momentum=0.9)
+    if not reference:
+        opt = DistributedOptimizer(opt, mode=distopt.Islands(islands=ISLANDS))
+    for t in range(4):
+        if t == 2:
+            opt.add_param_group({"params": list(net.island0.parameters()), "lr": 0.05})
+        opt.zero_grad()
+        if reference:
+            sum(net.loss(*batch(r, t), r) for r in range(4)).div(4).backward()
+        else:
+            net.loss(*batch(rank, t), rank).backward()
+        opt.step()
+    return params_of(net)
+
+
 def compressed_across():
     net = make_model()
     opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
@@ -396,6 +415,7 @@ CASES = {
     "synchronous": (4, synchronous_across, ()),
     "accumulated": (4, accumulated_and_clipped, ()),
     "compressed": (4, compressed_across, ()),
+    "added group": (4, added_group, ()),
     "grad scaler": (4, with_grad_scaler, ()),
     "local sgd": (4, local_across, (False,)),
     "diloco": (4, local_across, (True,)),
@@ -522,6 +542,12 @@ def test_grad_scaler_skips_a_step_with_an_inf_on_one_rank_on_every_rank_of_every
     for params, scale in results("grad scaler"):
         assert scale == 2.0 ** 9
         assert close(params, params_of(net))
+
+
+def test_a_param_group_added_mid_training_is_summed_across_as_one_process_sums_it():
+    reference = added_group(reference=True)
+    for params in results("added group"):
+        assert close(params, reference)
 
 
 def test_compression_across_leaves_every_rank_of_every_island_bitwise_identical():
