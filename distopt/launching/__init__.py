@@ -7,7 +7,8 @@ the process group of a script that ``torchrun`` started.
 
 The only environment variables read or written are torchrun's ``env://``
 contract: ``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
-``MASTER_ADDR`` and ``MASTER_PORT``. Beyond them, a worker takes the launching
+``MASTER_ADDR`` and ``MASTER_PORT`` (and ``GROUP_RANK``, read for the default
+islands of :class:`distopt.Islands`). Beyond them, a worker takes the launching
 process's environment whole, and the fork server is started again when that
 environment changed; neither acts on any variable's value.
 
@@ -19,6 +20,7 @@ Modules, each depending only on those listed before it:
 - :mod:`.fork_server`: the fork server the workers start from, kept in step with the environment.
 - :mod:`.supervisor`: the launching process starting, watching and stopping the workers.
 - :mod:`.api`: :func:`launch` and :func:`launcher`, with their argument checks.
+- :mod:`.placement`: the host and local rank torchrun or :func:`launch` gave this process.
 
 This is a package rather than a ``distopt/launcher.py`` module because
 ``distopt.launcher`` is the decorator, which would shadow a module of that name.
