@@ -42,9 +42,9 @@ first cross-island sum (synchronous across; ``add_param_group()`` works), and FS
 
 The drift check compares every rank of every island, and ``broadcast_parameters()`` (``bcast_period``)
 and ``broadcast_optimizer_state()`` reach every rank of every island from island 0's root
-(:meth:`Islands.whole_context`). The drift check compares, with synchronous
-training across, everything synchronous training keeps alike; with local SGD or DiLoCo across, what
-the across mode keeps alike (the parameters right after a sync, the last-sync copies between two).
+(:meth:`Islands.whole_context`). The check compares, with synchronous training across, everything
+synchronous training keeps alike; with local SGD or DiLoCo across, what the across mode keeps alike
+(the parameters right after a sync, the last-sync copies between two).
 """
 from __future__ import annotations
 
@@ -71,8 +71,8 @@ from ..planning.stats import StepStats
 from ..planning.topology import Topology
 from ..transport import private_groups, stalls
 from .base import Mode, ModeContext
-from .island_slices import SliceGroup, Slices
 from .diloco import LocalSGD
+from .island_slices import SliceGroup, Slices
 from .sharded import ShardedState
 from .shorthands import settings_of
 from .synchronous import Synchronous
