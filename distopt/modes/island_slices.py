@@ -87,6 +87,10 @@ class Slices:
     of_slot: Dict[int, int]
     members: Set[int]
 
+    def nbytes(self) -> int:
+        """Bytes held by every group (:meth:`SliceGroup.nbytes`)."""
+        return sum(group.nbytes() for group in self.groups)
+
     def add(self, params: List[Tensor], trainable: List[int], k: int) -> List[SliceGroup]:
         """Lay ``params[i]`` for ``i`` in ``trainable`` out in new groups, by (device, dtype), in ``k`` slices.
 

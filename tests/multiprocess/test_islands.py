@@ -260,7 +260,8 @@ def bytes_across():
         opt.zero_grad()
         model(x).pow(2).mean().backward()
         opt.step()
-    return islands.mode.across_stats.bytes, flat.stats.bytes, sum(p.numel() * 4 for p in net.parameters())
+    held = islands.stats.extra_state_bytes  # the slices' buffers: this rank's slot and the gathered layout
+    return islands.mode.across_stats.bytes, flat.stats.bytes, sum(p.numel() * 4 for p in net.parameters()), held
 
 
 def mismatched(kind):
@@ -599,7 +600,8 @@ def test_a_checkpoint_between_two_syncs_resumes_bitwise_with_the_across_mode_and
 
 
 def test_each_rank_carries_at_most_1_over_k_of_flat_bytes_across_the_islands():
-    for across, flat, gradient_bytes in results("bytes"):
+    for across, flat, gradient_bytes, held in results("bytes"):
+        assert held == gradient_bytes // 2 + gradient_bytes  # a slot of 1/k and the whole, in float32
         assert flat >= gradient_bytes
         assert across <= flat / 2
         assert across >= gradient_bytes / 2  # its slice really travels
