@@ -44,7 +44,7 @@ TORCHRUN_TIMEOUT = 150
 
 
 def _run_checks(checks: Sequence[Callable[[], None]]) -> List[str]:
-    """Run ``checks`` in order on this rank, in a session of their own; return the names of those that ran to the end."""
+    """Run ``checks`` in order on this rank, in a session of their own; return those that ran to the end, by name."""
     hvd.init()
     done = []
     try:

@@ -157,7 +157,7 @@ KILLED_BETWEEN_STEPS = [(1, 3, "answers"), (0, 2, "went with it")]  # dead rank,
 
 @pytest.fixture(scope="module")
 def jobs_started_by_hand(tmp_path_factory):
-    """Every job of killed_peer.py and of killed_inside.py, side by side: ``(script, its arguments) -> (procs, output)``.
+    """Every job of killed_peer.py and of killed_inside.py, side by side: ``(script, args) -> (procs, output)``.
 
     Most of each is process start-up and the wait for the inspector's tick before a kill, which overlap.
     """
