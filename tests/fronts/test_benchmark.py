@@ -14,11 +14,12 @@ from distopt import benchmark
 from distopt._testing import run_command
 from distopt.benchmark import WORKLOADS, BenchConfig, ModeResult, WorkloadResult, format_size, parse_size
 
-pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+TIMEOUT = 360  # all three runs of the command below
+# Past TIMEOUT the runs' whole process tree is killed, before the test's own timeout fires.
+pytestmark = [pytest.mark.usefixtures("no_leftover_processes"), pytest.mark.timeout(TIMEOUT + 60)]
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--iters", "2", "--rounds", "2", "--warmup", "1"]
-TIMEOUT = 360  # all three runs of the command below
 
 # The runs of ``python -m distopt.benchmark`` that the tests below check, one after another in one
 # process, each as ``-m`` runs it (``runpy``, with its own argv): the process pays for Python, torch
