@@ -11,17 +11,18 @@ from distopt._testing import assert_no_children, live_children
 # other worker runs out of files (xdist's own order, by number of tests, started two of the
 # slowest files last). Seconds under the full suite on a 2-core host, as a guide when adding to this list:
 SLOWEST_FIRST = [  # seconds per file, summed over its tests, in one idle run of the whole suite
-    "launching/test_launcher.py",  # ~74
-    "multiprocess/test_peer_gone.py",  # ~62 (one thread per process; 6 torchrun jobs)
-    "horovod/test_horovod.py",  # ~56
-    "fronts/test_examples.py",  # ~56
-    "fronts/test_benchmark.py",  # ~43, nearly all of it CPU (~70 with the memory probes launched)
+    # ("est.": that idle run's seconds scaled by runs of the file before and after its jobs went side by side)
+    "launching/test_launcher.py",  # ~74, before its timeout waits went side by side, its torchrun checks one job
+    "multiprocess/test_peer_gone.py",  # ~53 est. (one thread per process; 5 torchrun jobs, then 4 jobs by hand)
     "fault_tolerance/test_launch.py",  # ~38: the kill across two namespaced hosts, the example on one
+    "fronts/test_benchmark.py",  # ~38 est., nearly all of it CPU, its three runs in one process
+    "horovod/test_horovod.py",  # ~35 est.: four torchrun jobs side by side, one world
+    "fronts/test_examples.py",  # ~34 est.: six runs, three at a time, then the killed one
     "fault_tolerance/test_fault_tolerance_modes.py",  # ~34
     "launching/test_two_hosts.py",  # ~31
-    "multiprocess/test_stalls.py",  # ~24
-    "multiprocess/test_agreement.py",  # ~22
     "fault_tolerance/test_fault_tolerance.py",  # ~21
+    "multiprocess/test_agreement.py",  # ~17 est.: its two worlds side by side
+    "multiprocess/test_stalls.py",  # ~16 est.: its four worlds side by side
     "fronts/test_lightning.py",  # ~16: one launch of Lightning's, short fits
     "fault_tolerance/test_fault_tolerance_settings.py",  # ~16
     "multiprocess/test_sharded.py",  # ~14

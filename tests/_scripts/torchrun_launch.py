@@ -1,6 +1,11 @@
 """Run under torchrun: the same script that would spawn workers runs fn once per torchrun rank.
 
-Usage: ``torchrun ... torchrun_launch.py OUT_DIR``; each rank writes ``OUT_DIR/rank<RANK>.json``.
+Then the process group that launch() set up is shut down and set up again, three times: each
+set-up must meet the others' fresh addresses, not the stale ones an earlier set-up left in
+torchrun's store (one torchrun job for both: each costs seconds of process start-up).
+
+Usage: ``torchrun ... torchrun_launch.py OUT_DIR``; each rank writes ``OUT_DIR/rank<RANK>.json``,
+and rank 0 prints one line per set-up again: ``setup K: sum S``.
 """
 import json
 import os
@@ -39,3 +44,11 @@ if __name__ == "__main__":
         "decorated": decorated_results,
         "initialized_after": dist.is_initialized(),
     }))
+    distopt.shutdown()
+    for setup in range(3):
+        distopt.init()
+        total = torch.tensor([float(dist.get_rank() + 1 + setup)])
+        dist.all_reduce(total)
+        if dist.get_rank() == 0:
+            print(f"setup {setup}: sum {total.item():g}", flush=True)
+        distopt.shutdown()

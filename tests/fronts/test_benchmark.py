@@ -5,7 +5,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import List
+from typing import Dict
 
 import pytest
 import torch
@@ -14,26 +14,64 @@ from distopt import benchmark
 from distopt._testing import run_command
 from distopt.benchmark import WORKLOADS, BenchConfig, ModeResult, WorkloadResult, format_size, parse_size
 
-pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+TIMEOUT = 480  # all three runs of the command below (~20 s on an idle 2-core machine)
+# Past TIMEOUT the runs' whole process tree is killed, before the test's own timeout fires.
+pytestmark = [pytest.mark.usefixtures("no_leftover_processes"), pytest.mark.timeout(TIMEOUT + 60)]
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["--iters", "2", "--rounds", "2", "--warmup", "1"]
-TIMEOUT = 240
+
+# The runs of ``python -m distopt.benchmark`` that the tests below check, one after another in one
+# process, each as ``-m`` runs it (``runpy``, with its own argv): the process pays for Python, torch
+# and the fork server its launches' workers start from once, rather than once per run. Each run's
+# stdout and stderr begin with a line of SEPARATOR; its exit status follows it on stdout.
+SEPARATOR = "=== the next run of python -m distopt.benchmark ==="
+DRIVER = f"""
+import json, runpy, sys, traceback
+for argv in json.loads(sys.argv[1]):
+    for stream in (sys.stdout, sys.stderr):
+        print({SEPARATOR!r}, file=stream, flush=True)
+    sys.argv = ["distopt.benchmark", *argv]
+    try:
+        runpy.run_module("distopt.benchmark", run_name="__main__", alter_sys=True)
+        code = "none: no sys.exit"
+    except SystemExit as exc:
+        code = exc.code
+    except BaseException:
+        traceback.print_exc()
+        code = "none: it raised"
+    print(f"exit code {{code}}", flush=True)
+"""
 
 
-def _run(args: List[str], tmp_path: Path) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "distopt.benchmark", *args]
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, subprocess.CompletedProcess]:
+    """Every run the tests check, by name: its argv, exit status, stdout and stderr."""
+    tmp = tmp_path_factory.mktemp("benchmark")
+    argvs = {
+        # Without the peak-memory probes, a fresh two-process launch each (half this run's time with
+        # them): test_a_memory_probe_measures_a_modes_growth checks what a probe measures.
+        "two ranks": ["--workloads", "mlp", *TINY, "--thresholds", "0", "--sweep", str(tmp / "sweep.png"),
+                      "--json", str(tmp / "bench.json"), "--no-memory"],
+        "world one": ["--world", "1", "--iters", "1", "--rounds", "1", "--warmup", "1", "--json"],
+        "profile": ["--profile", "mlp", "--iters", "4", "--rounds", "2", "--warmup", "1"],
+    }
+    cmd = [sys.executable, "-c", DRIVER, json.dumps(list(argvs.values()))]
     code, out, err = run_command(cmd, ROOT, None, TIMEOUT)  # past the timeout, its workers go too
     assert code == 0, f"exit code {code}\nstdout:\n{out}\nstderr:\n{err}"
-    return subprocess.CompletedProcess(cmd, code, out, err)
+    outs, errs = out.split(SEPARATOR + "\n")[1:], err.split(SEPARATOR + "\n")[1:]
+    assert len(outs) == len(errs) == len(argvs), f"stdout:\n{out}\nstderr:\n{err}"
+    done = {}
+    for (name, argv), run_out, run_err in zip(argvs.items(), outs, errs):
+        run_out, _, status = run_out.rpartition("exit code ")
+        assert status == "0\n", f"{name}: exit code {status}stdout:\n{run_out}\nstderr:\n{run_err}"
+        done[name] = subprocess.CompletedProcess(argv, 0, run_out, run_err)
+    return done
 
 
-def test_two_ranks_all_sections(tmp_path: Path) -> None:
-    out, png = tmp_path / "bench.json", tmp_path / "sweep.png"
-    # Without the peak-memory probes, a fresh two-process launch each (half this test's time with
-    # them): test_a_memory_probe_measures_a_modes_growth checks what a probe measures.
-    proc = _run(["--workloads", "mlp", *TINY, "--thresholds", "0", "--sweep", str(png), "--json", str(out),
-                 "--no-memory"], tmp_path)
+def test_two_ranks_all_sections(runs: Dict[str, subprocess.CompletedProcess]) -> None:
+    proc = runs["two ranks"]
+    out, png = Path(proc.args[proc.args.index("--json") + 1]), Path(proc.args[proc.args.index("--sweep") + 1])
     for text in ("[mlp]", "ratio distopt/ddp", "bare_allreduce", "distopt@0B", "[world size 1]"):
         assert text in proc.stdout, proc.stdout
     report = json.loads(out.read_text())
@@ -69,8 +107,8 @@ def test_a_memory_probe_measures_a_modes_growth(mode: str) -> None:
     assert grown is not None and 2 * gradients <= grown < 5 * gradients, (grown, gradients)
 
 
-def test_world_one_every_workload_json_to_stdout(tmp_path: Path) -> None:
-    proc = _run(["--world", "1", "--iters", "1", "--rounds", "1", "--warmup", "1", "--json"], tmp_path)
+def test_world_one_every_workload_json_to_stdout(runs: Dict[str, subprocess.CompletedProcess]) -> None:
+    proc = runs["world one"]
     report = json.loads(proc.stdout)
     assert report["distributed"] == []
     assert [w["name"] for w in report["world1"]] == ["mlp", "wide", "transformer", "conv", "embedding"]
@@ -147,8 +185,8 @@ def test_the_drift_checks_cost_is_one_checks_time_over_the_default_period() -> N
                       "(the default) 0.030 ms a step = 0.20% of a distopt step") == 1
 
 
-def test_profile_prints_each_modes_phases_and_top_operators(tmp_path: Path) -> None:
-    proc = _run(["--profile", "mlp", "--iters", "4", "--rounds", "2", "--warmup", "1"], tmp_path)
+def test_profile_prints_each_modes_phases_and_top_operators(runs: Dict[str, subprocess.CompletedProcess]) -> None:
+    proc = runs["profile"]
     lines = proc.stdout.splitlines()
     header = next(line for line in lines if line.strip().startswith("phase"))
     assert header.split() == ["phase", "local", "ddp", "distopt"]

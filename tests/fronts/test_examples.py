@@ -7,15 +7,18 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import ModuleType
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 
 from distopt._testing import kill_tree, run_command
 
-pytestmark = pytest.mark.usefixtures("no_leftover_processes")
+TIMEOUT = 240  # seconds for one run
+# The first test to ask for the runs waits for all of them, SIDE_BY_SIDE at a time (below).
+pytestmark = [pytest.mark.usefixtures("no_leftover_processes"), pytest.mark.timeout(2 * TIMEOUT + 60)]
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "examples" / "train_digits.py"
@@ -23,7 +26,6 @@ EPOCH_LINE = re.compile(r"^epoch\s+(\d+)/(\d+)\s+loss (\d+\.\d+)\s+test acc (\d+
 # One epoch of ~23 steps lifts a 10-class model well above chance (10%): about 75% with
 # AdamW and 40% with SGD (it starts slower); the bounds leave room for noise.
 MIN_ONE_EPOCH_ACCURACY = {"adamw": 50.0, "sgd": 25.0}
-TIMEOUT = 240
 
 
 def _run(args: List[str], tmp_path: Path, env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
@@ -45,50 +47,73 @@ def _check_one_epoch(proc: subprocess.CompletedProcess, ranks: int, optimizer: s
     assert "bitwise identical" in proc.stdout
 
 
-def test_two_processes_one_epoch_with_plot(tmp_path: Path) -> None:
-    plot = tmp_path / "digits.png"
-    proc = _run([sys.executable, str(SCRIPT), "--epochs", "1", "--plot", str(plot)], tmp_path)
+TORCHRUN_SGD = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                str(SCRIPT), "--epochs", "4", "--optimizer", "sgd"]
+# The runs of the examples that the tests below check, by name: the command line ({tmp}: the run's own
+# directory) and, for torchrun, the environment, which imports this checkout. The longest first.
+RUNS = {
+    # Under torchrun, uninterrupted: checked on its own, and the result a killed run must reach.
+    "torchrun sgd": (TORCHRUN_SGD, dict(os.environ, PYTHONPATH=str(ROOT))),
+    "two processes with plot": ([sys.executable, str(SCRIPT), "--epochs", "1", "--plot", "{tmp}/digits.png"], None),
+    "compressed small packs": ([sys.executable, str(SCRIPT), "--epochs", "1", "--compression", "bf16",
+                                "--pack-threshold", "16K", "--bcast-period", "5"], None),
+    "diloco": ([sys.executable, str(SCRIPT), "--epochs", "1", "--sync-every", "4", "--outer-lr", "0.7",
+                "--curves", "{tmp}/runs.json", "--plot", "{tmp}/runs.png"], None),
+    "single process": ([sys.executable, str(SCRIPT), "--epochs", "1", "--nprocs", "1"], None),
+    "ddp migration": ([sys.executable, str(ROOT / "examples" / "migrate_from_ddp.py")], None),
+}
+SIDE_BY_SIDE = 3  # runs at a time: much of each is start-up, one process at a time
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, Tuple[Future, Path]]:
+    """Every run of RUNS, SIDE_BY_SIDE at a time, to its end: name -> (its outcome, its directory)."""
+    dirs = {name: tmp_path_factory.mktemp(name.replace(" ", "-")) for name in RUNS}
+    with ThreadPoolExecutor(SIDE_BY_SIDE) as pool:
+        futures = {name: pool.submit(_run, [part.format(tmp=dirs[name]) for part in cmd], dirs[name], env)
+                   for name, (cmd, env) in RUNS.items()}
+    return {name: (future, dirs[name]) for name, future in futures.items()}
+
+
+def _finished(runs: Dict[str, Tuple[Future, Path]], name: str) -> Tuple[subprocess.CompletedProcess, Path]:
+    """The finished run ``name`` of ``runs`` and its directory; a run that timed out fails the test that reads it."""
+    future, directory = runs[name]
+    return future.result(), directory
+
+
+def test_two_processes_one_epoch_with_plot(runs: Dict[str, Tuple[Future, Path]]) -> None:
+    proc, tmp_path = _finished(runs, "two processes with plot")
     _check_one_epoch(proc, ranks=2)
-    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "digits.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_compressed_small_packs(tmp_path: Path) -> None:
-    proc = _run(
-        [sys.executable, str(SCRIPT), "--epochs", "1", "--compression", "bf16", "--pack-threshold", "16K",
-         "--bcast-period", "5"],
-        tmp_path,
-    )
+def test_compressed_small_packs(runs: Dict[str, Tuple[Future, Path]]) -> None:
+    proc, _ = _finished(runs, "compressed small packs")
     _check_one_epoch(proc, ranks=2)
     assert "compression bf16" in proc.stdout
 
 
-def test_diloco_every_4_steps_with_curves_and_plot(tmp_path: Path) -> None:
-    plot, curves = tmp_path / "runs.png", tmp_path / "runs.json"
-    proc = _run([sys.executable, str(SCRIPT), "--epochs", "1", "--sync-every", "4", "--outer-lr", "0.7",
-                 "--curves", str(curves), "--plot", str(plot)], tmp_path)
+def test_diloco_every_4_steps_with_curves_and_plot(runs: Dict[str, Tuple[Future, Path]]) -> None:
+    proc, tmp_path = _finished(runs, "diloco")
     _check_one_epoch(proc, ranks=2)  # the join block's end syncs the steps after the last sync
     assert "DiLoCo H=4" in proc.stdout
-    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    (run,) = json.loads(curves.read_text())
+    assert (tmp_path / "runs.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    (run,) = json.loads((tmp_path / "runs.json").read_text())
     assert run["label"] == "DiLoCo H=4" and len(run["history"]) == 1
     # 23 steps, a sync every 4th: 5 of the ~150 KiB rounds synchronous training sends at every step
     assert 0 < run["bytes_per_step"] < 0.25 * 150 * 1024
 
 
-def test_single_process_without_process_group(tmp_path: Path) -> None:
-    proc = _run([sys.executable, str(SCRIPT), "--epochs", "1", "--nprocs", "1"], tmp_path)
+def test_single_process_without_process_group(runs: Dict[str, Tuple[Future, Path]]) -> None:
+    proc, _ = _finished(runs, "single process")
     _check_one_epoch(proc, ranks=1)
     assert "no process group" in proc.stdout
 
 
-TORCHRUN_SGD = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                str(SCRIPT), "--epochs", "4", "--optimizer", "sgd"]
-
-
 @pytest.fixture(scope="module")
-def torchrun_sgd_run(tmp_path_factory: pytest.TempPathFactory) -> subprocess.CompletedProcess:
+def torchrun_sgd_run(runs: Dict[str, Tuple[Future, Path]]) -> subprocess.CompletedProcess:
     """The example under torchrun, uninterrupted: checked on its own, and the result a killed run must reach."""
-    return _run(TORCHRUN_SGD, tmp_path_factory.mktemp("torchrun"), dict(os.environ, PYTHONPATH=str(ROOT)))
+    return _finished(runs, "torchrun sgd")[0]
 
 
 def test_under_torchrun(torchrun_sgd_run: subprocess.CompletedProcess) -> None:
@@ -191,8 +216,8 @@ def test_a_worker_killed_mid_training_restarts_and_resumes_to_the_same_result(
     assert "bitwise identical" in text
 
 
-def test_the_ddp_migration_example_ends_with_ddps_parameters(tmp_path: Path) -> None:
-    proc = _run([sys.executable, str(ROOT / "examples" / "migrate_from_ddp.py")], tmp_path)
+def test_the_ddp_migration_example_ends_with_ddps_parameters(runs: Dict[str, Tuple[Future, Path]]) -> None:
+    proc, _ = _finished(runs, "ddp migration")
     assert proc.returncode == 0, f"exit code {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr}"
     for shard_state in ("False", "True"):
         assert re.search(rf"shard_state={shard_state} +world 2: parameters match DDP's \(max difference "

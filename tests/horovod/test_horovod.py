@@ -16,6 +16,7 @@ import os
 import pkgutil
 import re
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Sequence
 
@@ -28,7 +29,8 @@ from hypothesis import strategies as st
 from torch import Tensor, nn
 
 import distopt.horovod as hvd
-from distopt._testing import run_torchrun, run_world
+from _worlds import Worlds
+from distopt._testing import run_torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = ROOT / "tests" / "_scripts"
@@ -42,19 +44,25 @@ TORCHRUN_TIMEOUT = 150
 
 
 def _run_checks(checks: Sequence[Callable[[], None]]) -> List[str]:
-    """Run ``checks`` in order on this rank; return the names of those that ran to the end."""
+    """Run ``checks`` in order on this rank, in a session of their own; return those that ran to the end, by name."""
     hvd.init()
     done = []
-    for check in checks:
-        check()
-        done.append(check.__name__)
-    hvd.shutdown()
+    try:
+        for check in checks:
+            check()
+            done.append(check.__name__)
+    finally:
+        hvd.shutdown()
     return done
 
 
-def _in_world_of_two(checks: Sequence[Callable[[], None]]) -> None:
-    """Run ``checks`` on 2 ranks; every rank must have run every one of them to the end."""
-    per_rank = run_world(_run_checks, 2, checks, timeout=WORLD_TIMEOUT)
+def _in_world_of_two(group: str) -> None:
+    """Run the checks of ``group`` (of WORLD, below) on 2 ranks; every rank must have run every one of them to the end.
+
+    Starting a world costs seconds: every group runs in one launch, on first use, each in a session of its own.
+    """
+    _, _, (checks,) = WORLD.checks[group]
+    per_rank = WORLD.results(group)
     assert per_rank == [[check.__name__ for check in checks]] * 2, per_rank
 
 
@@ -456,25 +464,29 @@ def _check_join_counts_only_the_optimizers_every_rank_holds() -> None:
     assert hvd.join() == 0
     opt.close()
 
+
+COLLECTIVES = [
+    _check_topology,
+    _check_allreduce_ops,
+    _check_allreduce_in_place_and_async,
+    _check_fp16_compression_does_not_overflow,
+    _check_allgather_and_broadcast,
+    _check_mismatched_tensors_raise_on_every_rank,
+    _check_async_ops_run_in_the_background_and_a_name_in_flight_is_refused,
+    _check_int16_travels_on_gloo,
+    _check_prescale_on_integers_truncates_on_each_rank,
+    _check_process_sets,
+    _check_reducescatter_alltoall_and_grouped_allgather,
+    _check_collective_gradients,
+    _check_broadcast_parameters_forms,
+    _check_join_stands_in_for_sums_and_refuses_the_rest,
+    _check_join_counts_only_the_optimizers_every_rank_holds,
+]
+
+
 @pytest.mark.timeout(WORLD_TIMEOUT + 30)
 def test_collectives_follow_horovod_semantics(no_leftover_processes):
-    _in_world_of_two([
-        _check_topology,
-        _check_allreduce_ops,
-        _check_allreduce_in_place_and_async,
-        _check_fp16_compression_does_not_overflow,
-        _check_allgather_and_broadcast,
-        _check_mismatched_tensors_raise_on_every_rank,
-        _check_async_ops_run_in_the_background_and_a_name_in_flight_is_refused,
-        _check_int16_travels_on_gloo,
-        _check_prescale_on_integers_truncates_on_each_rank,
-        _check_process_sets,
-        _check_reducescatter_alltoall_and_grouped_allgather,
-        _check_collective_gradients,
-        _check_broadcast_parameters_forms,
-        _check_join_stands_in_for_sums_and_refuses_the_rest,
-        _check_join_counts_only_the_optimizers_every_rank_holds,
-    ])
+    _in_world_of_two("collectives")
 
 
 # ====================================================================== as horovod.torch: signatures, scaling, errors, dtypes
@@ -597,16 +609,19 @@ def _check_objects_travel_by_cloudpickle_and_a_failure_raises_on_every_rank() ->
     assert hvd.allreduce(torch.tensor([float(r)]), op=hvd.Sum).tolist() == [1.0]  # still in step
 
 
+SIGNATURES = [
+    _check_reducescatter_takes_compression_in_horovods_slot,
+    _check_integer_average_scales_the_sum_once_by_postscale_over_size,
+    _check_alltoall_async_synchronizes_to_output_and_received_splits,
+    _check_failed_collectives_raise_horovod_internal_error,
+    _check_complex_reduces_and_wrong_dtypes_are_refused_on_every_rank,
+    _check_objects_travel_by_cloudpickle_and_a_failure_raises_on_every_rank,
+]
+
+
 @pytest.mark.timeout(WORLD_TIMEOUT + 30)
 def test_collectives_match_horovod_in_signatures_scaling_errors_and_dtypes(no_leftover_processes):
-    _in_world_of_two([
-        _check_reducescatter_takes_compression_in_horovods_slot,
-        _check_integer_average_scales_the_sum_once_by_postscale_over_size,
-        _check_alltoall_async_synchronizes_to_output_and_received_splits,
-        _check_failed_collectives_raise_horovod_internal_error,
-        _check_complex_reduces_and_wrong_dtypes_are_refused_on_every_rank,
-        _check_objects_travel_by_cloudpickle_and_a_failure_raises_on_every_rank,
-    ])
+    _in_world_of_two("signatures")
 
 
 # ====================================================================== broadcast_optimizer_state
@@ -721,14 +736,17 @@ def _check_model_makes_the_zero_gradients_of_sparse_embeddings_sparse() -> None:
         hvd.broadcast_optimizer_state(opt, root_rank=0, model=[model])
 
 
+BROADCAST_OPTIMIZER_STATE = [
+    _check_broadcast_state_of_every_optimizer,
+    _check_broadcast_state_does_not_step,
+    _check_resume_on_root_then_broadcast,
+    _check_model_makes_the_zero_gradients_of_sparse_embeddings_sparse,
+]
+
+
 @pytest.mark.timeout(WORLD_TIMEOUT + 30)
 def test_broadcast_optimizer_state(no_leftover_processes):
-    _in_world_of_two([
-        _check_broadcast_state_of_every_optimizer,
-        _check_broadcast_state_does_not_step,
-        _check_resume_on_root_then_broadcast,
-        _check_model_makes_the_zero_gradients_of_sparse_embeddings_sparse,
-    ])
+    _in_world_of_two("broadcast_optimizer_state")
 
 
 # ====================================================================== DistributedOptimizer
@@ -1015,20 +1033,29 @@ def _check_fp16_gradients_do_not_overflow() -> None:
 
 
 
+DISTRIBUTED_OPTIMIZER = [
+    _check_average_sum_and_predivide,
+    _check_ranks_with_different_gradients,
+    _check_clipping_after_synchronize,
+    _check_step_after_synchronize_warns,
+    _check_backward_passes_per_step,
+    _check_zero_grad_right_after_backward,
+    _check_mixed_precision_with_grad_scaler,
+    _check_sparse_gradients_come_back_sparse,
+    _check_compressed_training_converges,
+    _check_fp16_gradients_do_not_overflow,
+]
+
+
 @pytest.mark.timeout(WORLD_TIMEOUT + 30)
 def test_distributed_optimizer_semantics_and_wire_compression(no_leftover_processes):
-    _in_world_of_two([
-        _check_average_sum_and_predivide,
-        _check_ranks_with_different_gradients,
-        _check_clipping_after_synchronize,
-        _check_step_after_synchronize_warns,
-        _check_backward_passes_per_step,
-        _check_zero_grad_right_after_backward,
-        _check_mixed_precision_with_grad_scaler,
-        _check_sparse_gradients_come_back_sparse,
-        _check_compressed_training_converges,
-        _check_fp16_gradients_do_not_overflow,
-    ])
+    _in_world_of_two("distributed_optimizer")
+
+
+# The groups of checks above, by name, each run by _in_world_of_two in one launch that they share.
+WORLD = Worlds({name: (2, _run_checks, (checks,)) for name, checks in [
+    ("collectives", COLLECTIVES), ("signatures", SIGNATURES), ("broadcast_optimizer_state", BROADCAST_OPTIMIZER_STATE),
+    ("distributed_optimizer", DISTRIBUTED_OPTIMIZER)]}, timeout=WORLD_TIMEOUT)
 
 
 # ====================================================================== one process, no spawning
@@ -1264,53 +1291,6 @@ def _mentions_distopt(node: ast.AST) -> bool:
     return isinstance(node, ast.Name) and node.id == "distopt"
 
 
-def _torchrun(script: Path, args: Sequence[str], cwd: Path) -> str:
-    """Run ``script`` under torchrun with 2 processes; return its output. Kills the whole tree on timeout."""
-    code, out = run_torchrun(script, args, cwd, TORCHRUN_TIMEOUT)
-    if code is None:
-        pytest.fail(f"{script.name} did not finish in {TORCHRUN_TIMEOUT} s:\n{out}")
-    assert code == 0, f"{script.name} exited with {code}:\n{out}"
-    return out
-
-
-@pytest.mark.timeout(TORCHRUN_TIMEOUT + 30)
-def test_migration_example_with_mixed_precision_and_fp16_allreduce(tmp_path, no_leftover_processes):
-    one_gpu_each = torch.cuda.device_count() >= 2  # else the script's CUDA path has no GPU for rank 1
-    out = _torchrun(EXAMPLE, ["--epochs", "2", "--use-mixed-precision", "--fp16-allreduce",
-                              "--gradient-predivide-factor", "2", *([] if one_gpu_each else ["--no-cuda"])], tmp_path)
-    accuracies = [float(a) for a in re.findall(r"Test set: Average loss: [\d.]+, Accuracy: ([\d.]+)%", out)]
-    assert len(accuracies) == 2, out
-    assert accuracies[-1] > 60.0, out  # 10 classes: chance is 10%
-    assert "parameters identical on all 2 rank(s)" in out, out
-
-
-@pytest.mark.timeout(TORCHRUN_TIMEOUT + 30)
-def test_synthetic_benchmark_prints_images_per_second(tmp_path, no_leftover_processes):
-    gpus = torch.cuda.device_count() >= 2  # one GPU per rank, as Horovod's script sets them
-    device = "GPU" if gpus else "CPU"
-    out = _torchrun(SCRIPTS / "hvd_synthetic_benchmark.py",
-                    ["--batch-size", "8", "--num-warmup-batches", "2", "--num-batches-per-iter", "2",
-                     "--num-iters", "3", "--fp16-allreduce"] + ([] if gpus else ["--no-cuda"]), tmp_path)
-    assert f"Number of {device}s: 2" in out, out
-    assert len(re.findall(rf"^Iter #\d: [\d.]+ img/sec per {device}$", out, re.MULTILINE)) == 3, out
-    total = re.search(rf"^Total img/sec on 2 {device}\(s\): ([\d.]+) \+-[\d.]+$", out, re.MULTILINE)
-    assert total is not None and float(total.group(1)) > 0, out
-    assert "RuntimeWarning" not in out, out  # no hvd.shutdown(), as in Horovod's script, and a quiet exit
-
-
-@pytest.mark.timeout(TORCHRUN_TIMEOUT + 30)
-def test_under_torchrun_init_sets_horovodruns_variables_and_join_skips_an_earlier_sessions_optimizer(
-        tmp_path, no_leftover_processes):
-    out = _torchrun(SCRIPTS / "hvd_init_again.py", [], tmp_path)
-    for rank in (0, 1):
-        # What horovodrun sets: rank, size, local rank, local size, cross rank, cross size.
-        for session in (1, 2):
-            assert f"RANK {rank} SESSION {session} ENV {rank} 2 {rank} 2 0 1" in out, out
-        assert f"RANK {rank} SESSION closed ENV - - - - - -" in out, out
-        # The optimizer built before hvd.shutdown() lost its group with the session; the join leaves it out.
-        assert f"RANK {rank} JOINED last=1 identical=True" in out, out
-
-
 def _write_epoch_one_checkpoint(path: Path) -> Dict[str, Any]:
     """A checkpoint as hvd_accumulate.py saves it after epoch 1: its model and SGD momentum."""
     torch.manual_seed(1)
@@ -1323,12 +1303,80 @@ def _write_epoch_one_checkpoint(path: Path) -> Dict[str, Any]:
     return state
 
 
+GPUS = torch.cuda.device_count() >= 2  # one GPU per rank, as Horovod's scripts set them; else --no-cuda
+
+
+@pytest.fixture(scope="module")
+def torchrun_jobs(tmp_path_factory) -> Dict[str, tuple]:
+    """The Horovod scripts under torchrun with 2 processes, side by side (most of each is process start-up):
+    name -> ``(its directory, script, exit code or None on a timeout, output)``. Each tree is killed on a timeout."""
+    no_cuda = [] if GPUS else ["--no-cuda"]
+    jobs = {
+        "migration": (EXAMPLE, ["--epochs", "2", "--use-mixed-precision", "--fp16-allreduce",
+                                "--gradient-predivide-factor", "2", *no_cuda]),
+        "synthetic benchmark": (SCRIPTS / "hvd_synthetic_benchmark.py",
+                                ["--batch-size", "8", "--num-warmup-batches", "2", "--num-batches-per-iter", "2",
+                                 "--num-iters", "3", "--fp16-allreduce", *no_cuda]),
+        "init again": (SCRIPTS / "hvd_init_again.py", []),
+        "accumulate": (SCRIPTS / "hvd_accumulate.py", ["--batches-per-allreduce", "4", "--epochs", "2"]),
+    }
+    dirs = {name: tmp_path_factory.mktemp(name.replace(" ", "-")) for name in jobs}
+    # hvd_accumulate.py resumes from the checkpoint it would have saved after epoch 1.
+    _write_epoch_one_checkpoint(dirs["accumulate"] / "checkpoint-1.pth.tar")
+    jobs["accumulate"][1].extend(["--checkpoint-format", str(dirs["accumulate"] / "checkpoint-{epoch}.pth.tar")])
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = {name: pool.submit(run_torchrun, script, args, dirs[name], TORCHRUN_TIMEOUT)
+                   for name, (script, args) in jobs.items()}
+        return {name: (dirs[name], jobs[name][0], *future.result()) for name, future in futures.items()}
+
+
+def _torchrun(job: tuple) -> str:
+    """The output of one of ``torchrun_jobs``, which must have ended with status 0."""
+    _, script, code, out = job
+    if code is None:
+        pytest.fail(f"{script.name} did not finish in {TORCHRUN_TIMEOUT} s:\n{out}")
+    assert code == 0, f"{script.name} exited with {code}:\n{out}"
+    return out
+
+
 @pytest.mark.timeout(TORCHRUN_TIMEOUT + 30)
-def test_gradient_accumulation_resuming_from_a_checkpoint(tmp_path, no_leftover_processes):
-    _write_epoch_one_checkpoint(tmp_path / "checkpoint-1.pth.tar")
-    out = _torchrun(SCRIPTS / "hvd_accumulate.py",
-                    ["--batches-per-allreduce", "4", "--epochs", "2",
-                     "--checkpoint-format", str(tmp_path / "checkpoint-{epoch}.pth.tar")], tmp_path)
+def test_migration_example_with_mixed_precision_and_fp16_allreduce(torchrun_jobs, no_leftover_processes):
+    out = _torchrun(torchrun_jobs["migration"])  # 2 epochs, --use-mixed-precision --fp16-allreduce, predivide 2
+    accuracies = [float(a) for a in re.findall(r"Test set: Average loss: [\d.]+, Accuracy: ([\d.]+)%", out)]
+    assert len(accuracies) == 2, out
+    assert accuracies[-1] > 60.0, out  # 10 classes: chance is 10%
+    assert "parameters identical on all 2 rank(s)" in out, out
+
+
+@pytest.mark.timeout(TORCHRUN_TIMEOUT + 30)
+def test_synthetic_benchmark_prints_images_per_second(torchrun_jobs, no_leftover_processes):
+    device = "GPU" if GPUS else "CPU"
+    out = _torchrun(torchrun_jobs["synthetic benchmark"])  # 3 iterations, --fp16-allreduce
+    assert f"Number of {device}s: 2" in out, out
+    assert len(re.findall(rf"^Iter #\d: [\d.]+ img/sec per {device}$", out, re.MULTILINE)) == 3, out
+    total = re.search(rf"^Total img/sec on 2 {device}\(s\): ([\d.]+) \+-[\d.]+$", out, re.MULTILINE)
+    assert total is not None and float(total.group(1)) > 0, out
+    assert "RuntimeWarning" not in out, out  # no hvd.shutdown(), as in Horovod's script, and a quiet exit
+
+
+@pytest.mark.timeout(TORCHRUN_TIMEOUT + 30)
+def test_under_torchrun_init_sets_horovodruns_variables_and_join_skips_an_earlier_sessions_optimizer(
+        torchrun_jobs, no_leftover_processes):
+    out = _torchrun(torchrun_jobs["init again"])
+    for rank in (0, 1):
+        # What horovodrun sets: rank, size, local rank, local size, cross rank, cross size.
+        for session in (1, 2):
+            assert f"RANK {rank} SESSION {session} ENV {rank} 2 {rank} 2 0 1" in out, out
+        assert f"RANK {rank} SESSION closed ENV - - - - - -" in out, out
+        # The optimizer built before hvd.shutdown() lost its group with the session; the join leaves it out.
+        assert f"RANK {rank} JOINED last=1 identical=True" in out, out
+
+
+@pytest.mark.timeout(TORCHRUN_TIMEOUT + 30)
+def test_gradient_accumulation_resuming_from_a_checkpoint(torchrun_jobs, no_leftover_processes):
+    # --batches-per-allreduce 4 --epochs 2, from the checkpoint of epoch 1 in its directory
+    tmp_path = torchrun_jobs["accumulate"][0]
+    out = _torchrun(torchrun_jobs["accumulate"])
     # Rank 0 loaded the checkpoint; parameters and momentum were broadcast to rank 1.
     assert "resuming from epoch 1" in out and "epoch 1 " not in out, out
     # 719 samples per rank in batches of 4 x 16: 12 steps, the last of 15 samples, so one sub-batch of 4:

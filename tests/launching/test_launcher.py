@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 import types
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -20,7 +21,7 @@ import torch.distributed as dist
 
 import distopt
 from distopt import LaunchTimeoutError, WorkerFailedError, launch, launcher
-from distopt._testing import run_torchrun
+from distopt._testing import assert_no_children, run_torchrun
 
 pytestmark = pytest.mark.usefixtures("no_leftover_processes")
 
@@ -162,12 +163,42 @@ def test_failed_worker_stops_all_and_is_named(mode, bad_rank, check, tmp_path):
     assert lag < 10, f"the failure took {lag:.1f} s to surface"
 
 
+@pytest.fixture(scope="module")
+def launches_that_wait(tmp_path_factory):
+    """The launches that can only end by a timeout, side by side, since each spends seconds idle waiting for
+    it: name -> ``(its outcome, as a done Future, seconds to its end)``; ``"port"``: the store's port nobody
+    listens on. Every process they started is gone once they end."""
+    port = _free_port()
+    calls = {
+        "hang": lambda: launch(_hang, 1, backend="gloo", timeout=3),
+        # 15 s: starting the worker alone takes 2-4 s of it on a loaded 2-core machine (10 s failed once in CI).
+        "unreachable store": lambda: launch(_never_called, 1, nnodes=2, node_rank=1, master_addr="127.0.0.1",
+                                            master_port=port, timeout=15),
+        # Rank 1 never arrives (it waits for rank 0's report), so each collective can only end by its timeout.
+        "absent rank": lambda: launch(_wait_for_an_absent_rank, 2, collective_timeout=1.5, timeout=40,
+                                      args=(str(tmp_path_factory.mktemp("absent") / "reported"),)),
+    }
+
+    def timed(call):
+        outcome, start = Future(), time.monotonic()
+        try:
+            outcome.set_result(call())
+        except Exception as exc:
+            outcome.set_exception(exc)
+        return outcome, time.monotonic() - start
+
+    with ThreadPoolExecutor(len(calls)) as pool:
+        ended = {name: pool.submit(timed, call) for name, call in calls.items()}
+    assert_no_children()
+    return {"port": port, **{name: future.result() for name, future in ended.items()}}
+
+
 @pytest.mark.timeout(180)
-def test_timeout_kills_everything():
-    start = time.monotonic()
+def test_timeout_kills_everything(launches_that_wait):
+    outcome, seconds = launches_that_wait["hang"]
     with pytest.raises(LaunchTimeoutError, match=r"timed out after 3 s: ranks \[0\] were still running"):
-        launch(_hang, 1, backend="gloo", timeout=3)
-    assert time.monotonic() - start < 3 + 10
+        outcome.result()
+    assert seconds < 3 + 10
 
 
 @pytest.mark.timeout(180)
@@ -378,49 +409,32 @@ def test_init_without_env_names_the_missing_variables(monkeypatch):
         distopt.init(timeout=0)
 
 
+@pytest.fixture(scope="module")
+def torchrun_job(tmp_path_factory):
+    """torchrun_launch.py under torchrun on 2 ranks: ``(exit code, output, its directory)``."""
+    out_dir = tmp_path_factory.mktemp("torchrun")
+    code, out = run_torchrun(ROOT / "tests" / "_scripts" / "torchrun_launch.py", [str(out_dir)], out_dir, 120)
+    return code, out, out_dir
+
+
 @pytest.mark.timeout(150)
-def test_init_after_shutdown_under_torchrun_meets_the_new_addresses(tmp_path, no_leftover_processes):
-    code, out = run_torchrun(ROOT / "tests" / "_scripts" / "init_again.py", [], tmp_path, 120)
+def test_init_after_shutdown_under_torchrun_meets_the_new_addresses(torchrun_job):
+    code, out, _ = torchrun_job
     assert code == 0, out
     assert [line for line in out.splitlines() if line.startswith("setup")] == \
         ["setup 0: sum 3", "setup 1: sum 5", "setup 2: sum 7"], out
 
 
 @pytest.mark.timeout(150)
-def test_same_script_under_torchrun(tmp_path):
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-    for name in ENV_NAMES:
-        env.pop(name, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           str(ROOT / "tests" / "_scripts" / "torchrun_launch.py"), str(tmp_path)]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
-    try:
-        output, _ = proc.communicate(timeout=120)
-    finally:
-        _stop_torchrun(proc, marker=str(tmp_path))
-    assert proc.returncode == 0, output
+def test_same_script_under_torchrun(torchrun_job):
+    code, out, out_dir = torchrun_job
+    assert code == 0, out
     for rank in range(2):
-        out = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        out = json.loads((out_dir / f"rank{rank}.json").read_text())
         assert out["launch"] == [{"rank": rank, "world_size": 2, "local_rank": rank, "sum": 30.0,
                                   "helper_rank": rank}]
         assert out["decorated"] == [2]
         assert out["initialized_after"] is True
-
-
-def _stop_torchrun(proc, marker):
-    """Stop torchrun and its workers, which run in sessions of their own and outlive a killed torchrun."""
-    if proc.poll() is None:
-        proc.terminate()  # torchrun's agent stops its workers on SIGTERM
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    for leftover in psutil.process_iter(["pid", "cmdline"]):
-        if marker in (leftover.info["cmdline"] or []):
-            with contextlib.suppress(psutil.NoSuchProcess):
-                leftover.kill()
 
 
 # --- results travel by value: tensors, nested containers, whatever a worker returns ---
@@ -486,13 +500,12 @@ def test_a_bad_master_addr_fails_within_the_launch_timeout_naming_it(addr, error
 
 
 @pytest.mark.timeout(60)
-def test_a_node_that_cannot_reach_the_store_fails_within_the_launch_timeout():
-    port = _free_port()  # nobody listens there
-    start = time.monotonic()
+def test_a_node_that_cannot_reach_the_store_fails_within_the_launch_timeout(launches_that_wait):
+    outcome, seconds = launches_that_wait["unreachable store"]  # launched with timeout=15
+    port = launches_that_wait["port"]
     with pytest.raises(WorkerFailedError, match=rf"could not reach the rendezvous store at 127.0.0.1:{port} within"):
-        # 15 s: starting the worker alone takes 2-4 s of it on a loaded 2-core machine (10 s failed once in CI).
-        launch(_never_called, 1, nnodes=2, node_rank=1, master_addr="127.0.0.1", master_port=port, timeout=15)
-    assert time.monotonic() - start < 15 + 4  # the worker gives up before the launch's timeout, then is reaped
+        outcome.result()
+    assert seconds < 15 + 4  # the worker gives up before the launch's timeout, then is reaped
 
 
 def _wait_for_an_absent_rank(flag):
@@ -522,10 +535,8 @@ def _wait_for_an_absent_rank(flag):
 
 
 @pytest.mark.timeout(60)
-def test_the_collective_timeout_reaches_the_process_group_and_the_wrappers_group(tmp_path):
-    # Rank 1 never arrives (it waits for rank 0's report), so each collective can only end by its timeout.
-    outcomes, _ = launch(_wait_for_an_absent_rank, 2, args=(str(tmp_path / "reported"),), collective_timeout=1.5,
-                         timeout=40)
+def test_the_collective_timeout_reaches_the_process_group_and_the_wrappers_group(launches_that_wait):
+    outcomes, _ = launches_that_wait["absent rank"][0].result()  # launched with collective_timeout=1.5
     (_, kind, text, elapsed), (_, wrapper_kind, wrapper_text, wrapper_elapsed) = outcomes
     assert kind in ("RuntimeError", "DistBackendError") and re.search("[Tt]imed out", text), outcomes
     # The 1.5 s timeout, plus generous room for a loaded machine (alone: 1.5 s and ~3 s).

@@ -134,25 +134,46 @@ def _start_by_hand(script, args, world, cwd):
     return procs
 
 
-def _kill_and_collect(dead, world, cwd):
-    cwd.mkdir(parents=True, exist_ok=True)
-    procs = _start_by_hand(KILLED, [str(dead)], world, cwd)
-    outs = []
+def _run_by_hand(script, args, world, cwd):
+    """``script`` on ``world`` ranks started by hand, to its end: ``(procs, their output)``."""
+    cwd.mkdir(parents=True)
+    procs = _start_by_hand(script, args, world, cwd)
     try:
-        for proc in procs:
-            outs.append(proc.communicate(timeout=90)[0])
+        return procs, "\n".join(proc.communicate(timeout=90)[0] for proc in procs)
     finally:
         for proc in procs:
             if proc.poll() is None:
                 kill_tree(proc.pid)
                 proc.communicate()
-    return procs, "\n".join(outs)
 
 
-@pytest.mark.parametrize("dead, world, store", [(1, 3, "answers"), (0, 2, "went with it")])
+KILLED_INSIDE = Path(__file__).resolve().parents[1] / "_scripts" / "killed_inside.py"
+# Where rank 2 of 3 is killed at step 4, and where the survivors last saw it: the collective of its that
+# completed last (its own last report, at most a tick old, is from before step 1).
+INSIDE = {"backward": "last seen at step 3, in pack 1/1 of the gradient all-reduce, which it took part in",
+          "exchange": "last seen at step 4, in pack 1/1 of the gradient all-reduce, which it took part in"}
+KILLED_BETWEEN_STEPS = [(1, 3, "answers"), (0, 2, "went with it")]  # dead rank, world, what the store does
+
+
+@pytest.fixture(scope="module")
+def jobs_started_by_hand(tmp_path_factory):
+    """Every job of killed_peer.py and of killed_inside.py, side by side: ``(script, args) -> (procs, output)``.
+
+    Most of each is process start-up and the wait for the inspector's tick before a kill, which overlap.
+    """
+    base = tmp_path_factory.mktemp("killed")
+    jobs = {**{(KILLED, (str(dead),)): world for dead, world, _ in KILLED_BETWEEN_STEPS},
+            **{(KILLED_INSIDE, ("2", where, "4")): 3 for where in INSIDE}}
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        futures = {job: pool.submit(_run_by_hand, job[0], list(job[1]), world, base / "-".join((job[0].stem,) + job[1]))
+                   for job, world in jobs.items()}
+        return {job: future.result() for job, future in futures.items()}
+
+
+@pytest.mark.parametrize("dead, world, store", KILLED_BETWEEN_STEPS)
 def test_a_peer_killed_with_sigkill_and_no_supervisor_is_named_by_every_survivor_within_seconds(dead, world, store,
-                                                                                                 tmp_path):
-    procs, text = _kill_and_collect(dead, world, tmp_path)
+                                                                                                 jobs_started_by_hand):
+    procs, text = jobs_started_by_hand[KILLED, (str(dead),)]
     assert procs[dead].returncode == -signal.SIGKILL, text
     killed_at = float(re.search(rf"RANK{dead} KILLED AT ([0-9.]+)", text).group(1))
     host = socket.gethostname()
@@ -172,39 +193,10 @@ def test_a_peer_killed_with_sigkill_and_no_supervisor_is_named_by_every_survivor
         assert "Connection closed by peer" not in message
 
 
-KILLED_INSIDE = Path(__file__).resolve().parents[1] / "_scripts" / "killed_inside.py"
-# Where rank 2 of 3 is killed at step 4, and where the survivors last saw it: the collective of its that
-# completed last (its own last report, at most a tick old, is from before step 1).
-INSIDE = {"backward": "last seen at step 3, in pack 1/1 of the gradient all-reduce, which it took part in",
-          "exchange": "last seen at step 4, in pack 1/1 of the gradient all-reduce, which it took part in"}
-
-
-@pytest.fixture(scope="module")
-def killed_inside_jobs(tmp_path_factory):
-    """Both jobs of killed_inside.py at world 3, side by side: ``where -> (procs, output)``."""
-    base = tmp_path_factory.mktemp("killed-inside")
-
-    def job(where):
-        cwd = base / where
-        cwd.mkdir()
-        procs = _start_by_hand(KILLED_INSIDE, ["2", where, "4"], 3, cwd)
-        try:
-            return procs, "\n".join(proc.communicate(timeout=90)[0] for proc in procs)
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    kill_tree(proc.pid)
-                    proc.communicate()
-
-    with ThreadPoolExecutor(len(INSIDE)) as pool:
-        futures = {where: pool.submit(job, where) for where in INSIDE}
-        return {where: future.result() for where, future in futures.items()}
-
-
 @pytest.mark.parametrize("where", INSIDE)
 def test_a_rank_killed_inside_a_collective_is_named_with_its_real_last_step_and_the_other_survivor_is_not(
-        where, killed_inside_jobs):
-    procs, text = killed_inside_jobs[where]
+        where, jobs_started_by_hand):
+    procs, text = jobs_started_by_hand[KILLED_INSIDE, ("2", where, "4")]
     assert procs[2].returncode == -signal.SIGKILL, text
     for rank, other in ((0, 1), (1, 0)):
         assert procs[rank].returncode == 3, text

@@ -9,6 +9,7 @@ collectives, not a slow link. Ranks that leave or die: test_peer_gone.py.
 import logging
 import re
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 import pytest
@@ -110,8 +111,26 @@ def sleeper_worker(sleepy, sleep, warning, timeout, steps=5):
     return {"outcome": outcome, "warnings": warnings, "elapsed": time.monotonic() - start}
 
 
-def test_a_stalled_rank_is_named_with_its_step_and_phase_within_the_warning_time():
-    results = run_world(sleeper_worker, 2, 1, 7.0, 2.0, None, timeout=90)
+@pytest.fixture(scope="module")
+def worlds():
+    """The worlds of the tests below, side by side, since each spends seconds idle waiting for a stall to be
+    warned about or to time out: name -> its per-rank results, as a done Future."""
+    launches = {
+        # rank 1 sleeps 7 s in its third step; a warning after 2 s, no timeout
+        "warned": (sleeper_worker, 2, (1, 7.0, 2.0, None)),
+        # rank 1 of 3 sleeps 8 s in its third step; a warning after 1 s, a timeout after 3 s
+        "timed out": (sleeper_worker, 3, (1, 8.0, 1.0, 3.0)),
+        "add_param_group": (one_rank_call_worker, 2, ("add_param_group",)),
+        "broadcast_parameters": (one_rank_call_worker, 2, ("broadcast_parameters",)),
+    }
+    with ThreadPoolExecutor(len(launches)) as pool:
+        futures = {name: pool.submit(run_world, fn, world, *args, timeout=90)
+                   for name, (fn, world, args) in launches.items()}
+    return futures
+
+
+def test_a_stalled_rank_is_named_with_its_step_and_phase_within_the_warning_time(worlds):
+    results = worlds["warned"].result()
     waiting, sleeper = results
     assert waiting["outcome"][0] == "ok" and sleeper["outcome"][0] == "ok", results
     assert sleeper["warnings"] == []
@@ -121,8 +140,8 @@ def test_a_stalled_rank_is_named_with_its_step_and_phase_within_the_warning_time
     assert "rank 1 has not arrived: last seen at step 2, inside step()" in message, message
 
 
-def test_with_a_stall_timeout_every_waiting_rank_raises_the_same_stall_error():
-    results = run_world(sleeper_worker, 3, 1, 8.0, 1.0, 3.0, timeout=90)
+def test_with_a_stall_timeout_every_waiting_rank_raises_the_same_stall_error(worlds):
+    results = worlds["timed out"].result()
     waiting = [results[0], results[2]]
     for result in waiting:
         kind, text, when = result["outcome"]
@@ -159,8 +178,8 @@ def one_rank_call_worker(call):
 
 @pytest.mark.parametrize("call, where", [("add_param_group", "the check that every rank built the same optimizer"),
                                          ("broadcast_parameters", "the parameter broadcast")])
-def test_a_call_made_on_one_rank_only_is_named_as_mismatched_collectives_not_a_slow_link(call, where):
-    texts = run_world(one_rank_call_worker, 2, call, timeout=90)
+def test_a_call_made_on_one_rank_only_is_named_as_mismatched_collectives_not_a_slow_link(call, where, worlds):
+    texts = worlds[call].result()
     assert len(set(texts)) == 1, texts
     assert f"the ranks are in different collectives of this optimizer, paired with each other (rank 0 in {where}; " \
            "rank 1 in pack 1/1 of the gradient all-reduce)" in texts[0], texts[0]
