@@ -71,6 +71,8 @@ class ParameterShare:
         self.progress = progress
         self.is_cuda = is_cuda
         self.count = len(receives) + len(sends)
+        #: Bytes this rank sends.
+        self.sent_bytes = 0
         self._hook: Optional[Any] = None
 
     @property
@@ -179,7 +181,9 @@ def launch_share(params: Sequence[Tensor], owner_of: Dict[int, int], rank: int, 
     if not receives and not sends:
         return None
     versions = [(p, p._version) for p in params]
-    return ParameterShare(receives, sends, versions, names, progress, is_cuda)
+    share = ParameterShare(receives, sends, versions, names, progress, is_cuda)
+    share.sent_bytes = sum(p.numel() * p.element_size() for p in params if owner_of[id(p)] == rank) * len(peers)
+    return share
 
 
 def held_by(module: nn.Module) -> List[Tensor]:

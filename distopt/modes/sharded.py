@@ -312,6 +312,8 @@ class ShardedState(Synchronous):
         if share is None:
             return
         self._share = share
+        engine.stats.bytes += share.sent_bytes
+        engine.stats.parameter_bytes = share.sent_bytes
         mode = weakref.ref(self)
 
         def on_module(module: nn.Module) -> None:

@@ -562,6 +562,9 @@ def lazy_share(world):
         ref_opt.zero_grad()
         (sum(nn.functional.mse_loss(ref(batch(step, r)[0]), batch(step, r)[1]) for r in range(world)) / world).backward()
         ref_opt.step()
+        if step == 0:  # stats count the parameters this rank sent, each once to every other rank
+            owned = sum(p.numel() * p.element_size() for p in opt.optimizer.state)
+            sent = (opt.stats.parameter_bytes, opt.stats.bytes, owned * (world - 1))
         if step == 1:
             ours, theirs = model.state_dict(), ref.state_dict()
             state_diffs.append(max((ours[k] - theirs[k]).abs().max().item() for k in theirs))
@@ -592,7 +595,7 @@ def lazy_share(world):
     except RuntimeError as exc:
         error = str(exc)
     opt.close()
-    return {"forward": forward_diffs, "state_dict": state_diffs, "closed": closed_diff, "error": error}
+    return {"forward": forward_diffs, "state_dict": state_diffs, "closed": closed_diff, "error": error, "sent": sent}
 
 
 CASES = {}
@@ -643,6 +646,8 @@ def test_parameters_shared_after_step_are_waited_for_by_forward_state_dict_and_c
         assert max(r["forward"]) < TOL and max(r["state_dict"]) < TOL and r["closed"] < TOL, r
         assert r["error"] is not None and "changed in place after opt.step()" in r["error"], r
         assert "b.weight" in r["error"] and "Call opt.synchronize() right after opt.step()" in r["error"], r
+        parameter_bytes, total, expected = r["sent"]
+        assert parameter_bytes == expected > 0 and total > parameter_bytes, r
 
 
 def test_the_drift_check_ignores_each_ranks_own_shard_and_names_a_parameter_moved_on_one_rank(tmp_path_factory):
