@@ -5,10 +5,11 @@ need them before they next use them, not when ``step()`` returns. So the share
 is launched at the end of the step and finished lazily:
 
 * **Launch.** Every parameter travels point to point, straight from its owner's
-  tensor into each other rank's (no staging buffer, no copy), all posted at
-  once, in one fixed order that every rank derives from the plan: the packs in
-  reverse launch order, which is about the order of the next forward pass. At
-  two ranks both directions of the link carry parameters at the same time.
+  tensor into each other rank's (no staging buffer, no copy; a GPU parameter over
+  gloo, which sends host memory only, through a host copy), all posted at once, in
+  one fixed order that every rank derives from the plan: the packs in reverse
+  launch order, which is about the order of the next forward pass. At two ranks
+  both directions of the link carry parameters at the same time.
 * **Finish per module.** While a share is in flight, a global module forward
   pre-hook (``torch.nn.modules.module.register_module_forward_pre_hook``) waits,
   before each module's forward, for the parameters that module holds (its own,
@@ -36,6 +37,7 @@ import contextlib
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.modules import module as torch_module
 
@@ -52,13 +54,13 @@ class ParameterShare:
 
     Args:
         receives: ``(param, work, number, staging)`` per parameter this rank receives
-            (``staging``: a contiguous tensor received into, copied into a non-contiguous
-            parameter on arrival; else None).
+            (``staging``: a contiguous host or device tensor received into, copied into the
+            parameter on arrival, for a non-contiguous parameter or a GPU one over gloo; else None).
         sends: ``(work, number)`` per transfer this rank sends.
         versions: each shared parameter and its version counter at launch.
         names: a name per parameter, by ``id``, for errors.
         progress: this rank's position for the stall inspector, or None.
-        is_cuda: the parameters are on a GPU.
+        is_cuda: the transfers are of GPU tensors (NCCL): waited for without a timeout.
     """
 
     def __init__(self, receives: List[Tuple[Tensor, Any, int, Optional[Tensor]]], sends: List[Tuple[Any, int]],
@@ -162,16 +164,23 @@ def launch_share(params: Sequence[Tensor], owner_of: Dict[int, int], rank: int, 
     receives: List[Tuple[Tensor, Any, int, Optional[Tensor]]] = []
     sends: List[Tuple[Any, int]] = []
     is_cuda = False
+    # Gloo sends and receives host memory only: a GPU parameter travels through a host copy there.
+    host_only = dist.get_backend(group) == "gloo"
     # Point-to-point transfers are not counted as collectives of the group: a rank that has joined issues none.
     aside = progress.aside() if progress is not None else contextlib.nullcontext()
     with torch.no_grad(), aside:
         for tag, p in enumerate(params):
             owner = owner_of[id(p)]
             flat = p.detach()
-            is_cuda = is_cuda or flat.is_cuda
-            staging = None if flat.is_contiguous() else torch.empty_like(flat, memory_format=torch.contiguous_format)
+            on_host = host_only and flat.device.type != "cpu"
+            is_cuda = is_cuda or (flat.is_cuda and not on_host)
+            staging = None
+            if on_host:
+                staging = torch.empty(flat.shape, dtype=flat.dtype, device="cpu")
+            elif not flat.is_contiguous():
+                staging = torch.empty_like(flat, memory_format=torch.contiguous_format)
             if owner == rank:
-                tensor = flat if staging is None else flat.contiguous()
+                tensor = flat if staging is None else staging.copy_(flat)
                 for peer in peers:
                     work = group.send([tensor], peer, tag)
                     sends.append((work, progress.issue() if progress is not None else 0))
