@@ -43,43 +43,58 @@ from torch.nn.modules import module as torch_module
 
 from ..transport import stalls, waiting
 
-__all__ = ["ParameterShare", "launch_share", "held_by"]
+__all__ = ["SMALL_BYTES", "BATCH_BYTES", "Transfer", "ParameterShare", "launch_share", "held_by"]
 
 # A module's ``forward`` when its class defines none (containers such as ParameterList, ModuleList).
 _NO_FORWARD = nn.Module.forward
+
+
+#: A parameter of fewer bytes travels with others of its owner, dtype and device, in one transfer of at most
+#: :data:`BATCH_BYTES`: a point-to-point transfer costs about 0.1 ms on loopback whatever its size, and a model
+#: has many small parameters (biases, norms). The copy this needs holds the small parameters alone.
+SMALL_BYTES = 64 << 10
+BATCH_BYTES = 1 << 20
+
+
+class Transfer:
+    """One received transfer: the parameters it carries and where they arrive.
+
+    Args:
+        params: the parameters, in the order they lie in the tensor received.
+        work: the receive's work handle; ``number``: its number for the stall inspector.
+        staging: the tensor received into when it is not the one parameter itself (several
+            parameters, a non-contiguous one, a GPU one over gloo); None: received in place.
+    """
+
+    __slots__ = ("params", "work", "number", "staging")
+
+    def __init__(self, params: List[Tensor], work: Any, number: int, staging: Optional[Tensor]) -> None:
+        self.params, self.work, self.number, self.staging = params, work, number, staging
 
 
 class ParameterShare:
     """One step's parameters in flight: the transfers, and what each rank still waits for.
 
     Args:
-        receives: ``(param, work, number, staging)`` per parameter this rank receives
-            (``staging``: a contiguous host or device tensor received into, copied into the
-            parameter on arrival, for a non-contiguous parameter or a GPU one over gloo; else None).
-        sends: ``(work, number)`` per transfer this rank sends.
-        versions: each shared parameter and its version counter at launch.
+        receives: the transfers this rank receives.
+        sends: ``(work, number)`` per transfer this rank sends (with the tensor it sends, kept alive).
+        params: every shared parameter, whose version counters are recorded now.
         names: a name per parameter, by ``id``, for errors.
         progress: this rank's position for the stall inspector, or None.
         is_cuda: the transfers are of GPU tensors (NCCL): waited for without a timeout.
     """
 
-    def __init__(self, receives: List[Tuple[Tensor, Any, int, Optional[Tensor]]], sends: List[Tuple[Any, int]],
-                 versions: List[Tuple[Tensor, int]], names: Dict[int, str], progress: Optional[stalls.Progress],
-                 is_cuda: bool) -> None:
-        self.pending: Dict[int, Tuple[Tensor, Any, int, Optional[Tensor]]] = {id(r[0]): r for r in receives}
+    def __init__(self, receives: List[Transfer], sends: List[Tuple[Any, int, Tensor]], params: Sequence[Tensor],
+                 names: Dict[int, str], progress: Optional[stalls.Progress], is_cuda: bool) -> None:
+        self.pending: Dict[int, Transfer] = {id(p): t for t in receives for p in t.params}
         self.sends = sends
-        self.versions = versions
+        self.versions: Dict[int, Tuple[Tensor, int]] = {id(p): (p, p._version) for p in params}
         self.names = names
         self.progress = progress
         self.is_cuda = is_cuda
-        self.count = len(receives) + len(sends)
         #: Bytes this rank sends.
-        self.sent_bytes = 0
+        self.sent_bytes = sum(t.numel() * t.element_size() for _, _, t in sends)
         self._hook: Optional[Any] = None
-
-    @property
-    def done(self) -> bool:
-        return not self.pending and not self.sends
 
     def watch_forward(self, on_module: Callable[[nn.Module], None]) -> None:
         """Wait in every module's forward pre-hook for that module's parameters (``on_module`` does)."""
@@ -92,9 +107,9 @@ class ParameterShare:
     def wait_for(self, params: Sequence[Tensor]) -> None:
         """Wait until those of ``params`` that this rank receives have arrived."""
         for p in params:
-            entry = self.pending.get(id(p))
-            if entry is not None:
-                self._arrive(entry)
+            transfer = self.pending.get(id(p))
+            if transfer is not None:
+                self._arrive(transfer)
         if not self.pending:
             self._unhook()
 
@@ -105,16 +120,17 @@ class ParameterShare:
             RuntimeError: a parameter was changed in place while the share was in flight.
         """
         try:
-            for entry in list(self.pending.values()):
-                self._arrive(entry)
+            while self.pending:
+                self._arrive(next(iter(self.pending.values())))
             sends, self.sends = self.sends, []
-            for k, (work, seq) in enumerate(sends):
+            for k, (work, seq, _) in enumerate(sends):
                 waiting.wait_for(work, self.is_cuda, self.progress, seq,
                                  f"transfer {k + 1}/{len(sends)} of the parameter share (sending)", None)
         finally:
             self._unhook()
-        changed = [self.names.get(id(p), "a parameter") for p, version in self.versions if p._version != version]
-        self.versions = []
+        changed = [self.names.get(key, "a parameter") for key, (p, version) in self.versions.items()
+                   if p._version != version]
+        self.versions = {}
         if changed:
             raise RuntimeError(
                 f"parameters were changed in place after opt.step() while the updated parameters were still on "
@@ -124,17 +140,26 @@ class ParameterShare:
                 f"parameters outside the model's forward"
             )
 
-    def _arrive(self, entry: Tuple[Tensor, Any, int, Optional[Tensor]]) -> None:
-        p, work, seq, staging = entry
-        waiting.wait_for(work, self.is_cuda, self.progress, seq,
-                         f"the parameter share (receiving {self.names.get(id(p), 'a parameter')})", None)
-        del self.pending[id(p)]
-        if staging is not None:
-            version = p._version
+    def _arrive(self, transfer: Transfer) -> None:
+        first = transfer.params[0]
+        what = self.names.get(id(first), "a parameter")
+        if len(transfer.params) > 1:
+            what += f" and {len(transfer.params) - 1} more"
+        waiting.wait_for(transfer.work, self.is_cuda, self.progress, transfer.number,
+                         f"the parameter share (receiving {what})", None)
+        for p in transfer.params:
+            del self.pending[id(p)]
+        if transfer.staging is not None:
+            offset = 0
             with torch.no_grad():
-                p.copy_(staging.view_as(p))
-            # Our own copy, not the user's change: keep the check at finish() about theirs.
-            self.versions = [(q, v + (p._version - version) if q is p else v) for q, v in self.versions]
+                for p in transfer.params:
+                    n = p.numel()
+                    p.copy_(transfer.staging[offset:offset + n].view_as(p))
+                    offset += n
+                    # Our own copy, not the user's change: the check at finish() is about theirs.
+                    key = id(p)
+                    if key in self.versions and self.versions[key][1] == p._version - 1:
+                        self.versions[key] = (p, p._version)
 
     def _unhook(self) -> None:
         if self._hook is not None:
@@ -145,6 +170,10 @@ class ParameterShare:
 def launch_share(params: Sequence[Tensor], owner_of: Dict[int, int], rank: int, active: Sequence[int], group: Any,
                  progress: Optional[stalls.Progress], names: Dict[int, str]) -> Optional[ParameterShare]:
     """Send the parameters this rank owns to the other ranks in ``active``, and receive theirs.
+
+    A parameter of :data:`SMALL_BYTES` or more travels alone, straight from its owner's tensor
+    into the others'; smaller ones travel together, per owner, dtype and device, in transfers
+    of up to :data:`BATCH_BYTES`.
 
     Args:
         params: the parameters to share, in the order every rank uses (the same on every rank).
@@ -161,38 +190,56 @@ def launch_share(params: Sequence[Tensor], owner_of: Dict[int, int], rank: int, 
     if rank not in active or len(active) < 2:
         return None
     peers = [r for r in active if r != rank]
-    receives: List[Tuple[Tensor, Any, int, Optional[Tensor]]] = []
-    sends: List[Tuple[Any, int]] = []
-    is_cuda = False
     # Gloo sends and receives host memory only: a GPU parameter travels through a host copy there.
     host_only = dist.get_backend(group) == "gloo"
+    # The transfers, in the order of their first parameter: a batch of small parameters goes where its first
+    # member would have gone, so that the next forward finds it early enough.
+    transfers: List[Tuple[int, List[Tensor]]] = []
+    open_batches: Dict[Any, Tuple[List[Tensor], int]] = {}
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        owner = owner_of[id(p)]
+        if nbytes >= SMALL_BYTES:
+            transfers.append((owner, [p]))
+            continue
+        key = (owner, p.dtype, p.device)
+        batch = open_batches.get(key)
+        if batch is None or batch[1] + nbytes > BATCH_BYTES:
+            members: List[Tensor] = []
+            transfers.append((owner, members))
+            batch = (members, 0)
+        batch[0].append(p)
+        open_batches[key] = (batch[0], batch[1] + nbytes)
+    receives: List[Transfer] = []
+    sends: List[Tuple[Any, int, Tensor]] = []
+    is_cuda = False
     # Point-to-point transfers are not counted as collectives of the group: a rank that has joined issues none.
     aside = progress.aside() if progress is not None else contextlib.nullcontext()
     with torch.no_grad(), aside:
-        for tag, p in enumerate(params):
-            owner = owner_of[id(p)]
-            flat = p.detach()
+        for tag, (owner, members) in enumerate(transfers):
+            flat = members[0].detach()
             on_host = host_only and flat.device.type != "cpu"
             is_cuda = is_cuda or (flat.is_cuda and not on_host)
-            staging = None
-            if on_host:
-                staging = torch.empty(flat.shape, dtype=flat.dtype, device="cpu")
-            elif not flat.is_contiguous():
-                staging = torch.empty_like(flat, memory_format=torch.contiguous_format)
+            alone = len(members) == 1 and flat.is_contiguous() and not on_host
             if owner == rank:
-                tensor = flat if staging is None else staging.copy_(flat)
+                if alone:
+                    tensor = flat
+                else:
+                    tensor = torch.cat([m.detach().reshape(-1) for m in members])
+                    tensor = tensor.cpu() if on_host else tensor
                 for peer in peers:
                     work = group.send([tensor], peer, tag)
-                    sends.append((work, progress.issue() if progress is not None else 0))
+                    sends.append((work, progress.issue() if progress is not None else 0, tensor))
             else:
+                staging = None
+                if not alone:
+                    staging = torch.empty(sum(m.numel() for m in members), dtype=flat.dtype,
+                                          device="cpu" if on_host else flat.device)
                 work = group.recv([flat if staging is None else staging], owner, tag)
-                receives.append((p, work, progress.issue() if progress is not None else 0, staging))
+                receives.append(Transfer(members, work, progress.issue() if progress is not None else 0, staging))
     if not receives and not sends:
         return None
-    versions = [(p, p._version) for p in params]
-    share = ParameterShare(receives, sends, versions, names, progress, is_cuda)
-    share.sent_bytes = sum(p.numel() * p.element_size() for p in params if owner_of[id(p)] == rank) * len(peers)
-    return share
+    return ParameterShare(receives, sends, params, names, progress, is_cuda)
 
 
 def held_by(module: nn.Module) -> List[Tensor]:

@@ -526,7 +526,8 @@ def drift_check():
 
 
 class Held(nn.Module):
-    """A forward that reads its own parameter and a ParameterList's besides its children's."""
+    """A forward that reads its own parameter and a ParameterList's besides its children's; small parameters
+    (which travel together) and a 64 KiB weight (which travels alone)."""
 
     def __init__(self):
         super().__init__()
@@ -534,12 +535,13 @@ class Held(nn.Module):
         self.a = nn.Linear(4, 16)
         self.scales = nn.ParameterList([nn.Parameter(torch.ones(16)), nn.Parameter(torch.zeros(16))])
         self.shift = nn.Parameter(torch.zeros(2))
-        self.b = nn.Linear(16, 2)
+        self.wide = nn.Linear(16, 512)
+        self.b = nn.Linear(512, 2)
         self.double()
 
     def forward(self, x):
         scale, bias = self.scales[0] * 1, self.scales[1] + self.shift.sum()  # read before any child runs
-        return self.b(torch.tanh(self.a(x) * scale + bias))
+        return self.b(torch.tanh(self.wide(torch.tanh(self.a(x) * scale + bias))))
 
 
 def lazy_share(world):
