@@ -4,12 +4,14 @@ With ``shard_state=True`` each rank steps the parameters it owns; the others
 need them before they next use them, not when ``step()`` returns. So the share
 is launched at the end of the step and finished lazily:
 
-* **Launch.** Every parameter travels point to point, straight from its owner's
-  tensor into each other rank's (no staging buffer, no copy; a GPU parameter over
-  gloo, which sends host memory only, through a host copy), all posted at once, in
-  one fixed order that every rank derives from the plan: the packs in reverse
-  launch order, which is about the order of the next forward pass. At two ranks
-  both directions of the link carry parameters at the same time.
+* **Launch.** Every parameter travels point to point, all posted at once, in one
+  fixed order that every rank derives from the plan: the packs in reverse launch
+  order, which is about the order of the next forward pass. A parameter of
+  :data:`SMALL_BYTES` or more goes straight from its owner's tensor into each other
+  rank's (no buffer, no copy; a GPU parameter over gloo, which sends host memory
+  only, through a host copy); smaller ones travel together, since each transfer
+  has a fixed cost. At two ranks both directions of the link carry parameters at
+  the same time.
 * **Finish per module.** While a share is in flight, a global module forward
   pre-hook (``torch.nn.modules.module.register_module_forward_pre_hook``) waits,
   before each module's forward, for the parameters that module holds (its own,

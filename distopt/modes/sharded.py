@@ -10,7 +10,8 @@ optimizer runs over the parameters this rank owns
 for the call, so the optimizer creates state for those alone, keeps whole
 tensors (LAMB's trust ratio, Adafactor and Muon work), and param groups keep
 their hyperparameters. Then each owner sends its updated parameters to the other
-ranks, point to point, straight from its tensors into theirs, without waiting
+ranks, point to point (a large parameter straight from its tensor into theirs),
+without waiting
 (:mod:`distopt.modes.parameter_share`): the share runs on after ``step()``
 returns, and each module's next forward waits only for the parameters it holds,
 so the share overlaps the next forward pass. Every rank ends with every
@@ -299,8 +300,8 @@ class ShardedState(Synchronous):
         theirs, without waiting (:mod:`distopt.modes.parameter_share`): the next forward waits per module,
         and :meth:`finish_step` for all.
 
-        Every parameter travels point to point from its owner's tensor into the others', in the reverse
-        of the plan's order (about the order of the next forward), the same on every rank. Each rank
+        Every parameter travels point to point from its owner to the others (small ones together), in
+        the reverse of the plan's order (about the order of the next forward), the same on every rank. Each rank
         receives only what others updated. Once a rank has joined, the ranks still training share
         between themselves: the joined ranks take no part, so they need not know whether the others
         stepped after a round.
