@@ -558,8 +558,8 @@ def lazy_share(world):
         x, y = batch(step)
         opt.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
-        if rank == world - 1:
-            time.sleep(0.3)  # its parameters leave late: the others' next forward must wait for them
+        if rank == world - 1 and step < 2:
+            time.sleep(0.25)  # its parameters leave late: the others' next forward must wait for them
         start = time.perf_counter()
         opt.step()  # the others' returns at once: the share runs on
         step_seconds.append(time.perf_counter() - start)
@@ -578,7 +578,7 @@ def lazy_share(world):
     opt.zero_grad()
     nn.functional.mse_loss(model(x), y).backward()
     if rank == world - 1:
-        time.sleep(0.3)
+        time.sleep(0.25)
     opt.step()
     opt.close()  # never synchronized: close() waits for the share
     ref_opt.zero_grad()
@@ -653,7 +653,7 @@ def test_step_returns_before_the_parameters_arrive_and_forward_state_dict_and_cl
         assert "b.weight" in r["error"] and "Call opt.synchronize() right after opt.step()" in r["error"], r
         parameter_bytes, total, expected = r["sent"]
         if not r["late"]:  # step() did not wait for the late rank's parameters
-            assert max(r["step_seconds"]) < 0.15, r
+            assert max(r["step_seconds"][:2]) < 0.12, r
         assert parameter_bytes == expected > 0 and total > parameter_bytes, r
 
 
