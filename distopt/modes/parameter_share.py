@@ -246,7 +246,11 @@ def launch_share(params: Sequence[Tensor], owner_of: Dict[int, int], rank: int, 
 
 def held_by(module: nn.Module) -> List[Tensor]:
     """The parameters ``module``'s forward may read as its own: those it holds directly, and those of
-    children without a ``forward`` of their own (``ParameterList``, ``ParameterDict``, containers)."""
+    children without a ``forward`` of their own (``ParameterList``, ``ParameterDict``, containers).
+    A model compiled with ``torch.compile`` holds all of its own: its modules' pre-hooks may not run
+    inside the compiled code."""
+    if type(module).__name__ == "OptimizedModule":
+        return list(module.parameters())
     found = list(module.parameters(recurse=False))
     for child in module.children():
         if type(child).forward is _NO_FORWARD:
