@@ -112,7 +112,7 @@ class ShardedState(Synchronous):
         self._stepping: Optional[List[List[Tensor]]] = None  # each group's params while _step_mine narrows them
         self.gathers = 0  # completed state_dict() gathers, to name the next meeting in the store
         self._share: Optional[ParameterShare] = None  # the last step's parameters still in flight
-        self._guarded: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # modules whose state_dict() finishes it
+        self._seen: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # modules seen running a forward while it flew
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -329,19 +329,27 @@ class ShardedState(Synchronous):
         share = self._share
         if share is None:
             return
-        held = held_by(module)
-        share.wait_for(held)
-        if module not in self._guarded and any(id(p) in self.owner_of for p in held):
-            # model.state_dict() right after step() (a checkpoint) finishes the share first.
-            mode = weakref.ref(self)
+        share.wait_for(held_by(module))
+        if module not in self._seen:
+            self._seen.add(module)
+            if any(id(p) in self.owner_of for p in module.parameters()):
+                self._guard(module)
 
-            def before_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-                m = mode()
-                if m is not None:
-                    m._finish_share()
+    def _guard(self, module: nn.Module) -> None:
+        """Have ``module.state_dict()`` finish the share first (a checkpoint right after ``step()``).
 
-            module.register_state_dict_pre_hook(before_state_dict)
-            self._guarded.add(module)
+        Every module that runs a forward while a share is in flight and holds a tracked parameter,
+        however deep, is guarded once, the model itself first: its forward starts before any of its
+        modules', so it is guarded even where the share arrives before the forward reaches the rest.
+        """
+        mode = weakref.ref(self)
+
+        def before_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+            m = mode()
+            if m is not None:
+                m._finish_share()
+
+        module.register_state_dict_pre_hook(before_state_dict)
 
     def finish_step(self, ctx: ModeContext) -> None:
         """Wait until every rank holds every updated parameter of the last step (``opt.synchronize()``)."""
