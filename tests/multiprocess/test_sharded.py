@@ -564,7 +564,8 @@ def lazy_share(world):
         opt.step()  # the others' returns at once: the share runs on
         step_seconds.append(time.perf_counter() - start)
         ref_opt.zero_grad()
-        (sum(nn.functional.mse_loss(ref(batch(step, r)[0]), batch(step, r)[1]) for r in range(world)) / world).backward()
+        whole = sum(nn.functional.mse_loss(ref(batch(step, r)[0]), batch(step, r)[1]) for r in range(world))
+        (whole / world).backward()
         ref_opt.step()
         if step == 0:  # stats count the parameters this rank sent, each once to every other rank
             owned = sum(p.numel() * p.element_size() for p in opt.optimizer.state)
