@@ -364,6 +364,15 @@ class Mode:
             RuntimeError: the mode cannot sync outside its schedule; the message says what to do.
         """
 
+    def finish_step(self, ctx: ModeContext) -> None:
+        """Finish what the last step left in flight that the parameters depend on, and wait for it.
+
+        A mode may let its step's communication run on after ``step()`` returns (sharded state shares
+        the updated parameters until they are next used). The wrapper calls this where parameters are
+        read or written outside a forward: ``opt.synchronize()``, ``opt.sync_now()``,
+        ``broadcast_parameters()`` and ``close()``. The default has nothing in flight.
+        """
+
     def leaving(self, ctx: ModeContext) -> Optional[Callable[[], None]]:
         """A rank joins (runs out of data): launch its last contributing round, if it owes one.
 

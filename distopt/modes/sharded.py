@@ -1,19 +1,29 @@
 """``mode=distopt.ShardedState()`` (``shard_state=True``): each rank keeps the optimizer state of the
 parameters it owns (ZeRO-1).
 
-Gradients are averaged during backward exactly as in synchronous training, so
-everything that reads them between ``backward()`` and ``step()`` (clipping,
-``GradScaler``) is unchanged. At ``step()`` the inner optimizer runs over the
-parameters this rank owns (:mod:`distopt.planning.ownership`): their groups' ``params``
-lists are narrowed for the call, so the optimizer creates state for those alone,
-keeps whole tensors (LAMB's trust ratio, Adafactor and Muon work), and param
-groups keep their hyperparameters. Then the updated parameters travel through
-the gradient packs, whose gradients are spent by then: each rank writes the
-parameters it owns into their slices, zeros elsewhere, and one full-precision
-all-reduce per pack gives every rank every parameter, bitwise alike. ``.grad``
-is released (``None``) after the step, since the pack buffers now hold
-parameters. Step hooks run around all of it (:mod:`distopt.modes.step_hooks`),
-so they see every parameter, as around an unsharded step.
+Gradients are averaged during backward exactly as in synchronous training (one
+all-reduce per pack), so everything that reads them between ``backward()`` and
+``step()`` (clipping, ``GradScaler``) is unchanged, and ``.grad`` stays the
+averaged gradient after the step, as unsharded. At ``step()`` the inner
+optimizer runs over the parameters this rank owns
+(:mod:`distopt.planning.ownership`): their groups' ``params`` lists are narrowed
+for the call, so the optimizer creates state for those alone, keeps whole
+tensors (LAMB's trust ratio, Adafactor and Muon work), and param groups keep
+their hyperparameters. Then each owner sends its updated parameters to the other
+ranks, point to point (a large parameter straight from its tensor into theirs),
+without waiting
+(:mod:`distopt.modes.parameter_share`): the share runs on after ``step()``
+returns, and each module's next forward waits only for the parameters it holds,
+so the share overlaps the next forward pass. Every rank ends with every
+parameter, bitwise alike and bitwise the unsharded wrapper's. ``model.state_dict()``,
+the next ``step()``, ``opt.synchronize()``, ``opt.sync_now()``, the drift check, the
+optimizer's state dicts, ``broadcast_parameters()``, the end of a join block and
+``close()`` finish the share first; code that reads or changes parameters any
+other way between ``step()`` and the next forward (a weight EMA, ``clamp_()``)
+calls ``opt.synchronize()`` first, and a change made before the share finished
+raises. Step hooks run around all of it (:mod:`distopt.modes.step_hooks`): where
+a step post-hook is registered the share is finished before it runs, so post-hooks
+see every parameter, as around an unsharded step.
 
 Join: a rank that has joined owns nothing. In the round in which it joined, which
 every rank settles at the same point of its collectives, its shard is handed to
@@ -38,23 +48,23 @@ does, and its shard is the whole state.
 """
 from __future__ import annotations
 
-import contextlib
 import weakref
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional
 
 import torch
-import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 from torch.optim import LBFGS, Optimizer
+from torch.optim import optimizer as torch_optimizer
 
 from .. import collectives
 from ..collectives.optimizer_state import cpu_copy
 from ..planning import drift
 from ..planning.ownership import assign_owners
-from ..transport import stalls, waiting
+from ..transport import stalls
 from . import shards
 from .base import ModeContext
+from .parameter_share import ParameterShare, held_by, launch_share
 from .step_hooks import step_with_hooks
 from .synchronous import Synchronous, synchronizing
 
@@ -101,9 +111,8 @@ class ShardedState(Synchronous):
         self.active = [0]  # those ranks (the others have joined)
         self._stepping: Optional[List[List[Tensor]]] = None  # each group's params while _step_mine narrows them
         self.gathers = 0  # completed state_dict() gathers, to name the next meeting in the store
-        # Per pack, its members laid out by owner for the parameter exchange; rebuilt when owners
-        # or packs change (a re-plan, a join).
-        self._layouts: Dict[int, Any] = {}
+        self._share: Optional[ParameterShare] = None  # the last step's parameters still in flight
+        self._seen: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # modules seen running a forward while it flew
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
@@ -157,6 +166,7 @@ class ShardedState(Synchronous):
     def step(self, ctx: ModeContext, closure: Optional[Callable[[], Any]]) -> Any:
         if ctx.world_size == 1:  # nothing to divide
             return super().step(ctx, closure)
+        self._finish_share()  # the last step's: this one changes the parameters it sent
         if closure is None:
             ctx.reduce_for_step()
         else:
@@ -164,16 +174,23 @@ class ShardedState(Synchronous):
 
         def body(step: Callable[..., Any], args: Any, kwargs: Any) -> Any:
             loss = self._step_mine(ctx, lambda: step(*args, **kwargs))
-            self._share_parameters(ctx)
+            self._launch_share(ctx)
+            if ctx.optimizer._optimizer_step_post_hooks or torch_optimizer._global_optimizer_post_hooks:
+                self._finish_share()  # a post-hook (a weight EMA) reads every parameter
             return loss
 
         # The step hooks run around the whole step, as around an unsharded one: the pre-hooks and
         # post-hooks see every parameter, the post-hooks after every rank's have arrived.
         return step_with_hooks(ctx.optimizer, closure, body)
 
+    def leaving(self, ctx: ModeContext) -> Optional[Callable[[], None]]:
+        self._finish_share()  # before this rank's shadow rounds: it sends nothing more
+        return None
+
     def kept_identical(self, ctx: ModeContext, scheduled: bool) -> Optional[drift.Kept]:
         # Every rank holds its own shard of the state; the parameters and the hyperparameters
         # (every rank keeps every param group) are the same everywhere after each step.
+        self._finish_share()
         return drift.Kept(
             per_param=[[(drift.PARAMETER, p)] for p in ctx.params],
             shared=drift.hyperparameter_items(ctx.optimizer) + [("the step count", ctx.steps)],
@@ -185,6 +202,7 @@ class ShardedState(Synchronous):
         # Every shard was stepped by a rank still training, but the ranks that joined early took no
         # part in the exchanges since: they take rank ``last``'s parameters. Then the shards go back
         # to their owners by the parameter list.
+        self._finish_share()
         if not identical:
             what = "the parameter broadcast at the end of the join block"
             with torch.no_grad(), stalls.inspected(ctx.progress, what):
@@ -277,83 +295,76 @@ class ShardedState(Synchronous):
 
         return whole
 
-    def _share_parameters(self, ctx: ModeContext) -> None:
-        """Every rank still training gets every updated parameter, through the gradient packs' buffers.
+    def _launch_share(self, ctx: ModeContext) -> None:
+        """Start sending the parameters this rank stepped to the other ranks still training, and receiving
+        theirs, without waiting (:mod:`distopt.modes.parameter_share`): the next forward waits per module,
+        and :meth:`finish_step` for all.
 
-        Within each pack the members are laid out by owner, and each owner broadcasts its
-        segment: at most one collective per owner per pack, and each rank receives only
-        what others updated. On gloo at world 2 this took half the time of an all-reduce
-        of the zero-filled pack and a third of an all-gather (64 MiB: 22, 47 and 69 ms).
-        Once a rank has joined, each owner sends its segments to the other ranks still
-        training instead, point to point: the joined ranks take no part, so they need not
-        know whether the others stepped after a round.
+        Every parameter travels point to point from its owner to the others (small ones together), in
+        the reverse of the plan's order (about the order of the next forward), the same on every rank. Each rank
+        receives only what others updated. Once a rank has joined, the ranks still training share
+        between themselves: the joined ranks take no part, so they need not know whether the others
+        stepped after a round.
         """
         engine = ctx.engine
-        group = engine.channel.group
-        progress = engine.progress
-        live = {id(pack) for pack in engine.packs}
-        self._layouts = {k: v for k, v in self._layouts.items() if k in live}  # a re-plan replaced packs
-        everyone = len(self.active) == self.world_size
-        peers = [r for r in self.active if r != self.rank]
-        kind = "parameter exchange" if everyone else "parameter exchange between the ranks still training"
-        sent = []  # per segment: its transfers (work, number), its pack and members
-        # Point-to-point transfers are not counted as collectives of the group: the joined ranks issue none.
-        aside = contextlib.nullcontext() if everyone or progress is None else progress.aside()
-        with torch.no_grad(), aside:
-            for pack in engine.packs:
-                for rank, members, segment in self._segments(pack):
-                    if rank == self.rank and not pack.direct:
-                        for p, piece in members:
-                            piece.copy_(p.reshape(-1))
-                    tag = len(sent)
-                    if everyone:
-                        works = [dist.broadcast(segment, src=dist.get_global_rank(group, rank), group=group,
-                                                async_op=True)]
-                    elif rank == self.rank:
-                        works = [group.send([segment], peer, tag) for peer in peers]
-                    else:
-                        works = [group.recv([segment], rank, tag)]
-                    sent.append(([(work, progress.issue() if progress is not None else 0) for work in works],
-                                 pack, members))
-            for k, (works, pack, members) in enumerate(sent):
-                for work, seq in works:
-                    waiting.wait_for(work, pack.buffer.is_cuda, progress, seq,
-                                     f"segment {k + 1}/{len(sent)} of the {kind}", None)
-                if not pack.direct:  # a direct pack's parameter was the transfer's own tensor
-                    for p, piece in members:
-                        p.copy_(piece.view_as(p))
-            for pack in engine.packs:
-                for p in pack.params:
-                    p.grad = None  # the buffers hold parameters now
+        order = [p for pack in reversed(engine.packs) for p in reversed(pack.params)]
+        share = launch_share(order, self.owner_of, self.rank, self.active, engine.channel.group, engine.progress,
+                             ctx.names)
+        if share is None:
+            return
+        self._share = share
+        engine.stats.bytes += share.sent_bytes
+        engine.stats.parameter_bytes = share.sent_bytes
+        mode = weakref.ref(self)
 
-    def _segments(self, pack: Any) -> List[Any]:
-        """``[(owner, [(param, its slice)], segment)]``: the pack's buffer laid out by owner.
+        def on_module(module: nn.Module) -> None:
+            m = mode()
+            if m is not None:
+                m._before_forward(module)
 
-        A direct pack has no buffer: its one parameter is broadcast in place.
+        share.watch_forward(on_module)
+
+    def _before_forward(self, module: nn.Module) -> None:
+        """A module's forward is about to run while a share is in flight: wait for the parameters it holds."""
+        share = self._share
+        if share is None:
+            return
+        share.wait_for(held_by(module))
+        if module not in self._seen:
+            self._seen.add(module)
+            if any(id(p) in self.owner_of for p in module.parameters()):
+                self._guard(module)
+
+    def _guard(self, module: nn.Module) -> None:
+        """Have ``module.state_dict()`` finish the share first (a checkpoint right after ``step()``).
+
+        Every module that runs a forward while a share is in flight and holds a tracked parameter,
+        however deep, is guarded once, the model itself first: its forward starts before any of its
+        modules', so it is guarded even where the share arrives before the forward reaches the rest.
         """
-        owners = tuple(self.owner_of[id(p)] for p in pack.params)
-        if pack.direct:
-            flat = pack.params[0].detach().view(-1)
-            return [(owners[0], [(pack.params[0], flat)], flat)]
-        cached = self._layouts.get(id(pack))
-        if cached is None or cached[0] is not pack or cached[1] != owners:
-            by_owner: Dict[int, List[Tensor]] = {}
-            for p, rank in zip(pack.params, owners):
-                by_owner.setdefault(rank, []).append(p)
-            layout, offset = [], 0
-            for rank in sorted(by_owner):
-                start, members = offset, []
-                for p in by_owner[rank]:
-                    members.append((p, pack.buffer[offset:offset + p.numel()]))
-                    offset += p.numel()
-                layout.append((rank, members, pack.buffer[start:offset]))
-            cached = self._layouts[id(pack)] = (pack, owners, layout)
-        return cached[2]
+        mode = weakref.ref(self)
+
+        def before_state_dict(module: nn.Module, prefix: str, keep_vars: bool) -> None:
+            m = mode()
+            if m is not None:
+                m._finish_share()
+
+        module.register_state_dict_pre_hook(before_state_dict)
+
+    def finish_step(self, ctx: ModeContext) -> None:
+        """Wait until every rank holds every updated parameter of the last step (``opt.synchronize()``)."""
+        self._finish_share()
+
+    def _finish_share(self) -> None:
+        share, self._share = self._share, None
+        if share is not None:
+            share.finish()
 
     # ------------------------------------------------------------------ state dicts
 
     def state_dict(self, ctx: ModeContext) -> Dict[str, Any]:
         """The full state dict, gathered from every rank's shard (every rank must call it)."""
+        self._finish_share()
         local = ctx.optimizer.state_dict()
         if ctx.world_size == 1:
             return local
@@ -369,6 +380,7 @@ class ShardedState(Synchronous):
     def sharded_state_dict(self, ctx: ModeContext) -> Optional[Dict[str, Any]]:
         """This rank's shard alone, with no communication; :func:`merge_state_dicts` joins a save's shards.
         In a world of one it is the whole state."""
+        self._finish_share()
         if ctx.world_size == 1:
             return shards.shard_of(ctx.optimizer, 0, 1, [0] * sum(len(g["params"]) for g in ctx.optimizer.param_groups))
         return shards.shard_of(ctx.optimizer, self.rank, self.world_size, self._owners(ctx))
@@ -377,6 +389,7 @@ class ShardedState(Synchronous):
         """Load a full state dict (from any world size, sharded or not), or this rank's own shard of the
         same world size and owners (checked: see :func:`distopt.modes.shards.check_shard`), and keep this
         rank's shard."""
+        self._finish_share()
         if ctx.world_size == 1:
             super().load_state_dict(ctx, state_dict)
             return

@@ -24,6 +24,8 @@ class StepStats:
             (an embedding table's) sends only its non-zero rows, in place of its
             all-reduce (see :mod:`distopt.engine.sparse_rows`).
         bytes: bytes put on the wire.
+        parameter_bytes: of ``bytes``, those of the updated parameters this rank sent to the
+            others after its step, with ``shard_state=True`` (counted when the step launches them).
         wait_seconds: time spent blocked waiting for communication.
         optimizer_state_bytes: bytes of optimizer state this rank holds (filled in by the wrapper).
         extra_state_bytes: memory the mode holds besides the model and the inner
@@ -55,6 +57,7 @@ class StepStats:
     packs_at_flush: int = 0
     gathers: int = 0
     bytes: int = 0
+    parameter_bytes: int = 0
     wait_seconds: float = 0.0
     optimizer_state_bytes: int = 0
     extra_state_bytes: int = 0

@@ -513,8 +513,14 @@ class DistributedOptimizer(InnerOptimizerSurface):
         rank lagged (the wait at the end of backward is bounded), when fewer than
         ``backward_passes_per_step`` passes ran, or when gradients were set by hand.
         Calling it again, or calling ``step()`` after it, does not reduce a second time.
+
+        With ``shard_state=True``, called after ``step()``, it waits until every rank holds every
+        updated parameter: the share runs on after ``step()`` returns until the parameters are next
+        used (a module's forward, ``model.state_dict()``), so call it before reading or changing
+        parameters any other way (a weight EMA, ``clamp_()``).
         """
         self._check_not_retired("synchronize()")
+        self._mode.finish_step(self._context)
         if self._reduces and self._mode.reduces_in_backward:  # local SGD keeps gradients local
             self._engine.synchronize(explicit=True)
 
@@ -538,6 +544,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
             ...         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, path)
         """
         self._check_not_retired("sync_now()")
+        self._mode.finish_step(self._context)
         self._mode.sync_now(self._context)
 
     def _reduce_for_step(self) -> None:
@@ -597,7 +604,10 @@ class DistributedOptimizer(InnerOptimizerSurface):
     def close(self) -> None:
         """Remove the gradient hooks, destroy the private group and release the parameters."""
         ddp_guard.unwatch(self)
-        self._engine.close()
+        try:
+            self._mode.finish_step(self._context)
+        finally:
+            self._engine.close()
         for p in self._params:
             checks.release(p, self)
 
@@ -679,6 +689,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
     def broadcast_parameters(self) -> None:
         """Overwrite every rank's parameters with the root's (coalesced per device and dtype)."""
         self._check_not_retired("broadcast_parameters()")
+        self._mode.finish_step(self._context)
         whole = self._mode.whole_context(self._context)  # every rank, where the engine averages over part
         if whole.world_size > 1 and self._params:
             with torch.no_grad(), stalls.inspected(whole.progress, "the parameter broadcast"):
@@ -803,7 +814,10 @@ class DistributedOptimizer(InnerOptimizerSurface):
 
     def _retire(self) -> None:
         """A newer wrapper took this one's parameters over: stop reducing, for good."""
-        self._engine.close()
+        try:
+            self._mode.finish_step(self._context)  # the parameters arrive before the newer wrapper takes them
+        finally:
+            self._engine.close()
         if self.compressor is not None:  # another wrapper may take it now
             compressor_owners.release(self.compressor, self)
         self._retired_by = "a newer DistributedOptimizer was built over the same parameters and took them over"

@@ -36,13 +36,15 @@ def die(*_):
 if where == "backward":
     model[0].weight.register_hook(die)
 else:
-    broadcast = dist.broadcast
+    from distopt.modes import sharded
 
-    def dying_broadcast(*args, **kwargs):
+    launch = sharded.launch_share
+
+    def dying_launch(*args, **kwargs):  # where the updated parameters start on their way
         die()
-        return broadcast(*args, **kwargs)
+        return launch(*args, **kwargs)
 
-    dist.broadcast = dying_broadcast
+    sharded.launch_share = dying_launch
 try:
     for step in range(kill_at + 2):
         opt.zero_grad()

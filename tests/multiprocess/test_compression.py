@@ -67,6 +67,7 @@ def train(model, opt, steps, first=0, clip=False, sleep=None):
             opt.synchronize()
             nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        opt.synchronize()  # the parameters are read outside a forward: shard_state's share may be on its way
         losses.append(loss.item())
         identical.append(same_on_every_rank(flat(model)))
     return losses, identical

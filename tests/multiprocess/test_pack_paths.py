@@ -117,6 +117,7 @@ def _train(way: str, *, threshold: int = 0, accumulate: bool = False, sparse: bo
                         raise AssertionError(f"{pack.names[0]}: .grad is not the direct pack's own tensor")
             opt.step()
             sent.append((opt.stats.packs, opt.stats.all_reduces + opt.stats.gathers, opt.stats.gathers))
+    opt.synchronize()  # the parameters are read outside a forward: shard_state's last share may be on its way
     grads_none = [name for name, p in model.named_parameters() if p.grad is None]
     summed_by_gather = [bool(pack.copies) for pack in opt._engine.packs]  # every pack's sums are small
     return [p.detach().clone() for p in model.parameters()], kinds, sent, grads_none, summed_by_gather

@@ -152,6 +152,8 @@ KILLED_INSIDE = Path(__file__).resolve().parents[1] / "_scripts" / "killed_insid
 # completed last (its own last report, at most a tick old, is from before step 1).
 INSIDE = {"backward": "last seen at step 3, in pack 1/1 of the gradient all-reduce, which it took part in",
           "exchange": "last seen at step 4, in pack 1/1 of the gradient all-reduce, which it took part in"}
+# The step at which the survivors fail: the parameters of step 4 are waited for in step 5's forward.
+FAILED_AT = {"backward": 4, "exchange": 5}
 KILLED_BETWEEN_STEPS = [(1, 3, "answers"), (0, 2, "went with it")]  # dead rank, world, what the store does
 
 
@@ -202,7 +204,7 @@ def test_a_rank_killed_inside_a_collective_is_named_with_its_real_last_step_and_
         assert procs[rank].returncode == 3, text
         message = re.search(rf"RANK{rank} SAW AT [0-9.]+: (.*)", text).group(1)
         # The killed rank comes first, where it was last seen, and the hint is about it.
-        assert re.search(rf"could not finish [^:]* at step 4: rank 2 was killed, on [^,]+ \(pid {procs[2].pid}\), "
+        assert re.search(rf"could not finish [^:]* at step {FAILED_AT[where]}: rank 2 was killed, on [^,]+ \(pid {procs[2].pid}\), "
                          + re.escape(INSIDE[where]), message), message
         assert "The other ranks cannot go on without it" in message, message
         # The other survivor, which exits with status 3 after the same failure, is not a cause.

@@ -14,6 +14,11 @@ per rank, :mod:`.worker`), so one that aborts cannot take another down.
   ``sync_every=4`` (parameters averaged after steps 4, 8, ...; see :func:`_ddp_post_local`).
 * distopt: one contender per row of :data:`DISTOPT_SPECS`, the table to edit:
   each compressor alone and with local SGD (``sync_every=4``), and DiLoCo.
+* Sharded optimizer state: ``distopt-shard`` (``shard_state=True``), ``distopt-shard-eager``
+  (the same, with ``opt.synchronize()`` right after every ``step()``: the parameter share
+  waited for in the step, as before it was overlapped), ``zero`` (torch's
+  ``ZeroRedundancyOptimizer`` under DDP) and ``zero-overlap`` (with ``overlap_with_ddp=True``
+  and ``hook_with_zero_step``; torch refuses it on gloo, so it is reported unavailable there).
 
 A contender whose construction raises (an argument this distopt does not have yet, a
 compressor that refuses the model) is reported as unavailable, with the reason.
@@ -121,6 +126,49 @@ def _ddp_powersgd(model: nn.Module, inner: torch.optim.Optimizer, options: Conte
                                         warm_start=True, random_seed=0)
     ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
     return Built(ddp, inner)
+
+
+class _Eager:
+    """A sharded wrapper whose ``step()`` waits for the parameter share (``opt.synchronize()`` after it)."""
+
+    def __init__(self, opt: DistributedOptimizer) -> None:
+        self.opt = opt
+
+    def step(self) -> None:
+        self.opt.step()
+        self.opt.synchronize()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.opt.zero_grad(set_to_none)
+
+
+def _distopt_shard(model: nn.Module, inner: torch.optim.Optimizer, options: ContenderOptions) -> Built:
+    opt = DistributedOptimizer(inner, pack_threshold="auto", shard_state=True)
+    return Built(model, opt, opt)
+
+
+def _distopt_shard_eager(model: nn.Module, inner: torch.optim.Optimizer, options: ContenderOptions) -> Built:
+    opt = DistributedOptimizer(inner, pack_threshold="auto", shard_state=True)
+    return Built(model, _Eager(opt), opt)
+
+
+def _zero(model: nn.Module, inner: torch.optim.Optimizer, options: ContenderOptions, overlap: bool = False) -> Built:
+    """torch's ``ZeroRedundancyOptimizer`` (the inner optimizer's class and settings) under DDP."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    ddp = nn.parallel.DistributedDataParallel(model)
+    zero = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=type(inner), overlap_with_ddp=overlap,
+                                   **inner.defaults)
+    if overlap:
+        from torch.distributed.algorithms.ddp_comm_hooks.ddp_zero_hook import hook_with_zero_step
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        ddp.register_comm_hook(None, hook_with_zero_step(allreduce_hook, ddp, zero))
+    return Built(ddp, zero)
+
+
+def _zero_overlap(model: nn.Module, inner: torch.optim.Optimizer, options: ContenderOptions) -> Built:
+    return _zero(model, inner, options, overlap=True)
 
 
 def _ddp_post_local(model: nn.Module, inner: torch.optim.Optimizer, options: ContenderOptions) -> Built:
@@ -304,5 +352,10 @@ CONTENDERS: Dict[str, Contender] = {
         Contender(f"ddp-postlocal{PERIOD}", f"DDP + post_localSGD_hook + PostLocalSGDOptimizer, period {PERIOD}",
                   _ddp_post_local),
         *(spec.contender() for spec in DISTOPT_SPECS),
+        Contender("distopt-shard", "DistributedOptimizer(pack_threshold='auto', shard_state=True)", _distopt_shard),
+        Contender("distopt-shard-eager", "the same, opt.synchronize() after every step()", _distopt_shard_eager),
+        Contender("zero", "torch ZeroRedundancyOptimizer under DDP", _zero),
+        Contender("zero-overlap", "torch ZeroRedundancyOptimizer(overlap_with_ddp=True) + hook_with_zero_step",
+                  _zero_overlap),
     )
 }
