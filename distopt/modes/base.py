@@ -215,6 +215,8 @@ class Mode:
     #: Whether the mode takes ``GradScaler``'s verdict itself (torch's ``_step_supports_amp_scaling``):
     #: ``GradScaler.step`` then always calls ``step()``, with ``found_inf`` set.
     handles_amp_scaling: bool = False
+    #: Whether the mode trains DTensor parameters (FSDP2's ``fully_shard``): the wrapper refuses them otherwise.
+    takes_dtensors: bool = False
 
     #: How the user asked for this mode, for error messages: ``mode=<its repr>`` unless the keyword
     #: shorthands built it (:mod:`distopt.modes.shorthands` then names the keywords).

@@ -72,6 +72,8 @@ from ..planning.topology import Topology
 from ..transport import private_groups, stalls
 from .base import Mode, ModeContext
 from .diloco import LocalSGD
+from . import island_shards
+from .island_shards import LocalShards
 from .island_slices import SliceGroup, Slices
 from .sharded import ShardedState
 from .shorthands import settings_of
@@ -170,6 +172,9 @@ class Islands(Mode):
         self._extra_bytes = 0  # the last sum across: its exact sums beside the slices (presence, contributors)
         self._contributors: Optional[int] = None  # in a join block: the last round's contributors, every island's
         self._steps_after_join: Optional[int] = None  # the step count every rank takes after a join block
+        self._meshes: Optional[List[Tuple[int, ...]]] = None  # FSDP2 inside: the ranks its parameters shard over
+        self._shards: Optional[LocalShards] = None  # FSDP2 inside: the local shards the across level syncs
+        self._shards_crossed_at = -1  # FSDP2 inside: the step whose gradients were summed across last
 
     # ------------------------------------------------------------------ the public object
 
@@ -187,6 +192,11 @@ class Islands(Mode):
         return self.across.handles_amp_scaling
 
     @property
+    def takes_dtensors(self) -> bool:  # type: ignore[override]
+        """Whether FSDP2 shards the model inside the islands (the optimizer's parameters are DTensors)."""
+        return self._meshes is not None
+
+    @property
     def across_stats(self) -> StepStats:
         """What the last step put on the cross-island link, per rank: the across engine's last round
         (``bytes``, ``packs``, ``all_reduces``), plus the exact presence sum when one ran."""
@@ -200,6 +210,7 @@ class Islands(Mode):
             "islands": None if self.topology is None else self.topology.describe(),
             "islands_across": {**settings_of(self.across)},
             "islands_compression": None if self.compressor is None else self.compressor.settings(),
+            "islands_inside": "fsdp2" if self._meshes is not None else "replicas",
         }
 
     def check_compatible(self, *, optimizer: Optimizer, reduce_op: str, bcast_period: int,
@@ -208,6 +219,7 @@ class Islands(Mode):
             raise ValueError(f"fault_tolerance {_NOT_YET}: a replica group of several ranks per island is not "
                              "built yet; use fault tolerance with one process per replica, without Islands")
         self._bcast_period = bcast_period
+        self._meshes = island_shards.mesh_ranks_of(optimizer, {})  # before any collective: every rank alike
         self.across.check_compatible(optimizer=optimizer, reduce_op=reduce_op, bcast_period=bcast_period,
                                      fault_tolerant=False)
 
@@ -236,12 +248,13 @@ class Islands(Mode):
         except (TypeError, ValueError) as exc:
             mine = (type(exc).__name__, str(exc))
         with stalls.inspected(None, "the comparison of the islands"):
-            everyone = collectives.all_gather_object((mine, placement.this_process()), group=process_group)
+            everyone = collectives.all_gather_object((mine, placement.this_process(), self._meshes),
+                                                     group=process_group)
         views: List[Any] = []
-        for view, _ in everyone:
+        for view, _, _ in everyone:
             if view == "hosts":
                 try:
-                    view = topologies.from_hosts([place for _, place in everyone], ranks)
+                    view = topologies.from_hosts([place for _, place, _ in everyone], ranks)
                 except ValueError as exc:
                     view = ("ValueError", str(exc))
             views.append(view)
@@ -255,6 +268,9 @@ class Islands(Mode):
         if why is not None:
             raise ValueError(why)
         topology = views[0]
+        why = island_shards.mesh_disagreement([meshes for _, _, meshes in everyone], ranks, topology.islands)
+        if why is not None:
+            raise ValueError(why)
         me = dist.get_rank()
         place = topology.place_of(me)
         island = topology.islands[topology.island_of(me)]
@@ -263,6 +279,8 @@ class Islands(Mode):
         self._across_source = sorted(across).index(topology.islands[0][place])
         self._whole = process_group
         self.topology = topology
+        if self._meshes is not None:  # FSDP2 averages inside the island: the wrapper's engine has this rank alone
+            return _alone(me, ranks, group)
         return self._island_group if self._island_group is not group else process_group
 
     def _own_view(self, ranks: List[int]) -> Any:
@@ -291,19 +309,23 @@ class Islands(Mode):
         engine = self._engine
         weakref.finalize(self, engine.close)  # the mode owns it: closed when the mode (with its wrapper) goes
         across_rank = collectives.get_rank(self._across_group)
+        if self._meshes is not None:
+            self._shards = LocalShards(ctx.params)
         self._ctx = ModeContext(
-            optimizer=ctx.optimizer, engine=engine, params=ctx.params, names=ctx.names,
+            optimizer=ctx.optimizer, engine=engine, params=self._across_params(ctx), names=ctx.names,
             process_group=self._across_group, rank=across_rank, root_rank=self._across_source,
             reduce_op=ctx.reduce_op, stall_warning=ctx.stall_warning, stall_timeout=ctx.stall_timeout,
             reduce_for_step=_weakly(self, lambda mode: mode._reduce_across(ctx)),
             synchronize=_weakly(self, lambda mode: mode._reduce_across(ctx)))
-        if topology is not None and topology.size > 1:
+        if topology is not None and topology.size > 1 and self._shards is None:
             self._world = self._open_world(ctx)
         self._agree_across(ctx)
         if self._bcast_period != -1 and engine.world_size > 1 and ctx.params:
             with torch.no_grad(), stalls.inspected(engine.progress, "the broadcast of island 0's parameters"):
-                collectives.broadcast_parameters(ctx.params, src=self._across_source, group=self._ctx.group)
-        if isinstance(self.across, Synchronous):
+                collectives.broadcast_parameters(self._ctx.params, src=self._across_source, group=self._ctx.group)
+        if self._shards is not None:
+            self._track_across(ctx)  # synchronous too: the local gradients travel as they are, no slices
+        elif isinstance(self.across, Synchronous):
             self._warn_if_flat_slices_gain_nothing(ctx)
             if engine.world_size > 1:
                 ctx.engine.call_when_settled(_weakly(self, lambda mode: mode._cross_after_round(ctx)))
@@ -311,6 +333,11 @@ class Islands(Mode):
             self._track_across(ctx)
         self._ctx.set_steps(ctx.steps)
         self.across.attach(self._ctx)
+
+    def _across_params(self, ctx: ModeContext) -> List[Tensor]:
+        """What the across level syncs: the wrapper's parameters, or with FSDP2 inside their local shards'
+        aliases (:class:`~distopt.modes.island_shards.LocalShards`), pointed at the shards as they are now."""
+        return ctx.params if self._shards is None else self._shards.refresh()
 
     def _open_world(self, ctx: ModeContext) -> ModeContext:
         """A context over every rank of every island, rooted at island 0's root (an engine of its own, which
@@ -387,10 +414,12 @@ class Islands(Mode):
 
     def _track_across(self, ctx: ModeContext) -> List[Tensor]:
         """The across engine takes on the wrapper's parameters it lacks (local SGD exchanges them)."""
-        new = ctx.params[self._tracked:]
+        params = self._ctx.params
+        new = params[self._tracked:]
         if new:
-            self._engine.track(new, [ctx.names.get(id(p), f"parameter {self._tracked + i}") for i, p in enumerate(new)])
-            self._tracked = len(ctx.params)
+            self._engine.track(new, [ctx.names.get(id(p), f"parameter {self._tracked + i}")
+                                     for i, p in enumerate(ctx.params[self._tracked:])])
+            self._tracked = len(params)
         return new
 
     def on_track(self, ctx: ModeContext, params: List[Tensor]) -> None:
@@ -416,6 +445,7 @@ class Islands(Mode):
         if closure is not None:
             raise RuntimeError(f"step(closure) {_NOT_YET}; call step() after backward()")
         ctx.reduce_for_step()  # the island's round, if it was left pending
+        self._across_params(ctx)
         across = self._ctx
         across.set_steps(ctx.steps)
         across.found_inf, across.grad_scale = ctx.found_inf, ctx.grad_scale
@@ -426,10 +456,15 @@ class Islands(Mode):
             self._engine.after_step()  # as the wrapper does for its own engine: the next round starts
 
     def sync_now(self, ctx: ModeContext) -> None:
+        self._across_params(ctx)
         self._ctx.set_steps(ctx.steps)
         self.across.sync_now(self._ctx)
 
     def _refuse_join(self, ctx: ModeContext, what: str) -> None:
+        if ctx.engine.join.in_block and self._shards is not None:
+            raise RuntimeError(
+                f"{what}: join() with FSDP2 inside the islands {_NOT_YET}; give every rank the same number of "
+                "batches (e.g. drop the last, uneven ones with DistributedSampler(drop_last=True))")
         if ctx.engine.join.in_block and not isinstance(self.across, Synchronous):
             raise RuntimeError(
                 f"{what}: join() {_NOT_YET}(across={self.across!r}), only with across=Synchronous(); give every "
@@ -501,7 +536,9 @@ class Islands(Mode):
     def _reduce_across(self, ctx: ModeContext) -> None:
         """What the across mode's ``reduce_for_step`` means here: the island's round, then its sum across."""
         ctx.reduce_for_step()
-        if isinstance(self.across, Synchronous) and self._crossed_at != ctx.engine.rounds:
+        if isinstance(self.across, Synchronous) and self._shards is not None:
+            self._cross_shards(ctx)
+        elif isinstance(self.across, Synchronous) and self._crossed_at != ctx.engine.rounds:
             self._cross(ctx)
 
     def _cross_after_round(self, ctx: ModeContext) -> None:
@@ -560,6 +597,46 @@ class Islands(Mode):
                 whole = group.gather(view, k, ctx.group, ctx.progress)
                 present = None if complete else self._presence(ctx, group)
                 group.write_back(ctx.params, whole, present)
+
+    def _cross_shards(self, ctx: ModeContext) -> None:
+        """FSDP2 inside: each rank's local shard of the island's mean gradient, averaged over its across group
+        (the same shard on every island), once per step. FSDP2 sets the gradients at the end of backward, so
+        this runs in ``step()`` (or ``opt.synchronize()``). A parameter without a gradient on some island is
+        averaged with its zeros; one without a gradient anywhere keeps ``grad=None``."""
+        if self._shards_crossed_at == ctx.steps or self._engine.world_size == 1:
+            return
+        self._shards_crossed_at = ctx.steps
+        shards, engine = self._shards, self._engine
+        index = {id(alias): i for i, alias in enumerate(shards.refresh())}
+        grads = [shards.local_grad(i) for i in range(len(shards.params))]
+
+        def fill(pack: Pack) -> None:
+            scale = engine.scale
+            pack.absent.clear()
+            for j, view in enumerate(pack.views):
+                grad = grads[index[id(pack.params[j])]]
+                if grad is None:
+                    view.zero_()
+                    pack.absent.append(j)
+                    continue
+                view.copy_(grad)
+                if scale is not None:
+                    view.mul_(scale)
+
+        with torch.no_grad():
+            if engine.progress is not None:
+                engine.progress.phase = "inside step() (islands: the local shards' gradients across the islands)"
+            engine.reset_round()
+            engine.launch_exchange(fill)
+            engine.finish_exchange()
+            for pack in engine.packs:
+                flags = pack.flags[: len(pack.params)].tolist()
+                for j, view in enumerate(pack.views):
+                    i = index[id(pack.params[j])]
+                    if grads[i] is not None:
+                        grads[i].copy_(view)
+                    elif flags[j] > 0:  # some island has a gradient: this one takes the mean with its zeros
+                        shards.set_grad(i, view.clone())
 
     def _island_weight(self, ctx: ModeContext) -> Optional[float]:
         """What this island's mean counts for in the sum across: ``1/islands`` (or nothing, for a sum).
@@ -620,6 +697,7 @@ class Islands(Mode):
 
     def state_dict(self, ctx: ModeContext) -> Dict[str, Any]:
         self._steps_from_join(ctx)
+        self._across_params(ctx)
         self._ctx.set_steps(ctx.steps)
         state = self.across.state_dict(self._ctx)
         if self.compressor is not None:
@@ -630,6 +708,7 @@ class Islands(Mode):
     def load_state_dict(self, ctx: ModeContext, state_dict: Dict[str, Any]) -> None:
         mine = state_dict.get(STATE_KEY)
         rest = {k: v for k, v in state_dict.items() if k != STATE_KEY}
+        self._across_params(ctx)
         self._ctx.set_steps(ctx.steps)
         self.across.load_state_dict(self._ctx, rest)
         ctx.set_steps(self._ctx.steps)  # local SGD's checkpoint holds the step count
@@ -719,6 +798,18 @@ def _subgroups(topology: Topology, island: Tuple[int, ...], across: Tuple[int, .
         else:
             built[members] = private_groups.build_by_members(sorted(members), options["backend"], options["timeout"])
     return built[island], built[across]
+
+
+def _alone(me: int, ranks: List[int], parent: ProcessGroup) -> ProcessGroup:
+    """A group of this rank alone (FSDP2 inside: the wrapper's engine averages nothing), built as
+    :func:`_subgroups` builds its groups: over the default group every rank builds every rank's."""
+    if len(ranks) == 1:
+        return parent
+    options = {"backend": dist.get_backend(parent), "timeout": private_groups.timeout_of(parent)}
+    if len(ranks) == dist.get_world_size():
+        built = {rank: dist.new_group(ranks=[rank], **options) for rank in sorted(ranks)}
+        return built[me]
+    return private_groups.build_by_members([me], options["backend"], options["timeout"])
 
 
 def _nothing() -> None:

@@ -260,7 +260,8 @@ class DistributedOptimizer(InnerOptimizerSurface):
             )
         self.root_rank = root_rank
         self._names_by_id = checks.names_by_id(named_parameters, optimizer)
-        checks.no_dtensors(optimizer, self._names_by_id)  # before the engine's first collective
+        if not self._mode.takes_dtensors:  # before the engine's first collective
+            checks.no_dtensors(optimizer, self._names_by_id)
         self._engine = self._build_engine(backward_passes_per_step=int(backward_passes_per_step))
         self._retired_by: Optional[str] = None  # why this wrapper no longer reduces
         self._params: List[Tensor] = []  # every parameter this wrapper broadcasts, in tracking order
@@ -359,7 +360,8 @@ class DistributedOptimizer(InnerOptimizerSurface):
             )
         self.optimizer.add_param_group(param_group)
         try:
-            checks.no_dtensors(self.optimizer, self._names_by_id, first_group=len(self.optimizer.param_groups) - 1)
+            if not self._mode.takes_dtensors:
+                checks.no_dtensors(self.optimizer, self._names_by_id, first_group=len(self.optimizer.param_groups) - 1)
         except TypeError:
             self.optimizer.param_groups.pop()
             raise
@@ -680,9 +682,9 @@ class DistributedOptimizer(InnerOptimizerSurface):
         """Overwrite every rank's parameters with the root's (coalesced per device and dtype)."""
         self._check_not_retired("broadcast_parameters()")
         whole = self._mode.whole_context(self._context)  # every rank, where the engine averages over part
-        if whole.world_size > 1 and self._params:
+        if whole.world_size > 1 and whole.params:  # the whole context's: islands over FSDP2 hold local shards there
             with torch.no_grad(), stalls.inspected(whole.progress, "the parameter broadcast"):
-                collectives.broadcast_parameters(self._params, src=whole.root_rank, group=whole.group)
+                collectives.broadcast_parameters(whole.params, src=whole.root_rank, group=whole.group)
 
     def broadcast_optimizer_state(self) -> None:
         """Give every rank the root's optimizer state, e.g. when only the root loaded a checkpoint.

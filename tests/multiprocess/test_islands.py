@@ -412,6 +412,125 @@ def subgroup_after_a_closed_wrapper():
     return first.world_size, second.world_size, params_of(second_net)
 
 
+
+
+# ---------------------------------------------------------------------- FSDP2 inside the islands
+
+
+def fsdp_model(mesh, seed=0):
+    """make_model(), sharded by FSDP2 over the island's dimension of ``mesh``."""
+    from torch.distributed.fsdp import fully_shard
+    net = make_model(seed)
+    fully_shard(net, mesh=mesh)
+    return net
+
+
+def island_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+
+
+def full_params_of(model):
+    return [p.full_tensor().detach().clone() for p in model.parameters()]
+
+
+def fsdp_train(opt, model, steps, start=0, grads=None):
+    rank = dist.get_rank()
+    for t in range(start, start + steps):
+        opt.zero_grad()
+        loss_of(model, *batch(rank, t)).backward()
+        opt.step()
+        if grads is not None:  # the gradients the step took: the global mean, gathered
+            grads.append([p.grad.full_tensor().clone() for p in model.parameters()])
+
+
+def fsdp_synchronous():
+    """FSDP2 inside, synchronous across: the full parameters and the gradients each step took."""
+    mesh = island_mesh()
+    net = fsdp_model(mesh["shard"])
+    opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
+                               mode=distopt.Islands(islands=mesh))
+    grads = []
+    fsdp_train(opt, net, STEPS, grads=grads)
+    return full_params_of(net), grads, opt.world_size
+
+
+def fsdp_local(streaming):
+    """FSDP2 inside, DiLoCo (or streaming DiLoCo) across; and, for streaming, flat streaming DiLoCo over the
+    across groups on a plain model with the islands' batches (the same protocol)."""
+    rank = dist.get_rank()
+    mode = (lambda: distopt.DiLoCo(4, OUTER, fragments=2, overlap=1)) if streaming else (  # noqa: E731
+        lambda: distopt.DiLoCo(2, OUTER))
+    mesh = island_mesh()
+    net = fsdp_model(mesh["shard"])
+    opt = DistributedOptimizer(INNER(net.parameters()), mode=distopt.Islands(across=mode(), islands=mesh))
+    steps = 8 if streaming else STEPS
+    fsdp_train(opt, net, steps)
+    local = full_params_of(net)
+    opt.sync_now()
+    synced = full_params_of(net)
+    if not streaming:
+        return local, synced
+    across = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
+    flat = make_model()
+    flat_opt = DistributedOptimizer(INNER(flat.parameters()), mode=mode(), process_group=across)
+    island = 0 if rank in ISLANDS[0] else 1
+    for t in range(steps):
+        flat_opt.zero_grad()
+        loss_of(flat, *island_batch(island, t)).backward()
+        flat_opt.step()
+    return local, params_of(flat)
+
+
+def fsdp_checkpoint():
+    """FSDP2 inside, synchronous across, AdamW: saved with torch.distributed.checkpoint after 2 steps, loaded
+    into a new model and wrapper, trained 2 more steps; against the uninterrupted run."""
+    import shutil
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+    mesh = island_mesh()
+    directory = [tempfile.mkdtemp(prefix="distopt-dcp-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(directory)
+    directory = directory[0]
+
+    def build(seed):
+        net = fsdp_model(mesh["shard"], seed)
+        return net, DistributedOptimizer(torch.optim.AdamW(net.parameters(), lr=0.01),
+                                         mode=distopt.Islands(islands=mesh))
+
+    net, opt = build(0)
+    fsdp_train(opt, net, 2)
+    dcp.save({"model": get_model_state_dict(net), "optim": get_optimizer_state_dict(net, opt)},
+             checkpoint_id=directory)
+    fsdp_train(opt, net, 2, start=2)
+    resumed_net, resumed = build(1)  # other weights: all of them must come from the checkpoint
+    state = {"model": get_model_state_dict(resumed_net), "optim": get_optimizer_state_dict(resumed_net, resumed)}
+    dcp.load(state, checkpoint_id=directory)
+    set_model_state_dict(resumed_net, state["model"])
+    set_optimizer_state_dict(resumed_net, resumed, state["optim"])
+    fsdp_train(resumed, resumed_net, 2, start=2)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(directory)
+    return full_params_of(net), full_params_of(resumed_net)
+
+
+def fsdp_mismatched(kind):
+    """FSDP2 over the wrong ranks: the whole world (islands of 2), or HSDP's 2-D mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = island_mesh()
+    sharded_over = init_device_mesh("cpu", (4,)) if kind == "world" else mesh
+    net = fsdp_model(sharded_over)
+    try:
+        DistributedOptimizer(INNER(net.parameters()), mode=distopt.Islands(islands=mesh))
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 CASES = {
     "synchronous": (4, synchronous_across, ()),
     "accumulated": (4, accumulated_and_clipped, ()),
@@ -437,6 +556,12 @@ CASES = {
     "rebroadcast": (4, rebroadcast_across, ()),
     "root loads": (4, root_loads_and_broadcasts, ()),
     "drift diloco": (4, drift_across, (True,)),
+    "fsdp synchronous": (4, fsdp_synchronous, ()),
+    "fsdp diloco": (4, fsdp_local, (False,)),
+    "fsdp streaming": (4, fsdp_local, (True,)),
+    "fsdp checkpoint": (4, fsdp_checkpoint, ()),
+    "fsdp world mesh": (4, fsdp_mismatched, ("world",)),
+    "fsdp hsdp": (4, fsdp_mismatched, ("hsdp",)),
 }
 WORLDS = Worlds(CASES, timeout=200)
 results = WORLDS.results
