@@ -384,6 +384,16 @@ class Mode:
             src: rank, in the wrapper's group, whose state every rank takes.
         """
 
+    def agree_on_drift(self, ctx: ModeContext, report: drift.DriftReport) -> drift.DriftReport:
+        """The drift check's report for every rank, where :meth:`whole_context` holds only some of the ranks
+        that must act on it alike (default: the report as it is; every rank was compared).
+
+        Args:
+            ctx: the wrapper, as the mode sees it.
+            report: what the check over :meth:`whole_context` found on this rank.
+        """
+        return report
+
     def extra_state_bytes(self, ctx: ModeContext) -> int:
         """Bytes the mode holds besides the model and the inner optimizer (for ``stats``)."""
         return 0

@@ -20,6 +20,8 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from ..planning import drift
+
 __all__ = ["LocalShards", "mesh_ranks_of", "mesh_disagreement", "is_dtensor"]
 
 
@@ -131,6 +133,18 @@ class LocalShards:
                 alias.requires_grad_(p.requires_grad)
         return self.aliases
 
+    def kept_identical(self, optimizer: Optimizer, steps: int) -> drift.Kept:
+        """What synchronous training across keeps alike on the ranks that hold the same shards (an across
+        group): the local shards of the parameters and of their optimizer state, the hyperparameters and
+        the step count."""
+        state = drift.state_items(optimizer, self.params, "optimizer state")
+        return drift.Kept(
+            per_param=[[(drift.PARAMETER, alias)] + [(name, _local(value)) for name, value in items]
+                       for alias, items in zip(self.refresh(), state)],
+            shared=drift.hyperparameter_items(optimizer) + [("the step count", steps)],
+            what="the parameters' local shards, their optimizer state, its hyperparameters and the step count",
+        )
+
     def local_grad(self, i: int) -> Optional[Tensor]:
         """Parameter ``i``'s gradient's local shard (FSDP2's island mean), or None."""
         grad = self.params[i].grad
@@ -144,3 +158,8 @@ class LocalShards:
         p = self.params[i]
         p.grad = DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=p.shape,
                                     stride=p.stride())
+
+
+def _local(value: Any) -> Any:
+    """A DTensor's local shard; anything else as it is."""
+    return value.to_local() if is_dtensor(value) else value

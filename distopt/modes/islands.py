@@ -721,6 +721,11 @@ class Islands(Mode):
         whole = self.whole_context(ctx)
         if whole.world_size == 1:
             return
+        if self._shards is not None:
+            raise RuntimeError(
+                f"broadcast_optimizer_state() with FSDP2 inside the islands {_NOT_YET}: the optimizer state is "
+                "sharded (DTensors); load the checkpoint on every rank instead, e.g. with torch.distributed.checkpoint "
+                "(dcp.load, then set_optimizer_state_dict(model, opt, ...)), which gives each rank its own shard")
         root = self._whole_rank(src) if whole is not ctx else src
         with stalls.inspected(whole.progress, "the optimizer-state broadcast"):
             collectives.broadcast_optimizer_state(ctx.optimizer, src=root, group=whole.group)
@@ -750,10 +755,22 @@ class Islands(Mode):
         synchronous training keeps it); with local SGD or DiLoCo across, what they keep alike (the
         parameters right after a sync, the last-sync copies and the outer optimizer between two)."""
         self._steps_from_join(ctx)
+        if isinstance(self.across, Synchronous) and self._shards is not None:
+            return self._shards.kept_identical(ctx.optimizer, ctx.steps)
         if isinstance(self.across, Synchronous):
             return super().kept_identical(ctx, scheduled)
+        self._across_params(ctx)
         self._ctx.set_steps(ctx.steps)
         return self.across.kept_identical(self._ctx, scheduled)
+
+    def agree_on_drift(self, ctx: ModeContext, report: drift.DriftReport) -> drift.DriftReport:
+        """FSDP2 inside: each across group compared its own shard, so the ranks of an island take the report
+        of the first of them that found a drift; then every rank of every island acts alike."""
+        if self._shards is None or self.topology is None or self.topology.size == 1:
+            return report
+        with stalls.inspected(None, "the exchange of the drift check's reports inside the island"):
+            reports = collectives.all_gather_object(report, group=self._island_group)
+        return next((r for r in reports if r.drifted), report)
 
     def extra_state_bytes(self, ctx: ModeContext) -> int:
         held = 0 if self._slices is None else self._slices.nbytes()

@@ -462,10 +462,11 @@ class DistributedOptimizer(InnerOptimizerSurface):
                 "check_drift() was called inside a join block after a rank ran out of data: that rank cannot take "
                 "part; call it after the block, where every rank holds the same state again"
             )
-        kept = None if self.world_size == 1 else self._mode.kept_identical(ctx, scheduled=False)
+        kept = None if self._compared_size() == 1 else self._mode.kept_identical(ctx, scheduled=False)
         if kept is None:
             return DriftReport(step=engine.steps)
-        report = self._drift.run(self._mode.whole_context(ctx), kept, self._param_names())
+        report = self._mode.agree_on_drift(ctx, self._drift.run(self._mode.whole_context(ctx), kept,
+                                                                self._param_names()))
         self._drift.act(report, when=f"called as opt.check_drift() after step {engine.steps}", root=self.root_rank,
                         bcast_period=self.bcast_period, stacklevel=2)
         return report
@@ -473,8 +474,13 @@ class DistributedOptimizer(InnerOptimizerSurface):
     def _drift_due(self, rebroadcast: bool) -> bool:
         """Whether a drift check is due at this step; with ``bcast_period``, only right before a
         re-broadcast, when the drift since the last one is largest and the check can say what it corrects."""
-        return (self.world_size > 1 and self._drift.due(self._engine.steps)
-                and (self.bcast_period <= 0 or rebroadcast))
+        return (self._drift.due(self._engine.steps) and (self.bcast_period <= 0 or rebroadcast)
+                and self._compared_size() > 1)
+
+    def _compared_size(self) -> int:
+        """Ranks the drift check compares: the mode's whole context's, which may hold more than the engine's
+        (islands: every island; with FSDP2 inside, the wrapper's own world is this rank alone)."""
+        return self._mode.whole_context(self._context).world_size
 
     def _scheduled_drift_check(self, rebroadcast: bool) -> Optional[DriftReport]:
         """Run the drift check if one is due at this step (:meth:`_drift_due`)."""
@@ -483,7 +489,8 @@ class DistributedOptimizer(InnerOptimizerSurface):
         kept = self._mode.kept_identical(self._context, scheduled=True)
         if kept is None:  # e.g. local SGD between two syncs: the next step tries again
             return None
-        report = self._drift.run(self._mode.whole_context(self._context), kept, self._param_names())
+        report = self._mode.agree_on_drift(
+            self._context, self._drift.run(self._mode.whole_context(self._context), kept, self._param_names()))
         if rebroadcast:
             report.corrected = report.parameter_drift
         return report

@@ -467,10 +467,9 @@ def fsdp_local(streaming):
     steps = 8 if streaming else STEPS
     fsdp_train(opt, net, steps)
     local = full_params_of(net)
-    opt.sync_now()
-    synced = full_params_of(net)
     if not streaming:
-        return local, synced
+        opt.sync_now()
+        return local, full_params_of(net)
     across = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
     flat = make_model()
     flat_opt = DistributedOptimizer(INNER(flat.parameters()), mode=mode(), process_group=across)
@@ -518,6 +517,37 @@ def fsdp_checkpoint():
     return full_params_of(net), full_params_of(resumed_net)
 
 
+def fsdp_compressed():
+    """FSDP2 inside, synchronous across in int8: the local shards, and the full parameters."""
+    mesh = island_mesh()
+    net = fsdp_model(mesh["shard"])
+    opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
+                               mode=distopt.Islands(islands=mesh, compression="int8"))
+    fsdp_train(opt, net, STEPS)
+    return [p.to_local().detach().clone() for p in net.parameters()], full_params_of(net)
+
+
+def fsdp_drift(across):
+    """FSDP2 inside: rank 3 moves its shard of a parameter (with DiLoCo across: of its last-sync copy)."""
+    mesh = island_mesh()
+    net = fsdp_model(mesh["shard"])
+    mode = distopt.Islands(across=distopt.DiLoCo(2, OUTER) if across else None, islands=mesh)
+    opt = DistributedOptimizer(INNER(net.parameters()), mode=mode, named_parameters=net.named_parameters())
+    fsdp_train(opt, net, 3)
+    clean = opt.check_drift()
+    if dist.get_rank() == 3:
+        with torch.no_grad():
+            if across:
+                opt.state_dict()["distopt_local_sgd"]["anchors"][1].add_(1e-3)
+            else:
+                net[0].bias.to_local().add_(1e-3)
+    try:
+        opt.check_drift()
+    except distopt.DriftError as exc:
+        return clean.drifted, str(exc)
+    return clean.drifted, None
+
+
 def fsdp_mismatched(kind):
     """FSDP2 over the wrong ranks: the whole world (islands of 2), or HSDP's 2-D mesh."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -562,6 +592,9 @@ CASES = {
     "fsdp checkpoint": (4, fsdp_checkpoint, ()),
     "fsdp world mesh": (4, fsdp_mismatched, ("world",)),
     "fsdp hsdp": (4, fsdp_mismatched, ("hsdp",)),
+    "fsdp compressed": (4, fsdp_compressed, ()),
+    "fsdp drift": (4, fsdp_drift, (False,)),
+    "fsdp drift diloco": (4, fsdp_drift, (True,)),
 }
 WORLDS = Worlds(CASES, timeout=200)
 results = WORLDS.results
@@ -804,3 +837,77 @@ def test_a_wrapper_over_a_subgroup_gets_its_own_group_after_a_wrapper_over_the_d
     for first, second, params in per_rank:
         assert first == second == 4
         assert all(torch.equal(a, b) for a, b in zip(params, per_rank[0][2]))
+
+
+def test_fsdp2_inside_and_synchronous_across_trains_as_one_process_on_the_global_batch():
+    net = make_model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    grads = []
+    for t in range(STEPS):
+        opt.zero_grad()
+        sum(loss_of(net, *batch(r, t)) for r in range(4)).div(4).backward()
+        grads.append([p.grad.clone() for p in net.parameters()])
+        opt.step()
+    for params, rank_grads, world_size in results("fsdp synchronous"):
+        assert close(params, params_of(net))
+        # The step took the global mean: FSDP2's mean inside the island, then the shards' mean across.
+        assert all(close(got, want) for got, want in zip(rank_grads, grads))
+        assert world_size == 1  # FSDP2 owns the island: the wrapper's engine averages nothing there
+
+
+def test_fsdp2_inside_with_diloco_across_matches_a_replay_of_the_protocol():
+    replay = local_reference(True)
+    synced = local_reference(True, sync_at_end=True)[0]
+    per_rank = results("fsdp diloco")
+    for rank, (params, after_sync_now) in enumerate(per_rank):
+        assert close(params, replay[0 if rank in ISLANDS[0] else 1])
+        assert close(after_sync_now, synced)
+    assert not close(per_rank[0][0], per_rank[2][0], tol=0.0)  # step 5 was local: the islands differ
+
+
+def test_fsdp2_inside_with_streaming_diloco_across_is_flat_streaming_diloco_on_the_islands_batches():
+    for islands, flat in results("fsdp streaming"):
+        assert close(islands, flat)
+
+
+def test_fsdp2_inside_a_dcp_checkpoint_of_the_wrapper_resumes_bitwise():
+    for uninterrupted, resumed in results("fsdp checkpoint"):
+        assert all(torch.equal(a, b) for a, b in zip(uninterrupted, resumed))
+
+
+@pytest.mark.parametrize("case, message", [
+    ("fsdp world mesh", r"rank 0's parameters are sharded over the ranks \[\[0, 1, 2, 3\]\], but its island is "
+                        r"\[0, 1\]: FSDP2 must shard over the island's ranks.*fully_shard\(model, mesh=mesh\['shard'\]\)"),
+    ("fsdp hsdp", r"is a DTensor over a 2-D mesh \(placements \(Replicate\(\), Shard\(dim=0\)\)\): FSDP2 over the "
+                  r"whole 2-D mesh \(HSDP\) all-reduces.*fully_shard\(model, mesh=mesh\['shard'\]\)"),
+])
+def test_fsdp2_over_a_mesh_other_than_the_islands_fails_on_every_rank_saying_how_to_shard(case, message):
+    import re
+    per_rank = results(case)
+    assert all(m is not None and re.search(message, m) for m in per_rank), per_rank[0]
+    assert len(set(per_rank)) == 1  # one message, every rank
+
+
+def test_fsdp2_inside_with_compression_across_leaves_the_ranks_of_each_shard_bitwise_identical():
+    per_rank = results("fsdp compressed")
+    net = make_model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    for t in range(STEPS):
+        opt.zero_grad()
+        sum(loss_of(net, *batch(r, t)) for r in range(4)).div(4).backward()
+        opt.step()
+    for rank, (shards, full) in enumerate(per_rank):
+        same_shard = per_rank[rank % 2][0]  # rank j of island 1 holds island 0's rank j's shards
+        assert all(torch.equal(a, b) for a, b in zip(shards, same_shard))
+        assert close(full, params_of(net), tol=1e-2) and not close(full, params_of(net))  # int8: near, not equal
+
+
+@pytest.mark.parametrize("case", ["fsdp drift", "fsdp drift diloco"])
+def test_fsdp2_inside_the_drift_check_compares_each_shard_across_the_islands(case):
+    errors = []
+    for clean, error in results(case):
+        assert clean == []
+        errors.append(error)
+    # Rank 3 moved its shard: its across group finds it, and every rank of both islands raises the same.
+    assert errors[0] is not None and "'0.bias' differs between ranks by 0.001" in errors[0]
+    assert len(set(errors)) == 1
