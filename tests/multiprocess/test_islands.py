@@ -517,6 +517,27 @@ def fsdp_checkpoint():
     return full_params_of(net), full_params_of(resumed_net)
 
 
+def fsdp_resume():
+    """FSDP2 inside, DiLoCo across with int8 across and Adam inside: each rank saves its own state between two
+    syncs (its shards), and a new model and wrapper resume from it; against the uninterrupted run."""
+    mesh = island_mesh()
+
+    def build(seed):
+        net = fsdp_model(mesh["shard"], seed)
+        mode = distopt.Islands(across=distopt.DiLoCo(3, OUTER), islands=mesh, compression="int8")
+        return net, DistributedOptimizer(torch.optim.Adam(net.parameters(), lr=0.01), mode=mode)
+
+    net, opt = build(0)
+    fsdp_train(opt, net, 4)
+    saved = copy_of({"model": net.state_dict(), "opt": opt.state_dict()})
+    fsdp_train(opt, net, 4, start=4)
+    again, again_opt = build(1)
+    again.load_state_dict(saved["model"])
+    again_opt.load_state_dict(saved["opt"])
+    fsdp_train(again_opt, again, 4, start=4)
+    return full_params_of(net), full_params_of(again)
+
+
 def fsdp_compressed():
     """FSDP2 inside, synchronous across in int8: the local shards, and the full parameters."""
     mesh = island_mesh()
@@ -593,6 +614,7 @@ CASES = {
     "fsdp world mesh": (4, fsdp_mismatched, ("world",)),
     "fsdp hsdp": (4, fsdp_mismatched, ("hsdp",)),
     "fsdp compressed": (4, fsdp_compressed, ()),
+    "fsdp resume": (4, fsdp_resume, ()),
     "fsdp drift": (4, fsdp_drift, (False,)),
     "fsdp drift diloco": (4, fsdp_drift, (True,)),
 }
@@ -870,8 +892,9 @@ def test_fsdp2_inside_with_streaming_diloco_across_is_flat_streaming_diloco_on_t
         assert close(islands, flat)
 
 
-def test_fsdp2_inside_a_dcp_checkpoint_of_the_wrapper_resumes_bitwise():
-    for uninterrupted, resumed in results("fsdp checkpoint"):
+@pytest.mark.parametrize("case", ["fsdp checkpoint", "fsdp resume"])
+def test_fsdp2_inside_a_checkpoint_resumes_bitwise_through_dcp_or_each_ranks_own_state_dict(case):
+    for uninterrupted, resumed in results(case):
         assert all(torch.equal(a, b) for a, b in zip(uninterrupted, resumed))
 
 
