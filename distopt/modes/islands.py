@@ -337,7 +337,14 @@ class Islands(Mode):
     def _across_params(self, ctx: ModeContext) -> List[Tensor]:
         """What the across level syncs: the wrapper's parameters, or with FSDP2 inside their local shards'
         aliases (:class:`~distopt.modes.island_shards.LocalShards`), pointed at the shards as they are now."""
-        return ctx.params if self._shards is None else self._shards.refresh()
+        if self._shards is None:
+            return ctx.params
+        if len(ctx.params) != len(self._shards.params):
+            raise RuntimeError(
+                f"add_param_group() with FSDP2 inside the islands {_NOT_YET}: the parameters added would not be "
+                "synced across the islands; give the optimizer every parameter group before building the "
+                "DistributedOptimizer")
+        return self._shards.refresh()
 
     def _open_world(self, ctx: ModeContext) -> ModeContext:
         """A context over every rank of every island, rooted at island 0's root (an engine of its own, which

@@ -569,6 +569,37 @@ def fsdp_drift(across):
     return clean.drifted, None
 
 
+def fsdp_added_group():
+    """FSDP2 inside: a param group added after construction is refused at the next step, on every rank."""
+    mesh = island_mesh()
+    net = fsdp_model(mesh["shard"])
+    params = list(net.parameters())
+    opt = DistributedOptimizer(INNER(params[:2]), mode=distopt.Islands(islands=mesh))
+    opt.add_param_group({"params": params[2:]})
+    try:
+        fsdp_train(opt, net, 1)
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def drift_islands_of_one():
+    """Islands of one rank, DiLoCo across: the drift check compares the islands (the wrapper's world is one)."""
+    net = make_model()
+    opt = DistributedOptimizer(INNER(net.parameters()), mode=distopt.Islands(
+        across=distopt.DiLoCo(2, OUTER), islands=[[0], [1], [2], [3]]))
+    train(opt, net, 2)
+    clean = opt.check_drift()
+    if dist.get_rank() == 3:
+        with torch.no_grad():
+            net[0].bias.add_(1e-3)
+    try:
+        opt.check_drift()
+    except distopt.DriftError as exc:
+        return clean.compared, str(exc)
+    return clean.compared, None
+
+
 def fsdp_mismatched(kind):
     """FSDP2 over the wrong ranks: the whole world (islands of 2), or HSDP's 2-D mesh."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -615,6 +646,8 @@ CASES = {
     "fsdp hsdp": (4, fsdp_mismatched, ("hsdp",)),
     "fsdp compressed": (4, fsdp_compressed, ()),
     "fsdp resume": (4, fsdp_resume, ()),
+    "fsdp added group": (4, fsdp_added_group, ()),
+    "drift islands of one": (4, drift_islands_of_one, ()),
     "fsdp drift": (4, fsdp_drift, (False,)),
     "fsdp drift diloco": (4, fsdp_drift, (True,)),
 }
@@ -934,3 +967,14 @@ def test_fsdp2_inside_the_drift_check_compares_each_shard_across_the_islands(cas
     # Rank 3 moved its shard: its across group finds it, and every rank of both islands raises the same.
     assert errors[0] is not None and "'0.bias' differs between ranks by 0.001" in errors[0]
     assert len(set(errors)) == 1
+
+
+def test_fsdp2_inside_a_param_group_added_later_is_refused_at_the_next_step_on_every_rank():
+    for message in results("fsdp added group"):
+        assert message is not None and "add_param_group() with FSDP2 inside the islands is not supported yet" in message
+
+
+def test_islands_of_one_rank_have_a_drift_check_across_the_islands():
+    for compared, error in results("drift islands of one"):
+        assert compared > 0
+        assert error is not None and "'param_groups[0][1]' differs between ranks by 0.001" in error
