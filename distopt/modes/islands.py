@@ -35,10 +35,16 @@ the whole pseudo-gradient on its own link; the islands stay identical inside).
 and a rank that has joined takes part in the sums across until no rank of any island contributes
 (:meth:`Islands.leaving`).
 
+**FSDP2 inside** (:mod:`distopt.modes.island_shards`): where the optimizer's parameters are DTensors
+sharded by FSDP2 over each rank's island, FSDP2 averages inside, the wrapper's engine runs over this rank
+alone, and the across level syncs each rank's local shard over its across group (rank ``j`` of every
+island holds the same shard): synchronous across in ``step()``, local SGD / DiLoCo on the shards.
+
 What is not supported yet raises at construction or at the call, naming what to do:
 ``join()`` with local SGD or DiLoCo across, fault tolerance, a closure, the
 across modes ``ShardedState`` and local SGD's ``warmup``, a frozen parameter made trainable after the
-first cross-island sum (synchronous across; ``add_param_group()`` works), and FSDP2 inside.
+first cross-island sum (synchronous across; ``add_param_group()`` works); with FSDP2 inside, ``join()``,
+``add_param_group()`` and ``broadcast_optimizer_state()``.
 
 The drift check compares every rank of every island, and ``broadcast_parameters()`` (``bcast_period``)
 and ``broadcast_optimizer_state()`` reach every rank of every island from island 0's root
@@ -91,7 +97,10 @@ class Islands(Mode):
     """Synchronous training inside each island (host), and ``across`` between the islands.
 
     Inside an island the ranks are plain replicas: every step's gradients are averaged over the
-    island during backward, uncompressed, as :class:`distopt.Synchronous` does on a group. Between
+    island during backward, uncompressed, as :class:`distopt.Synchronous` does on a group; or, where
+    the parameters are DTensors of FSDP2 sharded over the island (``fully_shard(model,
+    mesh=mesh["shard"])``, ``islands=mesh``), FSDP2 averages inside and the across mode syncs each
+    rank's local shard with the same shard on the other islands. Between
     the islands runs ``across``: synchronous training (hierarchical: each rank of an island carries
     ``1/k`` of the gradient bytes across), or local SGD / DiLoCo / streaming DiLoCo, which sync the
     islands every ``every`` steps. ``compression`` compresses the cross-island level only. See
@@ -117,7 +126,8 @@ class Islands(Mode):
             a list of rank lists; when the wrapper is built, an island of the wrong form.
         ValueError: an unknown ``compression``; ``across`` a mode not supported across islands yet;
             when the wrapper is built, islands that overlap, differ in size, do not cover the group, or
-            differ between ranks (on every rank alike, before any group is built).
+            differ between ranks (on every rank alike, before any group is built); DTensor parameters over
+            a 2-D mesh (HSDP), over other ranks than the island, or mixed with plain ones.
 
     Example::
 
