@@ -76,9 +76,9 @@ from ..planning import topology as topologies
 from ..planning.stats import StepStats
 from ..planning.topology import Topology
 from ..transport import private_groups, stalls
+from . import island_shards
 from .base import Mode, ModeContext
 from .diloco import LocalSGD
-from . import island_shards
 from .island_shards import LocalShards
 from .island_slices import SliceGroup, Slices
 from .sharded import ShardedState

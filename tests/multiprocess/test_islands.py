@@ -569,6 +569,19 @@ def fsdp_drift(across):
     return clean.drifted, None
 
 
+def fsdp_rebroadcast():
+    """FSDP2 inside, bcast_period=2: rank 3 moves its shard after step 1; the local shards after step 2."""
+    mesh = island_mesh()
+    net = fsdp_model(mesh["shard"])
+    opt = DistributedOptimizer(INNER(net.parameters()), mode=distopt.Islands(islands=mesh), bcast_period=2)
+    fsdp_train(opt, net, 1)
+    if dist.get_rank() == 3:
+        with torch.no_grad():
+            net[0].bias.to_local().add_(1e-3)
+    fsdp_train(opt, net, 1, start=1)
+    return [p.to_local().detach().clone() for p in net.parameters()]
+
+
 def fsdp_added_group():
     """FSDP2 inside: a param group added after construction is refused at the next step, on every rank."""
     mesh = island_mesh()
@@ -647,6 +660,7 @@ CASES = {
     "fsdp compressed": (4, fsdp_compressed, ()),
     "fsdp resume": (4, fsdp_resume, ()),
     "fsdp added group": (4, fsdp_added_group, ()),
+    "fsdp rebroadcast": (4, fsdp_rebroadcast, ()),
     "drift islands of one": (4, drift_islands_of_one, ()),
     "fsdp drift": (4, fsdp_drift, (False,)),
     "fsdp drift diloco": (4, fsdp_drift, (True,)),
@@ -933,7 +947,8 @@ def test_fsdp2_inside_a_checkpoint_resumes_bitwise_through_dcp_or_each_ranks_own
 
 @pytest.mark.parametrize("case, message", [
     ("fsdp world mesh", r"rank 0's parameters are sharded over the ranks \[\[0, 1, 2, 3\]\], but its island is "
-                        r"\[0, 1\]: FSDP2 must shard over the island's ranks.*fully_shard\(model, mesh=mesh\['shard'\]\)"),
+                        r"\[0, 1\]: FSDP2 must shard over the island's ranks.*"
+                        r"fully_shard\(model, mesh=mesh\['shard'\]\)"),
     ("fsdp hsdp", r"is a DTensor over a 2-D mesh \(placements \(Replicate\(\), Shard\(dim=0\)\)\): FSDP2 over the "
                   r"whole 2-D mesh \(HSDP\) all-reduces.*fully_shard\(model, mesh=mesh\['shard'\]\)"),
 ])
@@ -978,3 +993,9 @@ def test_islands_of_one_rank_have_a_drift_check_across_the_islands():
     for compared, error in results("drift islands of one"):
         assert compared > 0
         assert error is not None and "'param_groups[0][1]' differs between ranks by 0.001" in error
+
+
+def test_fsdp2_inside_bcast_period_re_broadcasts_each_shard_from_island_0():
+    per_rank = results("fsdp rebroadcast")
+    for rank, shards in enumerate(per_rank):
+        assert all(torch.equal(a, b) for a, b in zip(shards, per_rank[rank % 2]))
