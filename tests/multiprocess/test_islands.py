@@ -538,6 +538,36 @@ def fsdp_resume():
     return full_params_of(net), full_params_of(again)
 
 
+class HeadsInForward(nn.Module):
+    """WithHeads, with the heads in ``forward`` (FSDP2 gathers its parameters there): island 0 uses a head
+    that island 1 does not, and no rank uses the last one."""
+
+    def __init__(self):
+        super().__init__()
+        heads = WithHeads()
+        self.body, self.island0, self.unused = heads.body, heads.island0, heads.unused
+
+    def forward(self, x, y, island0):
+        loss = loss_of(self.body, x, y)
+        return loss + self.island0(x).pow(2).mean() if island0 else loss
+
+
+def fsdp_unused_heads():
+    """FSDP2 inside, synchronous across: a head only island 0 uses (island 1 has no gradient for it)."""
+    from torch.distributed.fsdp import fully_shard
+    rank = dist.get_rank()
+    mesh = island_mesh()
+    net = HeadsInForward()
+    fully_shard(net, mesh=mesh["shard"])
+    opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
+                               mode=distopt.Islands(islands=mesh))
+    for t in range(STEPS):
+        opt.zero_grad()
+        net(*batch(rank, t), rank in ISLANDS[0]).backward()
+        opt.step()
+    return full_params_of(net), [p.grad is None for p in net.parameters()]
+
+
 def fsdp_compressed():
     """FSDP2 inside, synchronous across in int8: the local shards, and the full parameters."""
     mesh = island_mesh()
@@ -661,6 +691,7 @@ CASES = {
     "fsdp resume": (4, fsdp_resume, ()),
     "fsdp added group": (4, fsdp_added_group, ()),
     "fsdp rebroadcast": (4, fsdp_rebroadcast, ()),
+    "fsdp unused heads": (4, fsdp_unused_heads, ()),
     "drift islands of one": (4, drift_islands_of_one, ()),
     "fsdp drift": (4, fsdp_drift, (False,)),
     "fsdp drift diloco": (4, fsdp_drift, (True,)),
@@ -999,3 +1030,10 @@ def test_fsdp2_inside_bcast_period_re_broadcasts_each_shard_from_island_0():
     per_rank = results("fsdp rebroadcast")
     for rank, shards in enumerate(per_rank):
         assert all(torch.equal(a, b) for a, b in zip(shards, per_rank[rank % 2]))
+
+
+def test_fsdp2_inside_a_head_one_island_does_not_use_is_averaged_with_its_zeros_and_an_unused_one_keeps_no_grad():
+    params, _ = global_batch_reference()  # the same modules, in the same order
+    for rank_params, no_grad in results("fsdp unused heads"):
+        assert close(rank_params, params)
+        assert no_grad == [False] * 6 + [True, True]
