@@ -384,6 +384,11 @@ class Mode:
             src: rank, in the wrapper's group, whose state every rank takes.
         """
 
+    def synchronize(self, ctx: ModeContext) -> None:
+        """The user's ``opt.synchronize()``, after the engine finished its round: reduce now what the mode
+        reduces beyond it before ``step()`` (default: nothing; :class:`distopt.Islands` over FSDP2: the
+        gradients' sum across the islands, so that clipping sees the global mean)."""
+
     def agree_on_drift(self, ctx: ModeContext, report: drift.DriftReport) -> drift.DriftReport:
         """The drift check's report for every rank, where :meth:`whole_context` holds only some of the ranks
         that must act on it alike (default: the report as it is; every rank was compared).

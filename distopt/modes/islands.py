@@ -615,11 +615,18 @@ class Islands(Mode):
                 present = None if complete else self._presence(ctx, group)
                 group.write_back(ctx.params, whole, present)
 
+    def synchronize(self, ctx: ModeContext) -> None:
+        """``opt.synchronize()``: with FSDP2 inside and synchronous training across, the sum across now
+        (FSDP2 set the gradients at the end of backward), so that clipping sees the global mean."""
+        if self._shards is not None and isinstance(self.across, Synchronous):
+            self._cross_shards(ctx)
+
     def _cross_shards(self, ctx: ModeContext) -> None:
         """FSDP2 inside: each rank's local shard of the island's mean gradient, averaged over its across group
         (the same shard on every island), once per step. FSDP2 sets the gradients at the end of backward, so
         this runs in ``step()`` (or ``opt.synchronize()``). A parameter without a gradient on some island is
         averaged with its zeros; one without a gradient anywhere keeps ``grad=None``."""
+        self._refuse_join(ctx, "opt.synchronize()")
         if self._shards_crossed_at == ctx.steps or self._engine.world_size == 1:
             return
         self._shards_crossed_at = ctx.steps

@@ -526,6 +526,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
         self._check_not_retired("synchronize()")
         if self._reduces and self._mode.reduces_in_backward:  # local SGD keeps gradients local
             self._engine.synchronize(explicit=True)
+        self._mode.synchronize(self._context)
 
     def sync_now(self) -> None:
         """Bring every rank to the same parameters now, e.g. before a checkpoint saved on one rank.

@@ -568,6 +568,22 @@ def fsdp_unused_heads():
     return full_params_of(net), [p.grad is None for p in net.parameters()]
 
 
+def fsdp_clipped():
+    """FSDP2 inside, synchronous across: opt.synchronize() then clipping, which reads the global mean."""
+    rank = dist.get_rank()
+    mesh = island_mesh()
+    net = fsdp_model(mesh["shard"])
+    opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.5), mode=distopt.Islands(islands=mesh))
+    norms = []
+    for t in range(3):
+        opt.zero_grad()
+        loss_of(net, *batch(rank, t)).backward()
+        opt.synchronize()
+        norms.append(float(nn.utils.clip_grad_norm_(net.parameters(), 0.05).full_tensor()))
+        opt.step()
+    return full_params_of(net), norms
+
+
 def fsdp_compressed():
     """FSDP2 inside, synchronous across in int8: the local shards, and the full parameters."""
     mesh = island_mesh()
@@ -692,6 +708,7 @@ CASES = {
     "fsdp added group": (4, fsdp_added_group, ()),
     "fsdp rebroadcast": (4, fsdp_rebroadcast, ()),
     "fsdp unused heads": (4, fsdp_unused_heads, ()),
+    "fsdp clipped": (4, fsdp_clipped, ()),
     "drift islands of one": (4, drift_islands_of_one, ()),
     "fsdp drift": (4, fsdp_drift, (False,)),
     "fsdp drift diloco": (4, fsdp_drift, (True,)),
@@ -1037,3 +1054,17 @@ def test_fsdp2_inside_a_head_one_island_does_not_use_is_averaged_with_its_zeros_
     for rank_params, no_grad in results("fsdp unused heads"):
         assert close(rank_params, params)
         assert no_grad == [False] * 6 + [True, True]
+
+
+def test_fsdp2_inside_synchronize_sums_across_so_that_clipping_sees_the_global_mean():
+    net = make_model()
+    opt = torch.optim.SGD(net.parameters(), lr=0.5)
+    norms = []
+    for t in range(3):
+        opt.zero_grad()
+        sum(loss_of(net, *batch(r, t)) for r in range(4)).div(4).backward()
+        norms.append(float(nn.utils.clip_grad_norm_(net.parameters(), 0.05)))
+        opt.step()
+    for params, rank_norms in results("fsdp clipped"):
+        assert close(params, params_of(net))
+        assert all(abs(a - b) <= TOL for a, b in zip(rank_norms, norms))
