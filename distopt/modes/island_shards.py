@@ -50,8 +50,9 @@ def mesh_ranks_of(optimizer: Optimizer, names: Dict[int, str]) -> Optional[List[
         The distinct meshes' global ranks, sorted; None: no parameter is a DTensor (plain replicas inside).
 
     Raises:
-        ValueError: some parameters are DTensors and others are not, or a DTensor is over a mesh of more than
-            one dimension (HSDP: FSDP2 would then all-reduce across the islands itself).
+        ValueError: some parameters are DTensors and others are not, a DTensor is over a mesh of more than
+            one dimension (HSDP: FSDP2 would then all-reduce across the islands itself), or not sharded
+            (a ``Replicate`` placement: nothing would average its gradient inside the island).
     """
     cls = _dtensor_class()
     if cls is None:
@@ -71,6 +72,11 @@ def mesh_ranks_of(optimizer: Optimizer, names: Dict[int, str]) -> Optional[List[
                     "FSDP2 over the whole 2-D mesh (HSDP) all-reduces the gradients across the islands itself, every "
                     "step. With distopt.Islands, shard over the island's dimension only, fully_shard(model, "
                     "mesh=mesh['shard']), and pass islands=mesh: the mode across then runs on the replicate dimension")
+            if not all(placement.is_shard() for placement in p.placements):
+                raise ValueError(
+                    f"parameter {name!r} is a DTensor with placements {tuple(p.placements)}: distopt.Islands takes "
+                    "FSDP2's sharded parameters (a Shard placement over the island), whose gradients FSDP2 averages "
+                    "inside the island; shard the model with fully_shard(model, mesh=mesh['shard'])")
             meshes.add(tuple(int(r) for r in mesh.mesh.flatten().tolist()))
     if not meshes:
         return None

@@ -660,11 +660,15 @@ def drift_islands_of_one():
 
 
 def fsdp_mismatched(kind):
-    """FSDP2 over the wrong ranks: the whole world (islands of 2), or HSDP's 2-D mesh."""
+    """FSDP2 over the wrong ranks (the whole world, with islands of 2; HSDP's 2-D mesh), or a replicated DTensor."""
     from torch.distributed.device_mesh import init_device_mesh
     mesh = island_mesh()
-    sharded_over = init_device_mesh("cpu", (4,)) if kind == "world" else mesh
-    net = fsdp_model(sharded_over)
+    if kind == "replicate":  # a DTensor that nothing averages inside the island
+        from torch.distributed.tensor import Replicate, distribute_tensor
+        net = make_model()
+        net[0].weight = nn.Parameter(distribute_tensor(net[0].weight.detach(), mesh["shard"], [Replicate()]))
+    else:
+        net = fsdp_model(init_device_mesh("cpu", (4,)) if kind == "world" else mesh)
     try:
         DistributedOptimizer(INNER(net.parameters()), mode=distopt.Islands(islands=mesh))
     except ValueError as exc:
@@ -703,6 +707,7 @@ CASES = {
     "fsdp checkpoint": (4, fsdp_checkpoint, ()),
     "fsdp world mesh": (4, fsdp_mismatched, ("world",)),
     "fsdp hsdp": (4, fsdp_mismatched, ("hsdp",)),
+    "fsdp replicate": (4, fsdp_mismatched, ("replicate",)),
     "fsdp compressed": (4, fsdp_compressed, ()),
     "fsdp resume": (4, fsdp_resume, ()),
     "fsdp added group": (4, fsdp_added_group, ()),
@@ -999,6 +1004,8 @@ def test_fsdp2_inside_a_checkpoint_resumes_bitwise_through_dcp_or_each_ranks_own
                         r"fully_shard\(model, mesh=mesh\['shard'\]\)"),
     ("fsdp hsdp", r"is a DTensor over a 2-D mesh \(placements \(Replicate\(\), Shard\(dim=0\)\)\): FSDP2 over the "
                   r"whole 2-D mesh \(HSDP\) all-reduces.*fully_shard\(model, mesh=mesh\['shard'\]\)"),
+    ("fsdp replicate", r"parameter 'param_groups\[0\]\[0\]' is a DTensor with placements \(Replicate\(\),\): "
+                       r"distopt.Islands takes FSDP2's sharded parameters"),
 ])
 def test_fsdp2_over_a_mesh_other_than_the_islands_fails_on_every_rank_saying_how_to_shard(case, message):
     import re
