@@ -628,6 +628,19 @@ def fsdp_rebroadcast():
     return [p.to_local().detach().clone() for p in net.parameters()]
 
 
+def fsdp_join():
+    """FSDP2 inside: a step inside join() is refused on every rank."""
+    mesh = island_mesh()
+    net = fsdp_model(mesh["shard"])
+    opt = DistributedOptimizer(INNER(net.parameters()), mode=distopt.Islands(islands=mesh))
+    try:
+        with opt.join():
+            fsdp_train(opt, net, 1)
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
 def fsdp_added_group():
     """FSDP2 inside: a param group added after construction is refused at the next step, on every rank."""
     mesh = island_mesh()
@@ -711,6 +724,7 @@ CASES = {
     "fsdp compressed": (4, fsdp_compressed, ()),
     "fsdp resume": (4, fsdp_resume, ()),
     "fsdp added group": (4, fsdp_added_group, ()),
+    "fsdp join": (4, fsdp_join, ()),
     "fsdp rebroadcast": (4, fsdp_rebroadcast, ()),
     "fsdp unused heads": (4, fsdp_unused_heads, ()),
     "fsdp clipped": (4, fsdp_clipped, ()),
@@ -1042,6 +1056,11 @@ def test_fsdp2_inside_the_drift_check_compares_each_shard_across_the_islands(cas
 def test_fsdp2_inside_a_param_group_added_later_is_refused_at_the_next_step_on_every_rank():
     for message in results("fsdp added group"):
         assert message is not None and "add_param_group() with FSDP2 inside the islands is not supported yet" in message
+
+
+def test_fsdp2_inside_a_step_inside_join_is_refused_on_every_rank():
+    for message in results("fsdp join"):
+        assert message is not None and "join() with FSDP2 inside the islands is not supported yet" in message
 
 
 def test_islands_of_one_rank_have_a_drift_check_across_the_islands():
