@@ -195,6 +195,13 @@ MUTANTS: List[Mutant] = [
            "        if self._world is not None:\n            whole = self._world\n",
            "        if False:\n            whole = self._world\n",
            ["tests/multiprocess/test_islands.py", "-k", "drift or broadcast"]),
+    Mutant("islands over FSDP2: each local shard's gradient is averaged across the islands", "distopt/modes/islands.py",
+           "                        grads[i].copy_(view)\n", "                        pass\n",
+           ["tests/multiprocess/test_islands.py", "-k", "fsdp2_inside_and_synchronous"]),
+    Mutant("islands over FSDP2: every rank of an island acts on a drift found in any shard",
+           "distopt/modes/islands.py",
+           "        return next((r for r in reports if r.drifted), report)\n", "        return report\n",
+           ["tests/multiprocess/test_islands.py", "-k", "fsdp2_inside_the_drift_check"]),
 ]
 
 

@@ -215,6 +215,8 @@ class Mode:
     #: Whether the mode takes ``GradScaler``'s verdict itself (torch's ``_step_supports_amp_scaling``):
     #: ``GradScaler.step`` then always calls ``step()``, with ``found_inf`` set.
     handles_amp_scaling: bool = False
+    #: Whether the mode trains DTensor parameters (FSDP2's ``fully_shard``): the wrapper refuses them otherwise.
+    takes_dtensors: bool = False
 
     #: How the user asked for this mode, for error messages: ``mode=<its repr>`` unless the keyword
     #: shorthands built it (:mod:`distopt.modes.shorthands` then names the keywords).
@@ -390,6 +392,21 @@ class Mode:
             ctx: the wrapper, as the mode sees it.
             src: rank, in the wrapper's group, whose state every rank takes.
         """
+
+    def synchronize(self, ctx: ModeContext) -> None:
+        """The user's ``opt.synchronize()``, after the engine finished its round: reduce now what the mode
+        reduces beyond it before ``step()`` (default: nothing; :class:`distopt.Islands` over FSDP2: the
+        gradients' sum across the islands, so that clipping sees the global mean)."""
+
+    def agree_on_drift(self, ctx: ModeContext, report: drift.DriftReport) -> drift.DriftReport:
+        """The drift check's report for every rank, where :meth:`whole_context` holds only some of the ranks
+        that must act on it alike (default: the report as it is; every rank was compared).
+
+        Args:
+            ctx: the wrapper, as the mode sees it.
+            report: what the check over :meth:`whole_context` found on this rank.
+        """
+        return report
 
     def extra_state_bytes(self, ctx: ModeContext) -> int:
         """Bytes the mode holds besides the model and the inner optimizer (for ``stats``)."""

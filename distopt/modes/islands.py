@@ -35,10 +35,16 @@ the whole pseudo-gradient on its own link; the islands stay identical inside).
 and a rank that has joined takes part in the sums across until no rank of any island contributes
 (:meth:`Islands.leaving`).
 
+**FSDP2 inside** (:mod:`distopt.modes.island_shards`): where the optimizer's parameters are DTensors
+sharded by FSDP2 over each rank's island, FSDP2 averages inside, the wrapper's engine runs over this rank
+alone, and the across level syncs each rank's local shard over its across group (rank ``j`` of every
+island holds the same shard): synchronous across in ``step()``, local SGD / DiLoCo on the shards.
+
 What is not supported yet raises at construction or at the call, naming what to do:
 ``join()`` with local SGD or DiLoCo across, fault tolerance, a closure, the
 across modes ``ShardedState`` and local SGD's ``warmup``, a frozen parameter made trainable after the
-first cross-island sum (synchronous across; ``add_param_group()`` works), and FSDP2 inside.
+first cross-island sum (synchronous across; ``add_param_group()`` works); with FSDP2 inside, ``join()``,
+``add_param_group()`` and ``broadcast_optimizer_state()``.
 
 The drift check compares every rank of every island, and ``broadcast_parameters()`` (``bcast_period``)
 and ``broadcast_optimizer_state()`` reach every rank of every island from island 0's root
@@ -70,8 +76,10 @@ from ..planning import topology as topologies
 from ..planning.stats import StepStats
 from ..planning.topology import Topology
 from ..transport import private_groups, stalls
+from . import island_shards
 from .base import Mode, ModeContext
 from .diloco import LocalSGD
+from .island_shards import LocalShards
 from .island_slices import SliceGroup, Slices
 from .sharded import ShardedState
 from .shorthands import settings_of
@@ -89,7 +97,10 @@ class Islands(Mode):
     """Synchronous training inside each island (host), and ``across`` between the islands.
 
     Inside an island the ranks are plain replicas: every step's gradients are averaged over the
-    island during backward, uncompressed, as :class:`distopt.Synchronous` does on a group. Between
+    island during backward, uncompressed, as :class:`distopt.Synchronous` does on a group; or, where
+    the parameters are DTensors of FSDP2 sharded over the island (``fully_shard(model,
+    mesh=mesh["shard"])``, ``islands=mesh``), FSDP2 averages inside and the across mode syncs each
+    rank's local shard with the same shard on the other islands. Between
     the islands runs ``across``: synchronous training (hierarchical: each rank of an island carries
     ``1/k`` of the gradient bytes across), or local SGD / DiLoCo / streaming DiLoCo, which sync the
     islands every ``every`` steps. ``compression`` compresses the cross-island level only. See
@@ -115,7 +126,8 @@ class Islands(Mode):
             a list of rank lists; when the wrapper is built, an island of the wrong form.
         ValueError: an unknown ``compression``; ``across`` a mode not supported across islands yet;
             when the wrapper is built, islands that overlap, differ in size, do not cover the group, or
-            differ between ranks (on every rank alike, before any group is built).
+            differ between ranks (on every rank alike, before any group is built); DTensor parameters over
+            a 2-D mesh (HSDP), over other ranks than the island, or mixed with plain ones.
 
     Example::
 
@@ -170,6 +182,9 @@ class Islands(Mode):
         self._extra_bytes = 0  # the last sum across: its exact sums beside the slices (presence, contributors)
         self._contributors: Optional[int] = None  # in a join block: the last round's contributors, every island's
         self._steps_after_join: Optional[int] = None  # the step count every rank takes after a join block
+        self._meshes: Optional[List[Tuple[int, ...]]] = None  # FSDP2 inside: the ranks its parameters shard over
+        self._shards: Optional[LocalShards] = None  # FSDP2 inside: the local shards the across level syncs
+        self._shards_crossed_at = -1  # FSDP2 inside: the step whose gradients were summed across last
 
     # ------------------------------------------------------------------ the public object
 
@@ -187,6 +202,11 @@ class Islands(Mode):
         return self.across.handles_amp_scaling
 
     @property
+    def takes_dtensors(self) -> bool:  # type: ignore[override]
+        """Whether FSDP2 shards the model inside the islands (the optimizer's parameters are DTensors)."""
+        return self._meshes is not None
+
+    @property
     def across_stats(self) -> StepStats:
         """What the last step put on the cross-island link, per rank: the across engine's last round
         (``bytes``, ``packs``, ``all_reduces``), plus the exact presence sum when one ran."""
@@ -200,6 +220,7 @@ class Islands(Mode):
             "islands": None if self.topology is None else self.topology.describe(),
             "islands_across": {**settings_of(self.across)},
             "islands_compression": None if self.compressor is None else self.compressor.settings(),
+            "islands_inside": "fsdp2" if self._meshes is not None else "replicas",
         }
 
     def check_compatible(self, *, optimizer: Optimizer, reduce_op: str, bcast_period: int,
@@ -208,6 +229,7 @@ class Islands(Mode):
             raise ValueError(f"fault_tolerance {_NOT_YET}: a replica group of several ranks per island is not "
                              "built yet; use fault tolerance with one process per replica, without Islands")
         self._bcast_period = bcast_period
+        self._meshes = island_shards.mesh_ranks_of(optimizer, {})  # before any collective: every rank alike
         self.across.check_compatible(optimizer=optimizer, reduce_op=reduce_op, bcast_period=bcast_period,
                                      fault_tolerant=False)
 
@@ -236,12 +258,13 @@ class Islands(Mode):
         except (TypeError, ValueError) as exc:
             mine = (type(exc).__name__, str(exc))
         with stalls.inspected(None, "the comparison of the islands"):
-            everyone = collectives.all_gather_object((mine, placement.this_process()), group=process_group)
+            everyone = collectives.all_gather_object((mine, placement.this_process(), self._meshes),
+                                                     group=process_group)
         views: List[Any] = []
-        for view, _ in everyone:
+        for view, _, _ in everyone:
             if view == "hosts":
                 try:
-                    view = topologies.from_hosts([place for _, place in everyone], ranks)
+                    view = topologies.from_hosts([place for _, place, _ in everyone], ranks)
                 except ValueError as exc:
                     view = ("ValueError", str(exc))
             views.append(view)
@@ -255,6 +278,9 @@ class Islands(Mode):
         if why is not None:
             raise ValueError(why)
         topology = views[0]
+        why = island_shards.mesh_disagreement([meshes for _, _, meshes in everyone], ranks, topology.islands)
+        if why is not None:
+            raise ValueError(why)
         me = dist.get_rank()
         place = topology.place_of(me)
         island = topology.islands[topology.island_of(me)]
@@ -263,6 +289,8 @@ class Islands(Mode):
         self._across_source = sorted(across).index(topology.islands[0][place])
         self._whole = process_group
         self.topology = topology
+        if self._meshes is not None:  # FSDP2 averages inside the island: the wrapper's engine has this rank alone
+            return _alone(me, ranks, group)
         return self._island_group if self._island_group is not group else process_group
 
     def _own_view(self, ranks: List[int]) -> Any:
@@ -291,19 +319,23 @@ class Islands(Mode):
         engine = self._engine
         weakref.finalize(self, engine.close)  # the mode owns it: closed when the mode (with its wrapper) goes
         across_rank = collectives.get_rank(self._across_group)
+        if self._meshes is not None:
+            self._shards = LocalShards(ctx.params)
         self._ctx = ModeContext(
-            optimizer=ctx.optimizer, engine=engine, params=ctx.params, names=ctx.names,
+            optimizer=ctx.optimizer, engine=engine, params=self._across_params(ctx), names=ctx.names,
             process_group=self._across_group, rank=across_rank, root_rank=self._across_source,
             reduce_op=ctx.reduce_op, stall_warning=ctx.stall_warning, stall_timeout=ctx.stall_timeout,
             reduce_for_step=_weakly(self, lambda mode: mode._reduce_across(ctx)),
             synchronize=_weakly(self, lambda mode: mode._reduce_across(ctx)))
-        if topology is not None and topology.size > 1:
+        if topology is not None and topology.size > 1 and self._shards is None:
             self._world = self._open_world(ctx)
         self._agree_across(ctx)
         if self._bcast_period != -1 and engine.world_size > 1 and ctx.params:
             with torch.no_grad(), stalls.inspected(engine.progress, "the broadcast of island 0's parameters"):
-                collectives.broadcast_parameters(ctx.params, src=self._across_source, group=self._ctx.group)
-        if isinstance(self.across, Synchronous):
+                collectives.broadcast_parameters(self._ctx.params, src=self._across_source, group=self._ctx.group)
+        if self._shards is not None:
+            self._track_across(ctx)  # synchronous too: the local gradients travel as they are, no slices
+        elif isinstance(self.across, Synchronous):
             self._warn_if_flat_slices_gain_nothing(ctx)
             if engine.world_size > 1:
                 ctx.engine.call_when_settled(_weakly(self, lambda mode: mode._cross_after_round(ctx)))
@@ -311,6 +343,18 @@ class Islands(Mode):
             self._track_across(ctx)
         self._ctx.set_steps(ctx.steps)
         self.across.attach(self._ctx)
+
+    def _across_params(self, ctx: ModeContext) -> List[Tensor]:
+        """What the across level syncs: the wrapper's parameters, or with FSDP2 inside their local shards'
+        aliases (:class:`~distopt.modes.island_shards.LocalShards`), pointed at the shards as they are now."""
+        if self._shards is None:
+            return ctx.params
+        if len(ctx.params) != len(self._shards.params):
+            raise RuntimeError(
+                f"add_param_group() with FSDP2 inside the islands {_NOT_YET}: the parameters added would not be "
+                "synced across the islands; give the optimizer every parameter group before building the "
+                "DistributedOptimizer")
+        return self._shards.refresh()
 
     def _open_world(self, ctx: ModeContext) -> ModeContext:
         """A context over every rank of every island, rooted at island 0's root (an engine of its own, which
@@ -387,10 +431,12 @@ class Islands(Mode):
 
     def _track_across(self, ctx: ModeContext) -> List[Tensor]:
         """The across engine takes on the wrapper's parameters it lacks (local SGD exchanges them)."""
-        new = ctx.params[self._tracked:]
+        params = self._ctx.params
+        new = params[self._tracked:]
         if new:
-            self._engine.track(new, [ctx.names.get(id(p), f"parameter {self._tracked + i}") for i, p in enumerate(new)])
-            self._tracked = len(ctx.params)
+            self._engine.track(new, [ctx.names.get(id(p), f"parameter {self._tracked + i}")
+                                     for i, p in enumerate(ctx.params[self._tracked:])])
+            self._tracked = len(params)
         return new
 
     def on_track(self, ctx: ModeContext, params: List[Tensor]) -> None:
@@ -416,6 +462,7 @@ class Islands(Mode):
         if closure is not None:
             raise RuntimeError(f"step(closure) {_NOT_YET}; call step() after backward()")
         ctx.reduce_for_step()  # the island's round, if it was left pending
+        self._across_params(ctx)
         across = self._ctx
         across.set_steps(ctx.steps)
         across.found_inf, across.grad_scale = ctx.found_inf, ctx.grad_scale
@@ -426,10 +473,15 @@ class Islands(Mode):
             self._engine.after_step()  # as the wrapper does for its own engine: the next round starts
 
     def sync_now(self, ctx: ModeContext) -> None:
+        self._across_params(ctx)
         self._ctx.set_steps(ctx.steps)
         self.across.sync_now(self._ctx)
 
     def _refuse_join(self, ctx: ModeContext, what: str) -> None:
+        if ctx.engine.join.in_block and self._shards is not None:
+            raise RuntimeError(
+                f"{what}: join() with FSDP2 inside the islands {_NOT_YET}; give every rank the same number of "
+                "batches (e.g. drop the last, uneven ones with DistributedSampler(drop_last=True))")
         if ctx.engine.join.in_block and not isinstance(self.across, Synchronous):
             raise RuntimeError(
                 f"{what}: join() {_NOT_YET}(across={self.across!r}), only with across=Synchronous(); give every "
@@ -501,7 +553,9 @@ class Islands(Mode):
     def _reduce_across(self, ctx: ModeContext) -> None:
         """What the across mode's ``reduce_for_step`` means here: the island's round, then its sum across."""
         ctx.reduce_for_step()
-        if isinstance(self.across, Synchronous) and self._crossed_at != ctx.engine.rounds:
+        if isinstance(self.across, Synchronous) and self._shards is not None:
+            self._cross_shards(ctx)
+        elif isinstance(self.across, Synchronous) and self._crossed_at != ctx.engine.rounds:
             self._cross(ctx)
 
     def _cross_after_round(self, ctx: ModeContext) -> None:
@@ -560,6 +614,53 @@ class Islands(Mode):
                 whole = group.gather(view, k, ctx.group, ctx.progress)
                 present = None if complete else self._presence(ctx, group)
                 group.write_back(ctx.params, whole, present)
+
+    def synchronize(self, ctx: ModeContext) -> None:
+        """``opt.synchronize()``: with FSDP2 inside and synchronous training across, the sum across now
+        (FSDP2 set the gradients at the end of backward), so that clipping sees the global mean."""
+        if self._shards is not None and isinstance(self.across, Synchronous):
+            self._cross_shards(ctx)
+
+    def _cross_shards(self, ctx: ModeContext) -> None:
+        """FSDP2 inside: each rank's local shard of the island's mean gradient, averaged over its across group
+        (the same shard on every island), once per step. FSDP2 sets the gradients at the end of backward, so
+        this runs in ``step()`` (or ``opt.synchronize()``). A parameter without a gradient on some island is
+        averaged with its zeros; one without a gradient anywhere keeps ``grad=None``."""
+        self._refuse_join(ctx, "opt.synchronize()")
+        if self._shards_crossed_at == ctx.steps or self._engine.world_size == 1:
+            return
+        self._shards_crossed_at = ctx.steps
+        shards, engine = self._shards, self._engine
+        index = {id(alias): i for i, alias in enumerate(shards.refresh())}
+        grads = [shards.local_grad(i) for i in range(len(shards.params))]
+
+        def fill(pack: Pack) -> None:
+            scale = engine.scale
+            pack.absent.clear()
+            for j, view in enumerate(pack.views):
+                grad = grads[index[id(pack.params[j])]]
+                if grad is None:
+                    view.zero_()
+                    pack.absent.append(j)
+                    continue
+                view.copy_(grad)
+                if scale is not None:
+                    view.mul_(scale)
+
+        with torch.no_grad():
+            if engine.progress is not None:
+                engine.progress.phase = "inside step() (islands: the local shards' gradients across the islands)"
+            engine.reset_round()
+            engine.launch_exchange(fill)
+            engine.finish_exchange()
+            for pack in engine.packs:
+                flags = pack.flags[: len(pack.params)].tolist()
+                for j, view in enumerate(pack.views):
+                    i = index[id(pack.params[j])]
+                    if grads[i] is not None:
+                        grads[i].copy_(view)
+                    elif flags[j] > 0:  # some island has a gradient: this one takes the mean with its zeros
+                        shards.set_grad(i, view.clone())
 
     def _island_weight(self, ctx: ModeContext) -> Optional[float]:
         """What this island's mean counts for in the sum across: ``1/islands`` (or nothing, for a sum).
@@ -620,6 +721,7 @@ class Islands(Mode):
 
     def state_dict(self, ctx: ModeContext) -> Dict[str, Any]:
         self._steps_from_join(ctx)
+        self._across_params(ctx)
         self._ctx.set_steps(ctx.steps)
         state = self.across.state_dict(self._ctx)
         if self.compressor is not None:
@@ -630,6 +732,7 @@ class Islands(Mode):
     def load_state_dict(self, ctx: ModeContext, state_dict: Dict[str, Any]) -> None:
         mine = state_dict.get(STATE_KEY)
         rest = {k: v for k, v in state_dict.items() if k != STATE_KEY}
+        self._across_params(ctx)
         self._ctx.set_steps(ctx.steps)
         self.across.load_state_dict(self._ctx, rest)
         ctx.set_steps(self._ctx.steps)  # local SGD's checkpoint holds the step count
@@ -642,6 +745,11 @@ class Islands(Mode):
         whole = self.whole_context(ctx)
         if whole.world_size == 1:
             return
+        if self._shards is not None:
+            raise RuntimeError(
+                f"broadcast_optimizer_state() with FSDP2 inside the islands {_NOT_YET}: the optimizer state is "
+                "sharded (DTensors); load the checkpoint on every rank instead, e.g. with torch.distributed.checkpoint "
+                "(dcp.load, then set_optimizer_state_dict(model, opt, ...)), which gives each rank its own shard")
         root = self._whole_rank(src) if whole is not ctx else src
         with stalls.inspected(whole.progress, "the optimizer-state broadcast"):
             collectives.broadcast_optimizer_state(ctx.optimizer, src=root, group=whole.group)
@@ -671,10 +779,22 @@ class Islands(Mode):
         synchronous training keeps it); with local SGD or DiLoCo across, what they keep alike (the
         parameters right after a sync, the last-sync copies and the outer optimizer between two)."""
         self._steps_from_join(ctx)
+        if isinstance(self.across, Synchronous) and self._shards is not None:
+            return self._shards.kept_identical(ctx.optimizer, ctx.steps)
         if isinstance(self.across, Synchronous):
             return super().kept_identical(ctx, scheduled)
+        self._across_params(ctx)
         self._ctx.set_steps(ctx.steps)
         return self.across.kept_identical(self._ctx, scheduled)
+
+    def agree_on_drift(self, ctx: ModeContext, report: drift.DriftReport) -> drift.DriftReport:
+        """FSDP2 inside: each across group compared its own shard, so the ranks of an island take the report
+        of the first of them that found a drift; then every rank of every island acts alike."""
+        if self._shards is None or self.topology is None or self.topology.size == 1:
+            return report
+        with stalls.inspected(None, "the exchange of the drift check's reports inside the island"):
+            reports = collectives.all_gather_object(report, group=self._island_group)
+        return next((r for r in reports if r.drifted), report)
 
     def extra_state_bytes(self, ctx: ModeContext) -> int:
         held = 0 if self._slices is None else self._slices.nbytes()
@@ -719,6 +839,18 @@ def _subgroups(topology: Topology, island: Tuple[int, ...], across: Tuple[int, .
         else:
             built[members] = private_groups.build_by_members(sorted(members), options["backend"], options["timeout"])
     return built[island], built[across]
+
+
+def _alone(me: int, ranks: List[int], parent: ProcessGroup) -> ProcessGroup:
+    """A group of this rank alone (FSDP2 inside: the wrapper's engine averages nothing), built as
+    :func:`_subgroups` builds its groups: over the default group every rank builds every rank's."""
+    if len(ranks) == 1:
+        return parent
+    options = {"backend": dist.get_backend(parent), "timeout": private_groups.timeout_of(parent)}
+    if len(ranks) == dist.get_world_size():
+        built = {rank: dist.new_group(ranks=[rank], **options) for rank in sorted(ranks)}
+        return built[me]
+    return private_groups.build_by_members([me], options["backend"], options["timeout"])
 
 
 def _nothing() -> None:

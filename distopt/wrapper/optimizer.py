@@ -260,7 +260,8 @@ class DistributedOptimizer(InnerOptimizerSurface):
             )
         self.root_rank = root_rank
         self._names_by_id = checks.names_by_id(named_parameters, optimizer)
-        checks.no_dtensors(optimizer, self._names_by_id)  # before the engine's first collective
+        if not self._mode.takes_dtensors:  # before the engine's first collective
+            checks.no_dtensors(optimizer, self._names_by_id)
         self._engine = self._build_engine(backward_passes_per_step=int(backward_passes_per_step))
         self._retired_by: Optional[str] = None  # why this wrapper no longer reduces
         self._params: List[Tensor] = []  # every parameter this wrapper broadcasts, in tracking order
@@ -359,7 +360,8 @@ class DistributedOptimizer(InnerOptimizerSurface):
             )
         self.optimizer.add_param_group(param_group)
         try:
-            checks.no_dtensors(self.optimizer, self._names_by_id, first_group=len(self.optimizer.param_groups) - 1)
+            if not self._mode.takes_dtensors:
+                checks.no_dtensors(self.optimizer, self._names_by_id, first_group=len(self.optimizer.param_groups) - 1)
         except TypeError:
             self.optimizer.param_groups.pop()
             raise
@@ -460,10 +462,11 @@ class DistributedOptimizer(InnerOptimizerSurface):
                 "check_drift() was called inside a join block after a rank ran out of data: that rank cannot take "
                 "part; call it after the block, where every rank holds the same state again"
             )
-        kept = None if self.world_size == 1 else self._mode.kept_identical(ctx, scheduled=False)
+        kept = None if self._compared_size() == 1 else self._mode.kept_identical(ctx, scheduled=False)
         if kept is None:
             return DriftReport(step=engine.steps)
-        report = self._drift.run(self._mode.whole_context(ctx), kept, self._param_names())
+        report = self._mode.agree_on_drift(ctx, self._drift.run(self._mode.whole_context(ctx), kept,
+                                                                self._param_names()))
         self._drift.act(report, when=f"called as opt.check_drift() after step {engine.steps}", root=self.root_rank,
                         bcast_period=self.bcast_period, stacklevel=2)
         return report
@@ -471,8 +474,13 @@ class DistributedOptimizer(InnerOptimizerSurface):
     def _drift_due(self, rebroadcast: bool) -> bool:
         """Whether a drift check is due at this step; with ``bcast_period``, only right before a
         re-broadcast, when the drift since the last one is largest and the check can say what it corrects."""
-        return (self.world_size > 1 and self._drift.due(self._engine.steps)
-                and (self.bcast_period <= 0 or rebroadcast))
+        return (self._drift.due(self._engine.steps) and (self.bcast_period <= 0 or rebroadcast)
+                and self._compared_size() > 1)
+
+    def _compared_size(self) -> int:
+        """Ranks the drift check compares: the mode's whole context's, which may hold more than the engine's
+        (islands: every island; with FSDP2 inside, the wrapper's own world is this rank alone)."""
+        return self._mode.whole_context(self._context).world_size
 
     def _scheduled_drift_check(self, rebroadcast: bool) -> Optional[DriftReport]:
         """Run the drift check if one is due at this step (:meth:`_drift_due`)."""
@@ -481,7 +489,8 @@ class DistributedOptimizer(InnerOptimizerSurface):
         kept = self._mode.kept_identical(self._context, scheduled=True)
         if kept is None:  # e.g. local SGD between two syncs: the next step tries again
             return None
-        report = self._drift.run(self._mode.whole_context(self._context), kept, self._param_names())
+        report = self._mode.agree_on_drift(
+            self._context, self._drift.run(self._mode.whole_context(self._context), kept, self._param_names()))
         if rebroadcast:
             report.corrected = report.parameter_drift
         return report
@@ -523,6 +532,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
         self._mode.finish_step(self._context)
         if self._reduces and self._mode.reduces_in_backward:  # local SGD keeps gradients local
             self._engine.synchronize(explicit=True)
+        self._mode.synchronize(self._context)
 
     def sync_now(self) -> None:
         """Bring every rank to the same parameters now, e.g. before a checkpoint saved on one rank.
@@ -691,9 +701,9 @@ class DistributedOptimizer(InnerOptimizerSurface):
         self._check_not_retired("broadcast_parameters()")
         self._mode.finish_step(self._context)
         whole = self._mode.whole_context(self._context)  # every rank, where the engine averages over part
-        if whole.world_size > 1 and self._params:
+        if whole.world_size > 1 and whole.params:  # the whole context's: islands over FSDP2 hold local shards there
             with torch.no_grad(), stalls.inspected(whole.progress, "the parameter broadcast"):
-                collectives.broadcast_parameters(self._params, src=whole.root_rank, group=whole.group)
+                collectives.broadcast_parameters(whole.params, src=whole.root_rank, group=whole.group)
 
     def broadcast_optimizer_state(self) -> None:
         """Give every rank the root's optimizer state, e.g. when only the root loaded a checkpoint.
