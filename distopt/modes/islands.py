@@ -70,7 +70,7 @@ from ..planning import topology as topologies
 from ..planning.stats import StepStats
 from ..planning.topology import Topology
 from ..transport import private_groups, stalls
-from .base import Mode, ModeContext
+from .base import Mode, ModeContext, SyncVote
 from .diloco import LocalSGD
 from .island_slices import SliceGroup, Slices
 from .sharded import ShardedState
@@ -131,6 +131,7 @@ class Islands(Mode):
     """
 
     reduces_in_backward = True
+    fault_tolerance_above = True  # under fault tolerance a replica is an island; the manager joins them
 
     def __init__(self, across: Optional[Mode] = None, *, islands: Any = None,
                  compression: Union[str, Compressor, None] = None) -> None:
@@ -170,6 +171,8 @@ class Islands(Mode):
         self._extra_bytes = 0  # the last sum across: its exact sums beside the slices (presence, contributors)
         self._contributors: Optional[int] = None  # in a join block: the last round's contributors, every island's
         self._steps_after_join: Optional[int] = None  # the step count every rank takes after a join block
+        self._fault_tolerant = False  # fault_tolerance=: the island is a replica group, the manager joins them
+        self._vote: Optional[SyncVote] = None  # the wrapper's torchft controller, under fault tolerance
 
     # ------------------------------------------------------------------ the public object
 
@@ -205,11 +208,52 @@ class Islands(Mode):
     def check_compatible(self, *, optimizer: Optimizer, reduce_op: str, bcast_period: int,
                          fault_tolerant: bool) -> None:
         if fault_tolerant:
-            raise ValueError(f"fault_tolerance {_NOT_YET}: a replica group of several ranks per island is not "
-                             "built yet; use fault tolerance with one process per replica, without Islands")
+            self._check_fault_tolerant()
         self._bcast_period = bcast_period
         self.across.check_compatible(optimizer=optimizer, reduce_op=reduce_op, bcast_period=bcast_period,
-                                     fault_tolerant=False)
+                                     fault_tolerant=fault_tolerant)
+
+    # ------------------------------------------------------------------ fault tolerance: an island per replica
+
+    def _check_fault_tolerant(self) -> None:
+        """Under ``fault_tolerance=`` an island is a torchft replica group: the wrapper's ``process_group``
+        (the ranks of one torchrun agent), and the manager joins the islands.
+
+        Raises:
+            ValueError: ``islands=`` given (the replica groups are the islands), or ``compression=`` across.
+        """
+        if self.islands is not None:
+            raise ValueError(
+                "islands= cannot be combined with fault_tolerance: there each island is a torchft replica group, the "
+                "processes of one torchrun agent (python -m distopt.fault_tolerance.launch --replicas N "
+                "--nproc-per-node K), and the manager joins the islands; leave islands unset")
+        if self.compressor is not None:
+            raise ValueError(
+                f"compression={self.compression!r} across the islands {_NOT_YET} under fault_tolerance; leave "
+                "compression unset on Islands")
+        self._fault_tolerant = True
+
+    def _same_start(self, ctx: ModeContext) -> None:
+        """Under fault tolerance, at the job's first step (the quorum's step 0): give the island its rank 0's
+        parameters and optimizer state, after torchft's first heal and before the step.
+
+        At step 0 torchft heals rank ``j`` of every island but one from rank ``j`` of a primary island that
+        it picks by ``j`` (``init_sync``): with different initialisations the ranks of one island would then
+        hold different islands' parameters. Rank 0's primary gives every island the same. Later heals need
+        nothing: every live island is the same on all its ranks.
+        """
+        if self._vote is None or self._vote.quorum_step != 0 or ctx.world_size == 1:
+            return
+        with torch.no_grad(), stalls.inspected(ctx.progress, "the island's broadcast at the first step"):
+            collectives.broadcast_parameters(ctx.params, src=0, group=ctx.group)
+        with stalls.inspected(ctx.progress, "the island's optimizer-state broadcast at the first step"):
+            collectives.broadcast_optimizer_state(ctx.optimizer, src=0, group=ctx.group)
+
+    def fault_tolerant(self, vote: SyncVote) -> bool:
+        """The manager serves the across level: a quorum and a commit vote per step with synchronous training
+        across (the wrapper takes them), per sync with local SGD or DiLoCo across (the across mode does)."""
+        self._vote = vote
+        return self.across.fault_tolerant(vote)
 
     def bind(self, owner: object) -> None:
         super().bind(owner)
@@ -227,6 +271,10 @@ class Islands(Mode):
         """
         if not collectives.is_distributed():
             self.topology = Topology(((0,),))
+            return process_group
+        if self._fault_tolerant:  # the island is the whole group; the manager joins the islands
+            self.topology = Topology((tuple(range(collectives.get_world_size(process_group))),))
+            self._whole = process_group
             return process_group
         group = process_group if process_group is not None else dist.group.WORLD
         ranks = dist.get_process_group_ranks(group)
@@ -287,25 +335,29 @@ class Islands(Mode):
             raise ValueError(
                 f"islands={topology.describe()} are of one rank each, and across=Synchronous() then is flat "
                 "synchronous training: use mode=distopt.Synchronous() (or islands of several ranks)")
-        self._engine = ctx.open_engine(self._across_group, self.compressor)
+        if self._fault_tolerant:
+            self._engine = ctx.open_managed_engine(self.compressor)
+        else:
+            self._engine = ctx.open_engine(self._across_group, self.compressor)
         engine = self._engine
         weakref.finalize(self, engine.close)  # the mode owns it: closed when the mode (with its wrapper) goes
-        across_rank = collectives.get_rank(self._across_group)
+        across_rank = 0 if self._fault_tolerant else collectives.get_rank(self._across_group)
         self._ctx = ModeContext(
             optimizer=ctx.optimizer, engine=engine, params=ctx.params, names=ctx.names,
             process_group=self._across_group, rank=across_rank, root_rank=self._across_source,
             reduce_op=ctx.reduce_op, stall_warning=ctx.stall_warning, stall_timeout=ctx.stall_timeout,
             reduce_for_step=_weakly(self, lambda mode: mode._reduce_across(ctx)),
             synchronize=_weakly(self, lambda mode: mode._reduce_across(ctx)))
-        if topology is not None and topology.size > 1:
+        if topology is not None and topology.size > 1 and not self._fault_tolerant:
             self._world = self._open_world(ctx)
-        self._agree_across(ctx)
+        self._agree_across(ctx)  # under fault tolerance the world is 1 until a quorum: a replica that
+        # heals compares the settings with its live peer's instead, as without islands
         if self._bcast_period != -1 and engine.world_size > 1 and ctx.params:
             with torch.no_grad(), stalls.inspected(engine.progress, "the broadcast of island 0's parameters"):
                 collectives.broadcast_parameters(ctx.params, src=self._across_source, group=self._ctx.group)
         if isinstance(self.across, Synchronous):
             self._warn_if_flat_slices_gain_nothing(ctx)
-            if engine.world_size > 1:
+            if engine.world_size > 1 or self._fault_tolerant:
                 ctx.engine.call_when_settled(_weakly(self, lambda mode: mode._cross_after_round(ctx)))
         else:
             self._track_across(ctx)
@@ -416,6 +468,7 @@ class Islands(Mode):
         if closure is not None:
             raise RuntimeError(f"step(closure) {_NOT_YET}; call step() after backward()")
         ctx.reduce_for_step()  # the island's round, if it was left pending
+        self._same_start(ctx)
         across = self._ctx
         across.set_steps(ctx.steps)
         across.found_inf, across.grad_scale = ctx.found_inf, ctx.grad_scale
@@ -430,6 +483,10 @@ class Islands(Mode):
         self.across.sync_now(self._ctx)
 
     def _refuse_join(self, ctx: ModeContext, what: str) -> None:
+        if ctx.engine.join.in_block and self._fault_tolerant:
+            raise RuntimeError(
+                f"{what}: join() {_NOT_YET} under fault_tolerance; give every rank the same number of batches (e.g. "
+                "drop the last, uneven ones with DistributedSampler(drop_last=True))")
         if ctx.engine.join.in_block and not isinstance(self.across, Synchronous):
             raise RuntimeError(
                 f"{what}: join() {_NOT_YET}(across={self.across!r}), only with across=Synchronous(); give every "
@@ -520,7 +577,9 @@ class Islands(Mode):
         self._extra_bytes = 0
         self._steps_from_join(ctx)
         engine = self._engine
-        if engine.world_size == 1:
+        if self._vote is not None:
+            self._vote.enter_round()  # the quorum: how many islands take part (the mean's scale)
+        elif engine.world_size == 1:
             return
         scale = self._island_weight(ctx)
         if self._contributors == 0:  # inside join(): no rank of any island contributed; nothing to sum
@@ -556,8 +615,10 @@ class Islands(Mode):
                     group = slices.groups[slices.of_slot[id(pack.params[j])]]
                     complete = flags[j] * (count if averaged else 1) > count - 0.5
                     results.append((group, view, complete))
+            failed = self._vote is not None and self._vote.round_failed()  # garbage back: the step is discarded
             for group, view, complete in results:
-                whole = group.gather(view, k, ctx.group, ctx.progress)
+                complete = complete or failed
+                whole = group.gather(view, k, ctx.group, ctx.progress)  # every rank of the island, always
                 present = None if complete else self._presence(ctx, group)
                 group.write_back(ctx.params, whole, present)
 
@@ -586,6 +647,12 @@ class Islands(Mode):
     def _presence(self, ctx: ModeContext, group: "SliceGroup") -> List[bool]:
         """Which of ``group``'s parameters have a gradient on some island: an exact sum of their presence."""
         mine = torch.tensor([ctx.params[i].grad is not None for i in group.members], dtype=torch.int32)
+        if self._vote is not None:  # on the manager's group, in its commit protocol (a healing island sends 0)
+            options = dist.AllreduceOptions()
+            options.reduceOp = dist.ReduceOp.SUM
+            self._ctx.group.allreduce([mine], options).wait()
+            self._extra_bytes += mine.numel() * mine.element_size()
+            return [bool(v) for v in mine.tolist()]
         with stalls.inspected(self._engine.progress, "the sum of the gradients' presence across the islands"):
             collectives.all_reduce(mine, op="sum", group=self._ctx.group)
         self._extra_bytes += mine.numel() * mine.element_size()
