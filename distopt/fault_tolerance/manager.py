@@ -78,17 +78,44 @@ def make_manager(*, min_replicas: int = 1, timeout: float = COLLECTIVE_TIMEOUT, 
     if "checkpoint_transport" not in kwargs and chosen:
         kwargs["checkpoint_transport"] = _http_transport(chosen, seconds)
     group = process_group(seconds)
+    rank = kwargs.pop("rank", int(os.environ.get("RANK", "0")))
+    world_size = kwargs.pop("world_size", int(os.environ.get("WORLD_SIZE", "1")))
+    if world_size > 1:
+        _forget_last_manager(store_addr or os.environ["MASTER_ADDR"],
+                             store_port if store_port is not None else int(os.environ["MASTER_PORT"]), rank,
+                             timedelta(seconds=connect_timeout))
     manager = Manager(
         pg=group, load_state_dict=None, state_dict=None, min_replica_size=min_replicas,
         timeout=seconds, quorum_timeout=timedelta(seconds=quorum_timeout),
         connect_timeout=timedelta(seconds=connect_timeout), heartbeat_interval=timedelta(seconds=heartbeat_interval),
         replica_id=replica_id, lighthouse_addr=lighthouse, store_addr=store_addr, store_port=store_port,
         hostname=chosen or socket.gethostname(),
-        rank=kwargs.pop("rank", int(os.environ.get("RANK", "0"))),
-        world_size=kwargs.pop("world_size", int(os.environ.get("WORLD_SIZE", "1"))), **kwargs,
+        rank=rank, world_size=world_size, **kwargs,
     )
     register(manager, group)
     return manager
+
+
+def _forget_last_manager(host: str, port: int, rank: int, timeout: timedelta) -> None:
+    """Before a replica group of several processes builds its Managers: clear what its last attempt left.
+
+    Rank 0's Manager writes its server's address into the replica group's store, where the other
+    ranks' Managers read it; torchrun keeps that store across the restarts of a replica group, so
+    without this a restarted rank could read the dead server's address and wait on it. Rank 0
+    deletes the keys first, and the other ranks wait for its word of this attempt
+    (``TORCHELASTIC_RESTART_COUNT``, torchrun's) before they read.
+    """
+    from torch.distributed import TCPStore
+    from torchft.manager import MANAGER_ADDR_KEY, REPLICA_ID_KEY
+
+    store = TCPStore(host_name=host, port=port, is_master=False, wait_for_workers=False, timeout=timeout)
+    cleared = f"distopt/manager_keys_cleared/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    if rank == 0:
+        for key in (MANAGER_ADDR_KEY, REPLICA_ID_KEY):
+            store.delete_key(key)
+        store.set(cleared, "1")
+    else:
+        store.wait([cleared])
 
 
 def advertised_url(url: str, host: str) -> str:
