@@ -13,14 +13,15 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from datetime import timedelta
 from typing import Any, Optional
 from urllib.parse import urlsplit, urlunsplit
 
-from ..launching.interface import is_loopback, pick_owning_interface
+from ..launching.interface import is_loopback, owning_interface, pick_owning_interface
 from .replica_group import process_group, register
 
-__all__ = ["make_manager", "advertised_url", "HEARTBEAT_INTERVAL", "COLLECTIVE_TIMEOUT"]
+__all__ = ["make_manager", "advertised_url", "listening_address", "HEARTBEAT_INTERVAL", "COLLECTIVE_TIMEOUT"]
 
 #: Seconds between two heartbeats of a replica to the lighthouse (torchft's default: 0.1).
 HEARTBEAT_INTERVAL = 0.05
@@ -128,12 +129,51 @@ def advertised_url(url: str, host: str) -> str:
 
 
 def _http_transport(host: str, timeout: timedelta) -> Any:
-    """torchft's HTTP checkpoint transport, advertising ``host`` instead of ``socket.gethostname()``."""
+    """torchft's HTTP checkpoint transport, advertising ``host`` instead of ``socket.gethostname()``, and
+    listening on ``host``'s interface only (:func:`listening_address`) where this host holds it."""
     from torchft.checkpointing.http_transport import HTTPTransport
 
     class AdvertisedHTTPTransport(HTTPTransport):
+        def __init__(self, **kwargs: Any) -> None:
+            super().__init__(**kwargs)
+            address = listening_address(host)
+            if address is not None:
+                _rebind(self, address)
+
         def address(self) -> str:
             return advertised_url(super().address(), host)
 
     # num_chunks=0: the whole state in one request, as the Manager's own default transport
     return AdvertisedHTTPTransport(timeout=timeout, num_chunks=0)
+
+
+def listening_address(host: str) -> Optional[str]:
+    """The one address a checkpoint server advertised as ``host`` listens on: the loopback address for
+    ``localhost`` or a loopback address, the address of the interface that holds ``host``'s; None (every
+    interface, torchft's own choice) where no interface of this host holds it."""
+    if is_loopback(host):
+        return "127.0.0.1" if host == "localhost" else host
+    owned = owning_interface(host)
+    return owned[1] if owned is not None else None
+
+
+def _rebind(transport: Any, address: str) -> None:
+    """Move torchft's checkpoint server from every interface (torchft 0.2.0 binds ``("", 0)``) to ``address``.
+
+    The server has served nothing yet: torchft disallows checkpoints until its first quorum.
+    """
+    from http.server import ThreadingHTTPServer
+
+    server = transport._server
+    handler = server.RequestHandlerClass
+    server.shutdown()
+    server.server_close()
+    transport._thread.join()
+
+    class Server(ThreadingHTTPServer):
+        address_family = socket.AF_INET6 if ":" in address else socket.AF_INET
+        request_queue_size = server.request_queue_size
+
+    transport._server = Server((address, 0), handler)
+    transport._thread = threading.Thread(target=transport._serve, daemon=True)
+    transport._thread.start()

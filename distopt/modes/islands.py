@@ -173,6 +173,7 @@ class Islands(Mode):
         self._steps_after_join: Optional[int] = None  # the step count every rank takes after a join block
         self._fault_tolerant = False  # fault_tolerance=: the island is a replica group, the manager joins them
         self._vote: Optional[SyncVote] = None  # the wrapper's torchft controller, under fault tolerance
+        self._started_alike = False  # under fault tolerance: the island took its root's state after step 0
 
     # ------------------------------------------------------------------ the public object
 
@@ -234,20 +235,22 @@ class Islands(Mode):
         self._fault_tolerant = True
 
     def _same_start(self, ctx: ModeContext) -> None:
-        """Under fault tolerance, at the job's first step (the quorum's step 0): give the island its rank 0's
-        parameters and optimizer state, after torchft's first heal and before the step.
+        """Under fault tolerance, after this process's first step (or sync), if its quorum was the job's
+        first (step 0): give the island its rank 0's parameters, optimizer state and across state.
 
         At step 0 torchft heals rank ``j`` of every island but one from rank ``j`` of a primary island that
         it picks by ``j`` (``init_sync``): with different initialisations the ranks of one island would then
-        hold different islands' parameters. Rank 0's primary gives every island the same. Later heals need
-        nothing: every live island is the same on all its ranks.
+        hold different islands' states. Rank 0's primary gives every island the same. Later heals need
+        nothing: every live island is the same on all its ranks, and rank ``j`` heals from rank ``j``.
         """
-        if self._vote is None or self._vote.quorum_step != 0 or ctx.world_size == 1:
+        if self._vote is None or self._started_alike:
             return
-        with torch.no_grad(), stalls.inspected(ctx.progress, "the island's broadcast at the first step"):
+        self._started_alike = True
+        if self._vote.quorum_step != 0 or ctx.world_size == 1:
+            return
+        with torch.no_grad(), stalls.inspected(ctx.progress, "the island's broadcast after the first step"):
             collectives.broadcast_parameters(ctx.params, src=0, group=ctx.group)
-        with stalls.inspected(ctx.progress, "the island's optimizer-state broadcast at the first step"):
-            collectives.broadcast_optimizer_state(ctx.optimizer, src=0, group=ctx.group)
+        self.broadcast_optimizer_state(ctx, 0)  # the island's root's, and the across mode's state
 
     def fault_tolerant(self, vote: SyncVote) -> bool:
         """The manager serves the across level: a quorum and a commit vote per step with synchronous training
@@ -468,15 +471,16 @@ class Islands(Mode):
         if closure is not None:
             raise RuntimeError(f"step(closure) {_NOT_YET}; call step() after backward()")
         ctx.reduce_for_step()  # the island's round, if it was left pending
-        self._same_start(ctx)
         across = self._ctx
         across.set_steps(ctx.steps)
         across.found_inf, across.grad_scale = ctx.found_inf, ctx.grad_scale
         try:
-            return self.across.step(across, None)
+            loss = self.across.step(across, None)
         finally:
             across.found_inf = across.grad_scale = None
             self._engine.after_step()  # as the wrapper does for its own engine: the next round starts
+        self._same_start(ctx)
+        return loss
 
     def sync_now(self, ctx: ModeContext) -> None:
         self._ctx.set_steps(ctx.steps)

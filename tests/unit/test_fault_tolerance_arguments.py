@@ -280,3 +280,18 @@ def test_islands_take_fault_tolerance_across_per_step_or_per_sync_and_refuse_wha
                                          r"distopt.Islands under fault_tolerance"):
         distopt.DistributedOptimizer(_opt(), mode=distopt.Islands(compression="int8"),
                                      fault_tolerance=RecordingManager())
+
+
+def test_the_checkpoint_server_listens_on_the_advertised_interface_only() -> None:
+    pytest.importorskip("torchft")
+    from datetime import timedelta
+
+    from distopt.fault_tolerance.manager import _http_transport, listening_address
+
+    assert listening_address("localhost") == "127.0.0.1" and listening_address("192.0.2.77") is None
+    transport = _http_transport("localhost", timedelta(seconds=5))
+    try:
+        host, port = transport._server.socket.getsockname()[:2]
+        assert host == "127.0.0.1" and transport.address() == f"http://localhost:{port}/checkpoint/"
+    finally:
+        transport.shutdown()
