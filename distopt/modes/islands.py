@@ -35,8 +35,17 @@ the whole pseudo-gradient on its own link; the islands stay identical inside).
 and a rank that has joined takes part in the sums across until no rank of any island contributes
 (:meth:`Islands.leaving`).
 
+**Fault tolerance by island** (``fault_tolerance=manager``, :attr:`fault_tolerance_above`): each island is a
+torchft replica group, the wrapper's ``process_group`` (one torchrun agent's workers); the manager's
+group joins rank ``j`` of every island, so the across engine is the engine over the manager
+(:meth:`~distopt.modes.base.ModeContext.open_managed_engine`), and the quorum and commit vote come per
+step (synchronous across: the wrapper's) or per sync (local SGD / DiLoCo across, through the
+:class:`~distopt.modes.base.SyncVote` the across mode takes). A rank that dies takes its island out;
+its ranks restart together and rank ``j`` heals from rank ``j`` of a live island.
+
 What is not supported yet raises at construction or at the call, naming what to do:
-``join()`` with local SGD or DiLoCo across, fault tolerance, a closure, the
+``join()`` with local SGD or DiLoCo across, under fault tolerance ``islands=``, ``compression=`` and
+``join()``, a closure, the
 across modes ``ShardedState`` and local SGD's ``warmup``, a frozen parameter made trainable after the
 first cross-island sum (synchronous across; ``add_param_group()`` works), and FSDP2 inside.
 
