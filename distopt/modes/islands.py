@@ -362,8 +362,9 @@ class Islands(Mode):
             synchronize=_weakly(self, lambda mode: mode._reduce_across(ctx)))
         if topology is not None and topology.size > 1 and not self._fault_tolerant:
             self._world = self._open_world(ctx)
-        self._agree_across(ctx)  # under fault tolerance the world is 1 until a quorum: a replica that
-        # heals compares the settings with its live peer's instead, as without islands
+        # Under fault tolerance the across world is 1 until a quorum, so this compares nothing: a rank that
+        # heals compares its settings with its live peer's instead, as without islands.
+        self._agree_across(ctx)
         if self._bcast_period != -1 and engine.world_size > 1 and ctx.params:
             with torch.no_grad(), stalls.inspected(engine.progress, "the broadcast of island 0's parameters"):
                 collectives.broadcast_parameters(ctx.params, src=self._across_source, group=self._ctx.group)
