@@ -71,7 +71,8 @@ try:
         loss.backward()
         opt.step()
         ft = opt.stats.fault_tolerance
-        log(step=manager.current_step(), world=ft["world_size"], loss=loss.item(), digest=digest(model, opt), params=digest(model))
+        log(step=manager.current_step(), world=ft["world_size"], loss=loss.item(), digest=digest(model, opt),
+            params=digest(model))
         time.sleep(0.02)  # a pace the test can kill into
         streak = streak + 1 if ft["world_size"] == islands else 0
         back = back or (whole and ft["world_size"] < islands and os.path.exists(killed))
