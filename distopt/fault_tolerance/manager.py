@@ -37,7 +37,11 @@ def make_manager(*, min_replicas: int = 1, timeout: float = COLLECTIVE_TIMEOUT, 
     """A ``torchft.Manager`` for ``DistributedOptimizer(opt, fault_tolerance=manager)``.
 
     Under ``python -m distopt.fault_tolerance.launch`` (or torchrun with torchft's variables)
-    every argument has a default from the environment.
+    every argument has a default from the environment. With ``--nproc-per-node K`` each worker's
+    manager is rank ``$RANK`` of ``$WORLD_SIZE`` in its replica group (torchft's ``group_rank`` and
+    ``group_world_size``; ``rank=`` and ``world_size=`` set them otherwise), on its agent's store:
+    rank 0 runs the group's manager server, and the manager's process group joins rank ``j`` of
+    every replica (``distopt.Islands``' across group).
 
     Args:
         min_replicas: a step commits only with at least this many replicas.
