@@ -185,8 +185,8 @@ MUTANTS: List[Mutant] = [
            "if False:",
            ["tests/multiprocess/test_islands.py", "-k", "island_0s_parameters"]),
     Mutant("islands: the across mode steps through the across engine", "distopt/modes/islands.py",
-           "            return self.across.step(across, None)\n",
-           "            return self.across.step(ctx, None)\n",
+           "            loss = self.across.step(across, None)\n",
+           "            loss = self.across.step(ctx, None)\n",
            ["tests/multiprocess/test_islands.py", "-k", "replay or flat_streaming"]),
     Mutant("islands: inside join(), each island's mean counts by its contributors", "distopt/modes/islands.py",
            "        return mine / self._contributors\n", "        return engine.scale\n",
@@ -202,6 +202,10 @@ MUTANTS: List[Mutant] = [
            "distopt/modes/islands.py",
            "        return next((r for r in reports if r.drifted), report)\n", "        return report\n",
            ["tests/multiprocess/test_islands.py", "-k", "fsdp2_inside_the_drift_check"]),
+    Mutant("islands under fault tolerance: every island takes its root's state after the job's first step",
+           "distopt/modes/islands.py",
+           "        if self._vote.quorum_step != 0 or ctx.world_size == 1:\n            return\n", "        return\n",
+           ["tests/fault_tolerance/test_launch.py", "-k", "island"]),
 ]
 
 

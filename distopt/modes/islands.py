@@ -40,8 +40,17 @@ sharded by FSDP2 over each rank's island, FSDP2 averages inside, the wrapper's e
 alone, and the across level syncs each rank's local shard over its across group (rank ``j`` of every
 island holds the same shard): synchronous across in ``step()``, local SGD / DiLoCo on the shards.
 
+**Fault tolerance by island** (``fault_tolerance=manager``, :attr:`fault_tolerance_above`): each island is a
+torchft replica group, the wrapper's ``process_group`` (one torchrun agent's workers); the manager's
+group joins rank ``j`` of every island, so the across engine is the engine over the manager
+(:meth:`~distopt.modes.base.ModeContext.open_managed_engine`), and the quorum and commit vote come per
+step (synchronous across: the wrapper's) or per sync (local SGD / DiLoCo across, through the
+:class:`~distopt.modes.base.SyncVote` the across mode takes). A rank that dies takes its island out;
+its ranks restart together and rank ``j`` heals from rank ``j`` of a live island.
+
 What is not supported yet raises at construction or at the call, naming what to do:
-``join()`` with local SGD or DiLoCo across, fault tolerance, a closure, the
+``join()`` with local SGD or DiLoCo across, under fault tolerance ``islands=``, ``compression=`` and
+``join()``, a closure, the
 across modes ``ShardedState`` and local SGD's ``warmup``, a frozen parameter made trainable after the
 first cross-island sum (synchronous across; ``add_param_group()`` works); with FSDP2 inside, ``join()``,
 ``add_param_group()`` and ``broadcast_optimizer_state()``.
@@ -77,7 +86,7 @@ from ..planning.stats import StepStats
 from ..planning.topology import Topology
 from ..transport import private_groups, stalls
 from . import island_shards
-from .base import Mode, ModeContext
+from .base import Mode, ModeContext, SyncVote
 from .diloco import LocalSGD
 from .island_shards import LocalShards
 from .island_slices import SliceGroup, Slices
@@ -143,6 +152,7 @@ class Islands(Mode):
     """
 
     reduces_in_backward = True
+    fault_tolerance_above = True  # under fault tolerance a replica is an island; the manager joins them
 
     def __init__(self, across: Optional[Mode] = None, *, islands: Any = None,
                  compression: Union[str, Compressor, None] = None) -> None:
@@ -185,6 +195,9 @@ class Islands(Mode):
         self._meshes: Optional[List[Tuple[int, ...]]] = None  # FSDP2 inside: the ranks its parameters shard over
         self._shards: Optional[LocalShards] = None  # FSDP2 inside: the local shards the across level syncs
         self._shards_crossed_at = -1  # FSDP2 inside: the step whose gradients were summed across last
+        self._fault_tolerant = False  # fault_tolerance=: the island is a replica group, the manager joins them
+        self._vote: Optional[SyncVote] = None  # the wrapper's torchft controller, under fault tolerance
+        self._started_alike = False  # under fault tolerance: the island took its root's state after step 0
 
     # ------------------------------------------------------------------ the public object
 
@@ -226,12 +239,59 @@ class Islands(Mode):
     def check_compatible(self, *, optimizer: Optimizer, reduce_op: str, bcast_period: int,
                          fault_tolerant: bool) -> None:
         if fault_tolerant:
-            raise ValueError(f"fault_tolerance {_NOT_YET}: a replica group of several ranks per island is not "
-                             "built yet; use fault tolerance with one process per replica, without Islands")
+            self._check_fault_tolerant()
         self._bcast_period = bcast_period
         self._meshes = island_shards.mesh_ranks_of(optimizer, {})  # before any collective: every rank alike
+        if fault_tolerant and self._meshes is not None:
+            raise ValueError(
+                f"fault_tolerance with FSDP2 inside the islands {_NOT_YET}: train FSDP2 islands without "
+                "fault_tolerance, or plain replicas inside (no fully_shard) under fault_tolerance")
         self.across.check_compatible(optimizer=optimizer, reduce_op=reduce_op, bcast_period=bcast_period,
-                                     fault_tolerant=False)
+                                     fault_tolerant=fault_tolerant)
+
+    # ------------------------------------------------------------------ fault tolerance: an island per replica
+
+    def _check_fault_tolerant(self) -> None:
+        """Under ``fault_tolerance=`` an island is a torchft replica group: the wrapper's ``process_group``
+        (the ranks of one torchrun agent), and the manager joins the islands.
+
+        Raises:
+            ValueError: ``islands=`` given (the replica groups are the islands), or ``compression=`` across.
+        """
+        if self.islands is not None:
+            raise ValueError(
+                "islands= cannot be combined with fault_tolerance: there each island is a torchft replica group, the "
+                "processes of one torchrun agent (python -m distopt.fault_tolerance.launch --replicas N "
+                "--nproc-per-node K), and the manager joins the islands; leave islands unset")
+        if self.compressor is not None:
+            raise ValueError(
+                f"compression={self.compression!r} across the islands {_NOT_YET} under fault_tolerance; leave "
+                "compression unset on Islands")
+        self._fault_tolerant = True
+
+    def _same_start(self, ctx: ModeContext) -> None:
+        """Under fault tolerance, after this process's first step (or sync), if its quorum was the job's
+        first (step 0): give the island its rank 0's parameters, optimizer state and across state.
+
+        At step 0 torchft heals rank ``j`` of every island but one from rank ``j`` of a primary island that
+        it picks by ``j`` (``init_sync``): with different initialisations the ranks of one island would then
+        hold different islands' states. Rank 0's primary gives every island the same. Later heals need
+        nothing: every live island is the same on all its ranks, and rank ``j`` heals from rank ``j``.
+        """
+        if self._vote is None or self._started_alike:
+            return
+        self._started_alike = True
+        if self._vote.quorum_step != 0 or ctx.world_size == 1:
+            return
+        with torch.no_grad(), stalls.inspected(ctx.progress, "the island's broadcast after the first step"):
+            collectives.broadcast_parameters(ctx.params, src=0, group=ctx.group)
+        self.broadcast_optimizer_state(ctx, 0)  # the island's root's, and the across mode's state
+
+    def fault_tolerant(self, vote: SyncVote) -> bool:
+        """The manager serves the across level: a quorum and a commit vote per step with synchronous training
+        across (the wrapper takes them), per sync with local SGD or DiLoCo across (the across mode does)."""
+        self._vote = vote
+        return self.across.fault_tolerant(vote)
 
     def bind(self, owner: object) -> None:
         super().bind(owner)
@@ -249,6 +309,10 @@ class Islands(Mode):
         """
         if not collectives.is_distributed():
             self.topology = Topology(((0,),))
+            return process_group
+        if self._fault_tolerant:  # the island is the whole group; the manager joins the islands
+            self.topology = Topology((tuple(range(collectives.get_world_size(process_group))),))
+            self._whole = process_group
             return process_group
         group = process_group if process_group is not None else dist.group.WORLD
         ranks = dist.get_process_group_ranks(group)
@@ -315,10 +379,13 @@ class Islands(Mode):
             raise ValueError(
                 f"islands={topology.describe()} are of one rank each, and across=Synchronous() then is flat "
                 "synchronous training: use mode=distopt.Synchronous() (or islands of several ranks)")
-        self._engine = ctx.open_engine(self._across_group, self.compressor)
+        if self._fault_tolerant:
+            self._engine = ctx.open_managed_engine(self.compressor)
+        else:
+            self._engine = ctx.open_engine(self._across_group, self.compressor)
         engine = self._engine
         weakref.finalize(self, engine.close)  # the mode owns it: closed when the mode (with its wrapper) goes
-        across_rank = collectives.get_rank(self._across_group)
+        across_rank = 0 if self._fault_tolerant else collectives.get_rank(self._across_group)
         if self._meshes is not None:
             self._shards = LocalShards(ctx.params)
         self._ctx = ModeContext(
@@ -327,8 +394,10 @@ class Islands(Mode):
             reduce_op=ctx.reduce_op, stall_warning=ctx.stall_warning, stall_timeout=ctx.stall_timeout,
             reduce_for_step=_weakly(self, lambda mode: mode._reduce_across(ctx)),
             synchronize=_weakly(self, lambda mode: mode._reduce_across(ctx)))
-        if topology is not None and topology.size > 1 and self._shards is None:
+        if topology is not None and topology.size > 1 and self._shards is None and not self._fault_tolerant:
             self._world = self._open_world(ctx)
+        # Under fault tolerance the across world is 1 until a quorum, so this compares nothing: a rank that
+        # heals compares its settings with its live peer's instead, as without islands.
         self._agree_across(ctx)
         if self._bcast_period != -1 and engine.world_size > 1 and ctx.params:
             with torch.no_grad(), stalls.inspected(engine.progress, "the broadcast of island 0's parameters"):
@@ -337,7 +406,7 @@ class Islands(Mode):
             self._track_across(ctx)  # synchronous too: the local gradients travel as they are, no slices
         elif isinstance(self.across, Synchronous):
             self._warn_if_flat_slices_gain_nothing(ctx)
-            if engine.world_size > 1:
+            if engine.world_size > 1 or self._fault_tolerant:
                 ctx.engine.call_when_settled(_weakly(self, lambda mode: mode._cross_after_round(ctx)))
         else:
             self._track_across(ctx)
@@ -467,10 +536,12 @@ class Islands(Mode):
         across.set_steps(ctx.steps)
         across.found_inf, across.grad_scale = ctx.found_inf, ctx.grad_scale
         try:
-            return self.across.step(across, None)
+            loss = self.across.step(across, None)
         finally:
             across.found_inf = across.grad_scale = None
             self._engine.after_step()  # as the wrapper does for its own engine: the next round starts
+        self._same_start(ctx)
+        return loss
 
     def sync_now(self, ctx: ModeContext) -> None:
         self._across_params(ctx)
@@ -482,6 +553,10 @@ class Islands(Mode):
             raise RuntimeError(
                 f"{what}: join() with FSDP2 inside the islands {_NOT_YET}; give every rank the same number of "
                 "batches (e.g. drop the last, uneven ones with DistributedSampler(drop_last=True))")
+        if ctx.engine.join.in_block and self._fault_tolerant:
+            raise RuntimeError(
+                f"{what}: join() {_NOT_YET} under fault_tolerance; give every rank the same number of batches (e.g. "
+                "drop the last, uneven ones with DistributedSampler(drop_last=True))")
         if ctx.engine.join.in_block and not isinstance(self.across, Synchronous):
             raise RuntimeError(
                 f"{what}: join() {_NOT_YET}(across={self.across!r}), only with across=Synchronous(); give every "
@@ -574,7 +649,9 @@ class Islands(Mode):
         self._extra_bytes = 0
         self._steps_from_join(ctx)
         engine = self._engine
-        if engine.world_size == 1:
+        if self._vote is not None:
+            self._vote.enter_round()  # the quorum: how many islands take part (the mean's scale)
+        elif engine.world_size == 1:
             return
         scale = self._island_weight(ctx)
         if self._contributors == 0:  # inside join(): no rank of any island contributed; nothing to sum
@@ -610,8 +687,10 @@ class Islands(Mode):
                     group = slices.groups[slices.of_slot[id(pack.params[j])]]
                     complete = flags[j] * (count if averaged else 1) > count - 0.5
                     results.append((group, view, complete))
+            failed = self._vote is not None and self._vote.round_failed()  # garbage back: the step is discarded
             for group, view, complete in results:
-                whole = group.gather(view, k, ctx.group, ctx.progress)
+                complete = complete or failed
+                whole = group.gather(view, k, ctx.group, ctx.progress)  # every rank of the island, always
                 present = None if complete else self._presence(ctx, group)
                 group.write_back(ctx.params, whole, present)
 
@@ -687,6 +766,12 @@ class Islands(Mode):
     def _presence(self, ctx: ModeContext, group: "SliceGroup") -> List[bool]:
         """Which of ``group``'s parameters have a gradient on some island: an exact sum of their presence."""
         mine = torch.tensor([ctx.params[i].grad is not None for i in group.members], dtype=torch.int32)
+        if self._vote is not None:  # on the manager's group, in its commit protocol (a healing island sends 0)
+            options = dist.AllreduceOptions()
+            options.reduceOp = dist.ReduceOp.SUM
+            self._ctx.group.allreduce([mine], options).wait()
+            self._extra_bytes += mine.numel() * mine.element_size()
+            return [bool(v) for v in mine.tolist()]
         with stalls.inspected(self._engine.progress, "the sum of the gradients' presence across the islands"):
             collectives.all_reduce(mine, op="sum", group=self._ctx.group)
         self._extra_bytes += mine.numel() * mine.element_size()

@@ -156,7 +156,9 @@ class DistributedOptimizer(InnerOptimizerSurface):
             the packs are all-reduced across the replicas through the manager, a step whose
             collectives fail when a replica dies is discarded, the survivors go on, and a
             replacement heals from a live peer. ``opt.fault_tolerance`` then says who trains
-            (docs/fault-tolerance.md). None: a fixed world (default: None).
+            (docs/fault-tolerance.md). With ``mode=distopt.Islands(...)`` a replica is an island
+            of several processes (the process group), and the manager joins the islands.
+            None: a fixed world (default: None).
 
     Raises:
         TypeError: if ``optimizer`` is not a ``torch.optim.Optimizer``, or a parameter is a DTensor
@@ -245,8 +247,9 @@ class DistributedOptimizer(InnerOptimizerSurface):
         # ---- fault tolerance (distopt.fault_tolerance): the replicas' world is the manager's, per step.
         self.fault_tolerance: Optional[ft.FaultTolerance] = None
         if fault_tolerance is not None:
-            ft.check_arguments(fault_tolerance, bcast_period=self.bcast_period, process_group_size=self.world_size,
-                               reduce_op=reduce_op)
+            # A mode that runs the manager above its own engine (islands) makes a replica of the whole group.
+            ft.check_arguments(fault_tolerance, bcast_period=self.bcast_period, reduce_op=reduce_op,
+                               process_group_size=1 if self._mode.fault_tolerance_above else self.world_size)
             self.check_every = 0  # the drift check's all-gather has no place in the manager's all-reduces
             self._drift = DriftCheck(0, self.drift_atol, self.drift_rtol, self.on_drift)
             self.fault_tolerance = ft.FaultTolerance(
@@ -270,6 +273,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
             process_group=self._engine_group, rank=self.rank, root_rank=root_rank,
             reduce_op=reduce_op, stall_warning=self.stall_warning, stall_timeout=self.stall_timeout,
             reduce_for_step=_weakly(self._reduce_for_step), synchronize=_weakly(self.synchronize),
+            open_managed=self._managed_engines(),
         )
         if self.fault_tolerance is not None:
             self.fault_tolerance.params = self._params
@@ -725,7 +729,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
         """The gradient engine, over a private group of its own (none in a group of one), or over the
         torchft Manager under fault tolerance; it shares the wrapper's :class:`World`."""
         pack_threshold = DEFAULT_PACK_THRESHOLD if self.pack_threshold == "auto" else int(self.pack_threshold)
-        if self.fault_tolerance is not None:
+        if self._engine_over_manager:
             return wiring.open_engine(
                 self.fault_tolerance, world=self._world, reduce_op=self.reduce_op, pack_threshold=pack_threshold,
                 compressor=self.compressor, sparse_as_dense=self.sparse_as_dense,
@@ -735,6 +739,28 @@ class DistributedOptimizer(InnerOptimizerSurface):
             sparse_as_dense=self.sparse_as_dense, backward_passes_per_step=backward_passes_per_step,
             root_rank=self.root_rank, stall_warning=self.stall_warning, stall_timeout=self.stall_timeout,
             world=self._world)
+
+    @property
+    def _engine_over_manager(self) -> bool:
+        """Whether this wrapper's engine runs over the torchft Manager: under fault tolerance, unless the
+        mode runs the manager on a level of its own (:attr:`~distopt.modes.Mode.fault_tolerance_above`)."""
+        return self.fault_tolerance is not None and not self._mode.fault_tolerance_above
+
+    def _managed_engines(self) -> Optional[Callable[[Optional[Compressor]], GradientEngine]]:
+        """What opens an engine over the torchft Manager for a mode that runs it above this wrapper's engine
+        (:meth:`~distopt.modes.ModeContext.open_managed_engine`), or None."""
+        fault_tolerance = self.fault_tolerance
+        if fault_tolerance is None or not self._mode.fault_tolerance_above:
+            return None
+        reduce_op, sparse_as_dense = self.reduce_op, self.sparse_as_dense
+        pack_threshold = self._engine.config.pack_threshold
+
+        def open_managed(compressor: Optional[Compressor]) -> GradientEngine:
+            return wiring.open_engine(fault_tolerance, world=World(1), reduce_op=reduce_op,
+                                      pack_threshold=pack_threshold, compressor=compressor,
+                                      sparse_as_dense=sparse_as_dense, backward_passes_per_step=1)
+
+        return open_managed
 
     @property
     def _reduces(self) -> bool:
@@ -788,7 +814,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
                 previous._retire()
         self._params.extend(new)
         engine = self._engine
-        if self.fault_tolerance is not None and new:
+        if self._engine_over_manager and new:
             # No check across replicas and no broadcast: the replicas come and go, and torchft heals a
             # replica that joins (at step 0 too: init_sync) with a live peer's parameters.
             engine.track(new, names)  # in registration order: no root to broadcast another (EngineConfig.fixed_plan)
