@@ -410,6 +410,14 @@ class Mode:
         ``broadcast_parameters()`` and ``close()``. The default has nothing in flight.
         """
 
+    def joins_alone(self, ctx: ModeContext) -> bool:
+        """Whether a rank that runs out of data must follow this wrapper's rounds alone, so that the wrapper
+        cannot join in one block with other optimizers (``distopt.join(a, b)``): its :meth:`leaving` runs
+        a loop of rounds of its own, while the other optimizers' rounds would wait for that rank.
+        ``join()`` refuses such a block at once, on every rank. False by default.
+        """
+        return False
+
     def leaving(self, ctx: ModeContext) -> Optional[Callable[[], None]]:
         """A rank joins (runs out of data): launch its last contributing round, if it owes one.
 

@@ -577,6 +577,10 @@ class Islands(Mode):
             return None  # one island: the wrapper's join is the whole story
         return _weakly(self, lambda mode: mode._shadow_until_every_island_joined(ctx))
 
+    def joins_alone(self, ctx: ModeContext) -> bool:
+        """A rank that has joined follows the islands' rounds in a loop of its own (:meth:`leaving`)."""
+        return self._engine is not None and self._engine.world_size > 1
+
     def _shadow_until_every_island_joined(self, ctx: ModeContext) -> None:
         engine = ctx.engine
         while True:

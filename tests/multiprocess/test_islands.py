@@ -314,6 +314,21 @@ def starts_identical_and_refuses_join():
     return start, None
 
 
+def joined_with_another():
+    """An Islands wrapper and a plain one in one join block: refused on every rank as the block opens (a rank
+    that runs out follows the islands' rounds alone, so the plain wrapper's rounds would wait for it)."""
+    rank = dist.get_rank()
+    net, other = make_model(), make_model()
+    opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1), mode=distopt.Islands(islands=ISLANDS))
+    plain = DistributedOptimizer(torch.optim.SGD(other.parameters(), lr=0.1))
+    try:
+        with distopt.join(opt, plain):
+            train(opt, net, 1 + rank)
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
 BATCHES = {0: 4, 1: 2, 2: 5, 3: 5}  # island 0 runs out (both ranks) while island 1 trains on
 
 
@@ -708,6 +723,7 @@ CASES = {
     "mesh": (4, mesh_and_hosts, ()),
     "start": (4, starts_identical_and_refuses_join, ()),
     "join": (4, uneven_batches, ()),
+    "join with another": (4, joined_with_another, ()),
     "join divide_by_world": (4, uneven_batches, (True,)),
     "closed wrapper": (4, subgroup_after_a_closed_wrapper, ()),
     "drift": (4, drift_across, (False,)),
@@ -933,6 +949,11 @@ def test_every_rank_of_every_island_starts_from_island_0s_parameters():
 def test_join_with_local_sgd_across_is_refused_on_every_rank_at_the_first_step_inside_the_block():
     for _, message in results("start"):
         assert message is not None and "join() is not supported yet with distopt.Islands(across=DiLoCo" in message
+
+
+def test_an_islands_wrapper_joined_in_one_block_with_another_optimizer_is_refused_on_every_rank_as_it_opens():
+    for message in results("join with another"):
+        assert message is not None and "cannot join in one block with other optimizers" in message, message
 
 
 @pytest.mark.parametrize("case", ["join", "join divide_by_world"])
