@@ -8,7 +8,9 @@ then serves its host's commands until told to stop:
   training steps; replies ``("steps", [(seconds, loss, tx_bytes, distopt_bytes), ...])``
   (an empty list when ``record`` is false: warm-up steps). ``tx_bytes`` is what this
   namespace's interfaces sent during the step, headers included
-  (``/proc/net/dev``), the same measure for DDP and distopt.
+  (``/proc/net/dev``), the same measure for DDP and distopt; with several ranks in a
+  namespace (``--ranks-per-host``), which share its counter and step together, this
+  rank's share of it (the count over the ranks per host).
 * ``("eval",)``: replies ``("eval", loss)``, the mean loss over the task's validation
   batches, of this rank's replica.
 * ``("stop",)``: replies ``("stopped",)`` and exits.
@@ -110,8 +112,9 @@ def _steps(job: Job, state: "_State", n: int) -> List[Tuple[float, float, int, O
         built.optimizer.step()
         built.optimizer.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - start
-        sent = interface_tx_bytes() - sent
-        distopt_bytes = None if built.distopt is None else int(built.distopt.stats.bytes)
+        sent = (interface_tx_bytes() - sent) // job.options.ranks_per_host
+        distopt_bytes = (None if built.distopt is None else
+                         int(built.distopt.stats.bytes) if built.library_bytes is None else built.library_bytes())
         out.append((seconds, float(loss.item()), sent, distopt_bytes))
         state.step += 1
     return out
