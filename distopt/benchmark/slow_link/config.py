@@ -90,7 +90,7 @@ class LinkConfig:
             if len(set(names)) != len(names):
                 raise ValueError(f"{flag} names {', '.join(n for n in dict.fromkeys(names) if names.count(n) > 1)} "
                                  "more than once; name each once")
-        two_level = [c.name for c in ISLAND_CONTENDERS if c.name in self.contenders]
+        two_level = [n for n in self.contenders if n in {c.name for c in ISLAND_CONTENDERS}]
         if two_level and self.ranks_per_host < 2:
             raise ValueError(f"--contenders: {', '.join(two_level)} train(s) on two levels and need(s) two ranks per "
                              "host or more; add --ranks-per-host 2")
