@@ -46,7 +46,8 @@ def test_two_ranks_per_host_run_the_two_level_contenders_and_the_flat_ones_to_be
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"contenders": ("ddp", "islands", "hsdp")}, r"islands, hsdp train\(s\) on two levels and need\(s\) two ranks per host or more; add --ranks-per-host 2"),
+    ({"contenders": ("ddp", "islands", "hsdp")},
+     r"islands, hsdp train\(s\) on two levels and need\(s\) two ranks per host or more; add --ranks-per-host 2"),
     ({"ranks_per_host": 0}, "--ranks-per-host=0 must be an integer from 1 to 8"),
     ({"ranks_per_host": 9}, "--ranks-per-host=9 must be an integer from 1 to 8"),
 ])

@@ -384,7 +384,8 @@ ISLAND_CONTENDERS: Tuple[Contender, ...] = (
               _island_contender(_diloco())),
     Contender(f"islands-stream{STREAM_PERIOD}",
               f"Islands(across=DiLoCo(every={STREAM_PERIOD}, fragments=4, overlap=2, mixing=0.5))",
-              _island_contender(_diloco(fragments=4, overlap=2, mixing=0.5)), baseline=f"islands-diloco{STREAM_PERIOD}"),
+              _island_contender(_diloco(fragments=4, overlap=2, mixing=0.5)),
+              baseline=f"islands-diloco{STREAM_PERIOD}"),
 )
 
 

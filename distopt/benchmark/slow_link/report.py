@@ -87,7 +87,8 @@ def _real_table(task: TaskResult) -> List[str]:
         delta = None if base is None or finals[name] is None else 100 * (finals[name] - base) / base
         lines.append(
             f"  {name:<22}{_fmt(run.mean_ms, '.1f'):>9}{_fmt(_ratio(run.mean_ms, local), '.2f'):>9}"
-            f"{_fmt(task.paired_ratio(name, ALONE), '.2f') if alone else '':>9}{_fmt(run.sent_mib, '.2f'):>10}{_fmt(steps, 'd') if run.ok else '-':>10}{_fmt(seconds, '.1f'):>8}"
+            f"{_fmt(task.paired_ratio(name, ALONE), '.2f') if alone else '':>9}{_fmt(run.sent_mib, '.2f'):>10}"
+            f"{_fmt(steps, 'd') if run.ok else '-':>10}{_fmt(seconds, '.1f'):>8}"
             f"{_fmt(_ratio(seconds, floor), '.2f'):>9}{_fmt(_final_loss(run, window), '.4f'):>12}"
             f"{_fmt(run.final_val(), '.4f'):>10}{_fmt(delta, '+.2f') + ('%' if delta is not None else ''):>13}"
             f"  {_status(run, notes)}")

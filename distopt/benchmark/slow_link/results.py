@@ -20,8 +20,8 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-__all__ = ["ContenderRun", "Target", "TaskResult", "REFERENCES", "ALONE", "TARGET_FRACTION", "smoothed", "choose_target",
-           "merge_ranks"]
+__all__ = ["ContenderRun", "Target", "TaskResult", "REFERENCES", "ALONE", "TARGET_FRACTION", "smoothed",
+           "choose_target", "merge_ranks"]
 
 #: The contenders whose loss sets the target, in order of preference.
 REFERENCES = ("ddp", "distopt", "local")
