@@ -184,6 +184,15 @@ MUTANTS: List[Mutant] = [
            "        if self._world is not None:\n            whole = self._world\n",
            "        if False:\n            whole = self._world\n",
            ["tests/multiprocess/test_islands.py", "-k", "drift or broadcast"]),
+    # These two are killed as root only (the test builds network namespaces; elsewhere it skips).
+    Mutant("link benchmark: a host's ranks share its namespace", "distopt/benchmark/slow_link/supervisor.py",
+           "        return self.link.hosts[rank // self.ranks_per_host]\n",
+           "        return self.link.hosts[rank % len(self.link.hosts)]\n",
+           ["tests/fronts/test_benchmark_islands.py", "-k", "shaped_link"]),
+    Mutant("link benchmark: a namespace's veth bytes are its ranks' together", "distopt/benchmark/slow_link/child.py",
+           "        sent = (interface_tx_bytes() - sent) // job.options.ranks_per_host\n",
+           "        sent = interface_tx_bytes() - sent\n",
+           ["tests/fronts/test_benchmark_islands.py", "-k", "shaped_link"]),
 ]
 
 
