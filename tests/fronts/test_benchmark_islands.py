@@ -10,11 +10,14 @@ import shutil
 from typing import Any, Dict, List
 
 import pytest
+import torch
 
 from distopt.benchmark import main
 from distopt.benchmark.slow_link import namespaces, runner
 from distopt.benchmark.slow_link.config import LinkConfig, default_contenders
-from distopt.benchmark.slow_link.contenders import CONTENDERS, ISLAND_CONTENDERS, ContenderOptions, host_islands
+from distopt.benchmark.slow_link.contenders import (CONTENDERS, ISLAND_CONTENDERS, ContenderOptions, host_islands,
+                                                    rebuilt)
+from distopt.benchmark.slow_link.tasks import TASKS
 from distopt.benchmark.slow_link.report import format_link_report, link_report_to_json
 from distopt.benchmark.slow_link.results import ContenderRun, TaskResult
 from distopt.benchmark.slow_link.shaping import choose_tbf
@@ -68,6 +71,15 @@ def test_bad_topology_flags_are_usage_errors(argv: List[str], message: str, caps
         main(argv)
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("task", sorted(TASKS))
+def test_hsdp_rebuilds_each_tasks_optimizer_over_the_sharded_parameters_with_its_settings(task: str) -> None:
+    old, new = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    inner = TASKS[task].make_optimizer(old.parameters())  # charlm's AdamW holds a setting AdamW() refuses
+    again = rebuilt(inner, new.parameters())
+    assert type(again) is type(inner) and again.defaults == inner.defaults
+    assert again.param_groups[0]["params"] == list(new.parameters())
 
 
 @pytest.mark.parametrize("allowed, per_host, cores", [

@@ -26,6 +26,7 @@ compressor that refuses the model) is reported as unavailable, with the reason.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
@@ -36,7 +37,7 @@ from ...modes import DiLoCo, Islands, Synchronous
 from ...wrapper.optimizer import DistributedOptimizer
 
 __all__ = ["PERIOD", "STREAM_PERIOD", "ContenderOptions", "Built", "Contender", "Factory", "DistoptSpec", "DISTOPT_SPECS",
-           "CONTENDERS", "ISLAND_CONTENDERS", "host_islands"]
+           "CONTENDERS", "ISLAND_CONTENDERS", "host_islands", "rebuilt"]
 
 #: H of every periodic contender: distopt's local SGD and DiLoCo, and DDP's PostLocalSGD.
 PERIOD = 4
@@ -356,7 +357,17 @@ def _hsdp(model: nn.Module, inner: torch.optim.Optimizer, options: ContenderOpti
         if any(p.requires_grad for p in child.parameters()):
             fully_shard(child, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    return Built(model, type(inner)(model.parameters(), **inner.defaults))
+    return Built(model, rebuilt(inner, model.parameters()))
+
+
+def rebuilt(inner: torch.optim.Optimizer, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """An optimizer of ``inner``'s class and settings over ``params`` (FSDP2's sharded parameters).
+
+    Only the settings its constructor takes: ``defaults`` also holds derived ones, such as
+    AdamW's ``decoupled_weight_decay``, which ``AdamW()`` refuses.
+    """
+    takes = inspect.signature(type(inner).__init__).parameters
+    return type(inner)(params, **{k: v for k, v in inner.defaults.items() if k in takes})
 
 
 def _island_contender(across: Callable[[], Any], compression: Optional[str] = None) -> Build:
