@@ -190,8 +190,8 @@ MUTANTS: List[Mutant] = [
            "        return self.link.hosts[rank % len(self.link.hosts)]\n",
            ["tests/fronts/test_benchmark_islands.py", "-k", "shaped_link"]),
     Mutant("link benchmark: a namespace's veth bytes are its ranks' together", "distopt/benchmark/slow_link/child.py",
-           "        sent = (interface_tx_bytes() - sent) // job.options.ranks_per_host\n",
-           "        sent = interface_tx_bytes() - sent\n",
+           "        share = (interface_tx_bytes() - first) // (job.options.ranks_per_host * n)\n",
+           "        share = (interface_tx_bytes() - first) // n\n",
            ["tests/fronts/test_benchmark_islands.py", "-k", "shaped_link"]),
 ]
 

@@ -343,19 +343,18 @@ def _island_alone(model: nn.Module, inner: torch.optim.Optimizer, options: Conte
 
 
 def _hsdp(model: nn.Module, inner: torch.optim.Optimizer, options: ContenderOptions) -> Built:
-    """torch's own HSDP: ``fully_shard`` over a (hosts, ranks per host) mesh, each top-level child a unit.
+    """torch's own HSDP: ``fully_shard`` over a (hosts, ranks per host) mesh, the whole model one unit.
 
     Inside a host the gradients are reduce-scattered and the parameters all-gathered; across, each
-    rank all-reduces its shard. The inner optimizer is rebuilt over the sharded parameters, with its settings.
+    rank all-reduces its shard. One unit, since a model may read a child's weight outside the child's
+    forward (charlm's position table), which a unit of its own would hand it sharded. The inner
+    optimizer is rebuilt over the sharded parameters, with its settings.
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     islands = _islands(options)
     mesh = init_device_mesh("cpu", (len(islands), options.ranks_per_host), mesh_dim_names=("replicate", "shard"))
-    for child in model.children():
-        if any(p.requires_grad for p in child.parameters()):
-            fully_shard(child, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return Built(model, rebuilt(inner, model.parameters()))
 
@@ -386,7 +385,7 @@ def _diloco(**streaming: Any) -> Callable[[], Any]:
 #: The two-level contenders (``--ranks-per-host 2`` and more), in run order.
 ISLAND_CONTENDERS: Tuple[Contender, ...] = (
     Contender("island-alone", "synchronous distopt over each host's ranks alone, nothing across", _island_alone),
-    Contender("hsdp", "fully_shard over a (hosts, ranks per host) mesh: HSDP", _hsdp),
+    Contender("hsdp", "fully_shard over a (hosts, ranks per host) mesh, the model one unit: HSDP", _hsdp),
     Contender("islands", "Islands(across=Synchronous()): hierarchical, each rank sends 1/k across",
               _island_contender(Synchronous)),
     Contender("islands-int8", "Islands(across=Synchronous(), compression='int8')",
