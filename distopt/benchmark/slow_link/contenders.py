@@ -307,6 +307,7 @@ DISTOPT_SPECS: Tuple[DistoptSpec, ...] = (
                 more=(("sync_fragments", 4), ("sync_overlap", 2), ("sync_mixing", 0.5))),
 )
 
+
 def host_islands(world: int, ranks_per_host: int) -> List[List[int]]:
     """The islands of the benchmark's topology: the ranks of one namespace, numbered one host after the other.
 
