@@ -209,6 +209,15 @@ MUTANTS: List[Mutant] = [
            "distopt/modes/islands.py",
            "        if self._vote.quorum_step != 0 or ctx.world_size == 1:\n            return\n", "        return\n",
            ["tests/fault_tolerance/test_launch.py", "-k", "island"]),
+    # These two are killed as root only (the test builds network namespaces; elsewhere it skips).
+    Mutant("link benchmark: a host's ranks share its namespace", "distopt/benchmark/slow_link/supervisor.py",
+           "        return self.link.hosts[rank // self.ranks_per_host]\n",
+           "        return self.link.hosts[rank % len(self.link.hosts)]\n",
+           ["tests/fronts/test_benchmark_islands.py", "-k", "shaped_link"]),
+    Mutant("link benchmark: a namespace's veth bytes are its ranks' together", "distopt/benchmark/slow_link/child.py",
+           "        share = (interface_tx_bytes() - first) // (job.options.ranks_per_host * n)\n",
+           "        share = (interface_tx_bytes() - first) // n\n",
+           ["tests/fronts/test_benchmark_islands.py", "-k", "shaped_link"]),
 ]
 
 
