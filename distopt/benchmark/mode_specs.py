@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 from torch import nn
 
+from ..modes.sharded import ShardedState
 from ..wrapper.optimizer import DistributedOptimizer
 from .sizes import format_size
 
@@ -101,24 +102,9 @@ def _distopt_sharded(model: nn.Module, sgd: torch.optim.Optimizer, device: torch
     return model, DistributedOptimizer(sgd, shard_state=True)
 
 
-class _EagerShare:
-    """A sharded wrapper whose ``step()`` waits for the parameter share (``synchronize()`` right after it),
-    as every sharded step did before the share ran on into the next forward."""
-
-    def __init__(self, opt: DistributedOptimizer) -> None:
-        self.opt = opt
-
-    def step(self) -> None:
-        self.opt.step()
-        self.opt.synchronize()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.opt.zero_grad(set_to_none)
-
-
-def _distopt_sharded_eager(model: nn.Module, sgd: torch.optim.Optimizer, device: torch.device,
-                           variant: Optional[int]) -> Tuple[nn.Module, Any]:
-    return model, _EagerShare(DistributedOptimizer(sgd, shard_state=True))
+def _distopt_sharded_background(model: nn.Module, sgd: torch.optim.Optimizer, device: torch.device,
+                                variant: Optional[int]) -> Tuple[nn.Module, Any]:
+    return model, DistributedOptimizer(sgd, mode=ShardedState(share="background"))
 
 
 def _zero(model: nn.Module, sgd: torch.optim.Optimizer, device: torch.device,
@@ -180,8 +166,8 @@ MODES: Dict[str, ModeSpec] = {
     "distopt+join": ModeSpec(_distopt_join, distributed_only=True, memory_probe=False, optional=True),
     # distopt with shard_state=True: each rank keeps the momentum of the parameters it owns.
     "distopt+shard": ModeSpec(_distopt_sharded, distributed_only=True, optional=True),
-    # The same, waiting for the parameter share in step() (synchronize() after it).
-    "distopt+shard-eager": ModeSpec(_distopt_sharded_eager, distributed_only=True, optional=True),
+    # The same, the parameter share overlapping the next forward (ShardedState(share="background")).
+    "distopt+shard-background": ModeSpec(_distopt_sharded_background, distributed_only=True, optional=True),
     # torch.distributed.optim.ZeroRedundancyOptimizer under DDP.
     "zero": ModeSpec(_zero, distributed_only=True, optional=True),
     # distopt with the stall inspector off: what the inspector costs.

@@ -129,7 +129,7 @@ def build_mode(name: str, workload: Workload, cfg: BenchConfig, batch: Batch, de
         model = fresh_model(workload, cfg.seed, device)
         sgd = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=0.9)
         module, optimizer = spec.wrap(model, sgd, device, split_mode_name(name)[1])
-        # A mode's adapter around a distopt optimizer (distopt+shard-eager) holds it as ``opt``.
+        # A mode's adapter around a distopt optimizer holds it as ``opt``.
         inner = getattr(optimizer, "opt", optimizer)
         stats_source = inner if isinstance(inner, DistributedOptimizer) else None
         return Mode(name, train_step_fn(name, module, optimizer, batch, workload.loss_fn, device), stats_source,

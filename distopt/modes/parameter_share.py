@@ -1,8 +1,10 @@
 """The updated parameters on their way from their owners to the other ranks, after a sharded step.
 
-With ``shard_state=True`` each rank steps the parameters it owns; the others
-need them before they next use them, not when ``step()`` returns. So the share
-is launched at the end of the step and finished lazily:
+With ``shard_state=True`` each rank steps the parameters it owns, and sends them
+to the others. By default (``ShardedState(share="in_step")``) the share is
+launched at the end of the step and waited for before ``step()`` returns. With
+``ShardedState(share="background")`` the others need them before they next use
+them, not when ``step()`` returns, so the share is finished lazily:
 
 * **Launch.** Every parameter travels point to point, all posted at once, in one
   fixed order that every rank derives from the plan: the packs in reverse launch
@@ -12,7 +14,7 @@ is launched at the end of the step and finished lazily:
   only, through a host copy); smaller ones travel together, since each transfer
   has a fixed cost. At two ranks both directions of the link carry parameters at
   the same time.
-* **Finish per module.** While a share is in flight, a global module forward
+* **Finish per module** (``share="background"`` only). While a share is in flight, a global module forward
   pre-hook (``torch.nn.modules.module.register_module_forward_pre_hook``) waits,
   before each module's forward, for the parameters that module holds (its own,
   and those of children without a ``forward`` of their own, such as a
@@ -20,7 +22,8 @@ is launched at the end of the step and finished lazily:
   hook is removed once every parameter has arrived. Modules that ran while a
   share was in flight also get a ``state_dict`` pre-hook that finishes it, so
   ``model.state_dict()`` right after ``step()`` never saves parameters in flight.
-* **Finish all** (:meth:`ParameterShare.finish`): at the next ``step()``,
+* **Finish all** (:meth:`ParameterShare.finish`): at the end of ``step()`` by default; in the
+  background variant at the next ``step()``,
   ``opt.synchronize()``, the drift check, the state dicts, a parameter broadcast,
   the end of a join block and ``close()``; the mode calls it.
 * **Never silently stale.** A parameter changed in place between ``step()`` and
@@ -136,8 +139,8 @@ class ParameterShare:
         if changed:
             raise RuntimeError(
                 f"parameters were changed in place after opt.step() while the updated parameters were still on "
-                f"their way between the ranks (shard_state=True shares them in the background until they are "
-                f"next used): {', '.join(changed[:5])}{', ...' if len(changed) > 5 else ''}. The ranks now hold "
+                f"their way between the ranks (ShardedState(share='background') shares them until they are next "
+                f"used): {', '.join(changed[:5])}{', ...' if len(changed) > 5 else ''}. The ranks now hold "
                 f"different values. Call opt.synchronize() right after opt.step() before changing or reading "
                 f"parameters outside the model's forward"
             )

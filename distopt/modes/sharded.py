@@ -2,7 +2,7 @@
 parameters it owns (ZeRO-1).
 
 Gradients are averaged during backward exactly as in synchronous training (one
-all-reduce per pack), so everything that reads them between ``backward()`` and
+all-reduce per pack, every rank receiving the whole average), so everything that reads them between ``backward()`` and
 ``step()`` (clipping, ``GradScaler``) is unchanged, and ``.grad`` stays the
 averaged gradient after the step, as unsharded. At ``step()`` the inner
 optimizer runs over the parameters this rank owns
@@ -11,19 +11,28 @@ for the call, so the optimizer creates state for those alone, keeps whole
 tensors (LAMB's trust ratio, Adafactor and Muon work), and param groups keep
 their hyperparameters. Then each owner sends its updated parameters to the other
 ranks, point to point (a large parameter straight from its tensor into theirs),
-without waiting
-(:mod:`distopt.modes.parameter_share`): the share runs on after ``step()``
-returns, and each module's next forward waits only for the parameters it holds,
-so the share overlaps the next forward pass. Every rank ends with every
-parameter, bitwise alike and bitwise the unsharded wrapper's. ``model.state_dict()``,
-the next ``step()``, ``opt.synchronize()``, ``opt.sync_now()``, the drift check, the
-optimizer's state dicts, ``broadcast_parameters()``, the end of a join block and
-``close()`` finish the share first; code that reads or changes parameters any
-other way between ``step()`` and the next forward (a weight EMA, ``clamp_()``)
-calls ``opt.synchronize()`` first, and a change made before the share finished
-raises. Step hooks run around all of it (:mod:`distopt.modes.step_hooks`): where
-a step post-hook is registered the share is finished before it runs, so post-hooks
-see every parameter, as around an unsharded step.
+all posted at once, both directions of each link busy
+(:mod:`distopt.modes.parameter_share`). Every rank ends with every parameter,
+bitwise alike and bitwise the unsharded wrapper's. When the share finishes is
+the mode's ``share`` argument:
+
+* ``share="in_step"`` (the default): ``step()`` waits for it before it returns,
+  so the parameters are every rank's as soon as ``step()`` returns, whatever reads
+  them (a weight EMA over ``model.parameters()``, a comparison, logging), as
+  unsharded. The share's time is added to the step.
+* ``share="background"``: the share runs on after ``step()`` returns, and each
+  module's next forward waits only for the parameters it holds, so the share
+  overlaps the next forward pass. ``model.state_dict()``, the next ``step()``,
+  ``opt.synchronize()``, ``opt.sync_now()``, the drift check, the optimizer's
+  state dicts, ``broadcast_parameters()``, the end of a join block and ``close()``
+  finish the share first; code that reads or changes parameters any other way
+  between ``step()`` and the next forward (a weight EMA, ``clamp_()``) must call
+  ``opt.synchronize()`` first: it would read the previous step's values of the
+  parameters other ranks own. A change made before the share finished raises.
+
+Step hooks run around all of it (:mod:`distopt.modes.step_hooks`): where a step
+post-hook is registered the share is finished before it runs, so post-hooks see
+every parameter, as around an unsharded step.
 
 Join: a rank that has joined owns nothing. In the round in which it joined, which
 every rank settles at the same point of its collectives, its shard is handed to
@@ -79,9 +88,20 @@ class ShardedState(Synchronous):
     parameters. ``state_dict()`` gathers the shards (every rank must call it);
     ``sharded_state_dict()`` is this rank's alone. ``shard_state=True`` is its shorthand.
 
-    It takes no arguments; a mode object serves one wrapper.
+    A mode object serves one wrapper.
+
+    Args:
+        share: when the updated parameters have reached every rank. ``"in_step"`` (the default):
+            before ``step()`` returns, so anything may read them right after it. ``"background"``:
+            the share runs on after ``step()`` and each module's next forward waits for the
+            parameters it holds, which hides the share behind the forward; code that reads or
+            changes parameters outside the model's forward between ``step()`` and the next forward
+            (a weight EMA over ``model.parameters()``, ``clamp_()``, a comparison) must call
+            ``opt.synchronize()`` first, or it reads the previous step's values of the parameters
+            other ranks own (a change raises). Every rank must pass the same.
 
     Raises:
+        ValueError: ``share`` is neither ``"in_step"`` nor ``"background"``.
         TypeError: (when the wrapper is built) the inner optimizer is ``LBFGS``, which keeps one
             history over all parameters together.
         ValueError: (when the wrapper is built) with ``fault_tolerance``: a replica that dies takes
@@ -101,7 +121,18 @@ class ShardedState(Synchronous):
 
     reduces_in_backward = True
 
-    def __init__(self) -> None:
+    #: The values of ``share``. Not ``overlap``: local SGD's ``overlap`` (``sync_overlap``) is a number of
+    #: inner steps that a streaming sync runs behind; this says where the parameter share is finished.
+    SHARES = ("in_step", "background")
+
+    def __init__(self, share: str = "in_step") -> None:
+        if share not in self.SHARES:
+            raise ValueError(
+                f"ShardedState(share={share!r}): share must be 'in_step' (the default: step() returns with every "
+                f"rank holding the updated parameters) or 'background' (the share runs on until the next forward; "
+                f"call opt.synchronize() before reading parameters outside it)"
+            )
+        self.share = share
         self.rank = 0  # this rank and the world, once the wrapper's parameters are taken on (on_track)
         self.world_size = 1
         self.base_owner: Dict[int, int] = {}  # id(parameter) -> owning rank, from the parameter list alone
@@ -115,10 +146,11 @@ class ShardedState(Synchronous):
         self._seen: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # modules seen running a forward while it flew
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
+        return f"{type(self).__name__}()" if self.share == "in_step" else f"{type(self).__name__}(share={self.share!r})"
 
     def settings(self) -> Dict[str, Any]:
-        return {"shard_state": True}
+        # Both sides send the same, but a rank that waits in step() and one that does not are out of step.
+        return {"shard_state": True, "shard_state_share": self.share}
 
     def check_compatible(self, *, optimizer: Optimizer, reduce_op: str, bcast_period: int,
                          fault_tolerant: bool) -> None:
@@ -175,7 +207,9 @@ class ShardedState(Synchronous):
         def body(step: Callable[..., Any], args: Any, kwargs: Any) -> Any:
             loss = self._step_mine(ctx, lambda: step(*args, **kwargs))
             self._launch_share(ctx)
-            if ctx.optimizer._optimizer_step_post_hooks or torch_optimizer._global_optimizer_post_hooks:
+            if self.share == "in_step":
+                self._finish_share()  # launched all at once, both directions; step() returns with every parameter
+            elif ctx.optimizer._optimizer_step_post_hooks or torch_optimizer._global_optimizer_post_hooks:
                 self._finish_share()  # a post-hook (a weight EMA) reads every parameter
             return loss
 
@@ -297,8 +331,9 @@ class ShardedState(Synchronous):
 
     def _launch_share(self, ctx: ModeContext) -> None:
         """Start sending the parameters this rank stepped to the other ranks still training, and receiving
-        theirs, without waiting (:mod:`distopt.modes.parameter_share`): the next forward waits per module,
-        and :meth:`finish_step` for all.
+        theirs, without waiting (:mod:`distopt.modes.parameter_share`): ``step()`` waits for all of it
+        (``share="in_step"``), or the next forward waits per module and :meth:`finish_step` for all
+        (``share="background"``).
 
         Every parameter travels point to point from its owner to the others (small ones together), in
         the reverse of the plan's order (about the order of the next forward), the same on every rank. Each rank
@@ -315,6 +350,8 @@ class ShardedState(Synchronous):
         self._share = share
         engine.stats.bytes += share.sent_bytes
         engine.stats.parameter_bytes = share.sent_bytes
+        if self.share != "background":
+            return  # finished before step() returns
         mode = weakref.ref(self)
 
         def on_module(module: nn.Module) -> None:

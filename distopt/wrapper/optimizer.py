@@ -527,10 +527,11 @@ class DistributedOptimizer(InnerOptimizerSurface):
         ``backward_passes_per_step`` passes ran, or when gradients were set by hand.
         Calling it again, or calling ``step()`` after it, does not reduce a second time.
 
-        With ``shard_state=True``, called after ``step()``, it waits until every rank holds every
-        updated parameter: the share runs on after ``step()`` returns until the parameters are next
-        used (a module's forward, ``model.state_dict()``), so call it before reading or changing
-        parameters any other way (a weight EMA, ``clamp_()``).
+        With ``mode=distopt.ShardedState(share="background")``, called after ``step()``, it waits until
+        every rank holds every updated parameter: that share runs on after ``step()`` returns until the
+        parameters are next used (a module's forward, ``model.state_dict()``), so call it before reading
+        or changing parameters any other way (a weight EMA, ``clamp_()``). By default
+        (``shard_state=True``) ``step()`` returns with every parameter shared.
         """
         self._check_not_retired("synchronize()")
         self._mode.finish_step(self._context)

@@ -142,6 +142,14 @@ def settings_worker(key):
     return outcome(lambda: built(DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), **{key: value})))
 
 
+def share_worker():
+    """One rank shards with the share finished in step(), the other in the background."""
+    share = ("in_step", "background")[min(dist.get_rank(), 1)]
+    model = make_model()
+    return outcome(lambda: built(DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                                      mode=distopt.ShardedState(share=share))))
+
+
 def randomized_variations_worker(seed):
     """Per-rank variations of settings, parameter order and names, drawn from one seed per case."""
     rank, world = rank_world()
@@ -547,6 +555,7 @@ def world2_checks():
         "names_prefix": names_worker("prefix"),
         "layout": layout_worker(),
         "settings": {key: settings_worker(key) for key in SETTINGS},
+        "share": share_worker(),
         "skip_clip": skipped_batch_worker(call_synchronize=False, clip=True),
         "skip_sync_clip": skipped_batch_worker(call_synchronize=True, clip=True),
         "frozen": frozen_worker(),
@@ -610,6 +619,12 @@ def test_a_setting_that_differs_between_ranks_fails_on_every_rank_with_each_valu
     same_error_everywhere([r["settings"][key] for r in results(2)], "ValueError",
                           rf"different {key} on different ranks \(rank 0: {re.escape(repr(a))}, "
                           rf"rank 1: {re.escape(repr(b))}\)")
+
+
+def test_a_sharded_share_that_differs_between_ranks_fails_on_every_rank_naming_it():
+    same_error_everywhere([r["share"] for r in results(2)], "ValueError",
+                          r"different shard_state_share on different ranks \(rank 0: 'in_step', "
+                          r"rank 1: 'background'\)")
 
 
 def test_randomized_per_rank_variations_train_alike_or_fail_alike():

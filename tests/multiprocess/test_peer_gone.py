@@ -152,8 +152,8 @@ KILLED_INSIDE = Path(__file__).resolve().parents[1] / "_scripts" / "killed_insid
 # completed last (its own last report, at most a tick old, is from before step 1).
 INSIDE = {"backward": "last seen at step 3, in pack 1/1 of the gradient all-reduce, which it took part in",
           "exchange": "last seen at step 4, in pack 1/1 of the gradient all-reduce, which it took part in"}
-# The step at which the survivors fail: the parameters of step 4 are waited for in step 5's forward.
-FAILED_AT = {"backward": 4, "exchange": 5}
+# The step at which the survivors fail: the parameters of step 4 are waited for at the end of step 4.
+FAILED_AT = {"backward": 4, "exchange": 4}
 KILLED_BETWEEN_STEPS = [(1, 3, "answers"), (0, 2, "went with it")]  # dead rank, world, what the store does
 
 

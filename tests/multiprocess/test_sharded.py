@@ -159,9 +159,6 @@ def train(model, opt, steps, start=0, scheduler=None):
         opt.step()
         if scheduler is not None:
             scheduler.step()
-    # The callers read the parameters outside a forward: with shard_state=True the last step's share may still
-    # be on its way (docs/modes.md), as the unsharded wrapper's needs no such call.
-    opt.synchronize()
 
 
 def state_bytes(states):
@@ -215,7 +212,6 @@ def full_state_dict_and_features(path):
             torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
             scaler.step(o)
             scaler.update()
-    opts[1].synchronize()  # the parameters are read outside a forward
     diff = max((a - b).abs().max().item() for a, b in zip(models[0].parameters(), models[1].parameters()))
     plain_sd, sharded_sd = opts[0].state_dict(), opts[1].state_dict()
     same_layout = ([(k, n) for k, n, _ in tensors_of(plain_sd)] == [(k, n) for k, n, _ in tensors_of(sharded_sd)]
@@ -544,13 +540,48 @@ class Held(nn.Module):
         return self.b(torch.tanh(self.wide(torch.tanh(self.a(x) * scale + bias))))
 
 
+def in_step_share(world):
+    """The default share: the last rank sends its own late, and right after step(), without opt.synchronize(),
+    every parameter read directly (a weight EMA over model.parameters(), as a user writes one) is the one
+    process's, on every rank."""
+    rank = dist.get_rank()
+    model, ref = Held(), Held()
+    opt = DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), pack_threshold=256, shard_state=True)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    ema, ref_ema = [p.detach().clone() for p in model.parameters()], [p.detach().clone() for p in ref.parameters()]
+    diffs = []
+    for step in range(3):
+        x, y = batch(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        if rank == world - 1:
+            time.sleep(0.25)  # its parameters leave late: a share still in flight would be read stale
+        opt.step()
+        with torch.no_grad():
+            for e, p in zip(ema, model.parameters()):
+                e.mul_(0.5).add_(p, alpha=0.5)
+        ref_opt.zero_grad()
+        whole = sum(nn.functional.mse_loss(ref(batch(step, r)[0]), batch(step, r)[1]) for r in range(world))
+        (whole / world).backward()
+        ref_opt.step()
+        with torch.no_grad():
+            for e, p in zip(ref_ema, ref.parameters()):
+                e.mul_(0.5).add_(p, alpha=0.5)
+        diffs.append(max((a - b).abs().max().item() for a, b in zip(ema, ref_ema)))
+    sent = (opt.stats.parameter_bytes, sum(p.numel() * p.element_size() for p in opt.optimizer.state) * (world - 1))
+    opt.close()
+    return {"ema": diffs, "sent": sent}
+
+
 def lazy_share(world):
-    """The parameters travel after step() returns, and the last rank sends its own late. Right after step(),
+    """ShardedState(share="background"): the parameters travel after step() returns, and the last rank sends
+    its own late. Right after step(),
     without opt.synchronize(): a forward and model.state_dict() see the one process's parameters, and close()
     waits for them; a parameter changed in place before they arrived is an error naming the fix."""
     rank = dist.get_rank()
     model, ref = Held(), Held()
-    opt = DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), pack_threshold=256, shard_state=True)
+    opt = DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), pack_threshold=256,
+                               mode=distopt.ShardedState(share="background"))
     ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
     probe = torch.randn(5, 4, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
     forward_diffs, state_diffs, step_seconds = [], [], []
@@ -587,8 +618,8 @@ def lazy_share(world):
     ref_opt.step()
     closed_diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
     # A parameter clamped in place before the share was finished: the ranks would differ, so it raises.
-    opt = DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), pack_threshold=256, shard_state=True,
-                               named_parameters=model.named_parameters())
+    opt = DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), pack_threshold=256,
+                               mode=distopt.ShardedState(share="background"), named_parameters=model.named_parameters())
     opt.zero_grad()
     nn.functional.mse_loss(model(x), y).backward()
     opt.step()
@@ -623,6 +654,7 @@ CASES["drift"] = (2, drift_check, ())
 CASES["wrap loaded"] = (2, wrap_loaded, ("{tmp}",))
 for group_and_size in (2, 3):
     CASES[f"lazy share, world {group_and_size}"] = (group_and_size, lazy_share, (group_and_size,))
+    CASES[f"in-step share, world {group_and_size}"] = (group_and_size, in_step_share, (group_and_size,))
 
 WORLDS = Worlds(CASES, timeout=240)
 _TMP = {}
@@ -656,6 +688,15 @@ def test_step_returns_before_the_parameters_arrive_and_forward_state_dict_and_cl
         if not r["late"]:  # step() did not wait for the late rank's parameters
             assert max(r["step_seconds"][:2]) < 0.12, r
         assert parameter_bytes == expected > 0 and total > parameter_bytes, r
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_by_default_every_parameter_is_every_ranks_when_step_returns_so_a_weight_ema_reads_no_stale_value(
+        world, tmp_path_factory):
+    for r in results(f"in-step share, world {world}", tmp_path_factory):
+        assert max(r["ema"]) < TOL, r
+        parameter_bytes, expected = r["sent"]
+        assert parameter_bytes == expected > 0, r
 
 
 def test_the_drift_check_ignores_each_ranks_own_shard_and_names_a_parameter_moved_on_one_rank(tmp_path_factory):
@@ -729,6 +770,14 @@ def test_lbfgs_cannot_be_sharded_and_says_why():
         DistributedOptimizer(torch.optim.LBFGS(model.parameters()), shard_state=True)
     with pytest.raises(TypeError, match="shard_state must be True or False"):
         DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), shard_state="yes")
+
+
+def test_the_share_is_in_step_or_background_and_says_so():
+    assert repr(distopt.ShardedState()) == "ShardedState()"
+    assert repr(distopt.ShardedState(share="background")) == "ShardedState(share='background')"
+    assert distopt.ShardedState().settings()["shard_state_share"] == "in_step"
+    with pytest.raises(ValueError, match=r"ShardedState\(share='lazy'\): share must be 'in_step' .* or 'background'"):
+        distopt.ShardedState(share="lazy")
 
 
 def test_merging_shards_needs_one_of_each_rank():

@@ -14,9 +14,9 @@ per rank, :mod:`.worker`), so one that aborts cannot take another down.
   ``sync_every=4`` (parameters averaged after steps 4, 8, ...; see :func:`_ddp_post_local`).
 * distopt: one contender per row of :data:`DISTOPT_SPECS`, the table to edit:
   each compressor alone and with local SGD (``sync_every=4``), and DiLoCo.
-* Sharded optimizer state: ``distopt-shard`` (``shard_state=True``), ``distopt-shard-eager``
-  (the same, with ``opt.synchronize()`` right after every ``step()``: the parameter share
-  waited for in the step, as before it was overlapped), ``zero`` (torch's
+* Sharded optimizer state: ``distopt-shard`` (``shard_state=True``: the parameter share
+  waited for in the step), ``distopt-shard-background`` (``ShardedState(share="background")``:
+  the share overlaps the next forward), ``zero`` (torch's
   ``ZeroRedundancyOptimizer`` under DDP) and ``zero-overlap`` (with ``overlap_with_ddp=True``
   and ``hook_with_zero_step``; torch refuses it on gloo, so it is reported unavailable there).
 * Two levels, for ``--ranks-per-host 2`` and more (:data:`ISLAND_CONTENDERS`; the islands
@@ -38,7 +38,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from ...modes import DiLoCo, Islands, Synchronous
+from ...modes import DiLoCo, Islands, ShardedState, Synchronous
 from ...wrapper.optimizer import DistributedOptimizer
 
 __all__ = ["PERIOD", "STREAM_PERIOD", "ContenderOptions", "Built", "Contender", "Factory", "DistoptSpec", "DISTOPT_SPECS",
@@ -143,28 +143,14 @@ def _ddp_powersgd(model: nn.Module, inner: torch.optim.Optimizer, options: Conte
     return Built(ddp, inner)
 
 
-class _Eager:
-    """A sharded wrapper whose ``step()`` waits for the parameter share (``opt.synchronize()`` after it)."""
-
-    def __init__(self, opt: DistributedOptimizer) -> None:
-        self.opt = opt
-
-    def step(self) -> None:
-        self.opt.step()
-        self.opt.synchronize()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        self.opt.zero_grad(set_to_none)
-
-
 def _distopt_shard(model: nn.Module, inner: torch.optim.Optimizer, options: ContenderOptions) -> Built:
     opt = DistributedOptimizer(inner, pack_threshold="auto", shard_state=True)
     return Built(model, opt, opt)
 
 
-def _distopt_shard_eager(model: nn.Module, inner: torch.optim.Optimizer, options: ContenderOptions) -> Built:
-    opt = DistributedOptimizer(inner, pack_threshold="auto", shard_state=True)
-    return Built(model, _Eager(opt), opt)
+def _distopt_shard_background(model: nn.Module, inner: torch.optim.Optimizer, options: ContenderOptions) -> Built:
+    opt = DistributedOptimizer(inner, pack_threshold="auto", mode=ShardedState(share="background"))
+    return Built(model, opt, opt)
 
 
 def _zero(model: nn.Module, inner: torch.optim.Optimizer, options: ContenderOptions, overlap: bool = False) -> Built:
@@ -461,7 +447,8 @@ CONTENDERS: Dict[str, Contender] = {
                   _ddp_post_local),
         *(spec.contender() for spec in DISTOPT_SPECS),
         Contender("distopt-shard", "DistributedOptimizer(pack_threshold='auto', shard_state=True)", _distopt_shard),
-        Contender("distopt-shard-eager", "the same, opt.synchronize() after every step()", _distopt_shard_eager),
+        Contender("distopt-shard-background", "the same, mode=ShardedState(share='background')",
+                  _distopt_shard_background),
         Contender("zero", "torch ZeroRedundancyOptimizer under DDP", _zero),
         Contender("zero-overlap", "torch ZeroRedundancyOptimizer(overlap_with_ddp=True) + hook_with_zero_step",
                   _zero_overlap),
