@@ -201,6 +201,13 @@ class Islands(Mode):
 
     # ------------------------------------------------------------------ the public object
 
+    @property
+    def _sums_gradients(self) -> bool:
+        """Whether the across mode averages every step's gradients (synchronous training across), asked of the
+        mode itself; otherwise it steps locally and syncs parameters on its own schedule (local SGD, DiLoCo)."""
+        return self.across.reduces_in_backward
+
+
     def __repr__(self) -> str:
         shown = [f"across={self.across!r}"]
         if self.islands is not None:
@@ -374,7 +381,7 @@ class Islands(Mode):
                 "the wrapper's compression= would compress inside the islands, which stay uncompressed; pass it to "
                 "the mode instead: mode=distopt.Islands(across=..., compression=...) compresses the cross-island level")
         topology = self.topology
-        if (isinstance(self.across, Synchronous) and topology is not None and topology.size == 1
+        if (self._sums_gradients and topology is not None and topology.size == 1
                 and topology.count > 1):
             raise ValueError(
                 f"islands={topology.describe()} are of one rank each, and across=Synchronous() then is flat "
@@ -404,7 +411,7 @@ class Islands(Mode):
                 collectives.broadcast_parameters(self._ctx.params, src=self._across_source, group=self._ctx.group)
         if self._shards is not None:
             self._track_across(ctx)  # synchronous too: the local gradients travel as they are, no slices
-        elif isinstance(self.across, Synchronous):
+        elif self._sums_gradients:
             self._warn_if_flat_slices_gain_nothing(ctx)
             if engine.world_size > 1 or self._fault_tolerant:
                 ctx.engine.call_when_settled(_weakly(self, lambda mode: mode._cross_after_round(ctx)))
@@ -514,7 +521,7 @@ class Islands(Mode):
         if self._engine is None:  # at construction: attach() takes them on
             return
         self._agree_across(ctx)
-        if isinstance(self.across, Synchronous):
+        if self._sums_gradients:
             if self._slices is not None:
                 self._lay_out(ctx, [i for i, p in enumerate(ctx.params) if p.requires_grad
                                     and i not in self._slices.members])
@@ -557,7 +564,7 @@ class Islands(Mode):
             raise RuntimeError(
                 f"{what}: join() {_NOT_YET} under fault_tolerance; give every rank the same number of batches (e.g. "
                 "drop the last, uneven ones with DistributedSampler(drop_last=True))")
-        if ctx.engine.join.in_block and not isinstance(self.across, Synchronous):
+        if ctx.engine.join.in_block and not self._sums_gradients:
             raise RuntimeError(
                 f"{what}: join() {_NOT_YET}(across={self.across!r}), only with across=Synchronous(); give every "
                 "rank the same number of batches (e.g. drop the last, uneven ones with "
@@ -632,9 +639,9 @@ class Islands(Mode):
     def _reduce_across(self, ctx: ModeContext) -> None:
         """What the across mode's ``reduce_for_step`` means here: the island's round, then its sum across."""
         ctx.reduce_for_step()
-        if isinstance(self.across, Synchronous) and self._shards is not None:
+        if self._sums_gradients and self._shards is not None:
             self._cross_shards(ctx)
-        elif isinstance(self.across, Synchronous) and self._crossed_at != ctx.engine.rounds:
+        elif self._sums_gradients and self._crossed_at != ctx.engine.rounds:
             self._cross(ctx)
 
     def _cross_after_round(self, ctx: ModeContext) -> None:
@@ -701,7 +708,7 @@ class Islands(Mode):
     def synchronize(self, ctx: ModeContext) -> None:
         """``opt.synchronize()``: with FSDP2 inside and synchronous training across, the sum across now
         (FSDP2 set the gradients at the end of backward), so that clipping sees the global mean."""
-        if self._shards is not None and isinstance(self.across, Synchronous):
+        if self._shards is not None and self._sums_gradients:
             self._cross_shards(ctx)
 
     def _cross_shards(self, ctx: ModeContext) -> None:
@@ -842,7 +849,7 @@ class Islands(Mode):
         root = self._whole_rank(src) if whole is not ctx else src
         with stalls.inspected(whole.progress, "the optimizer-state broadcast"):
             collectives.broadcast_optimizer_state(ctx.optimizer, src=root, group=whole.group)
-        if not isinstance(self.across, Synchronous):
+        if not self._sums_gradients:
             self.across.broadcast_state(whole, root)  # the across engine's phase follows the step count
             ctx.set_steps(whole.steps)
 
@@ -868,9 +875,9 @@ class Islands(Mode):
         synchronous training keeps it); with local SGD or DiLoCo across, what they keep alike (the
         parameters right after a sync, the last-sync copies and the outer optimizer between two)."""
         self._steps_from_join(ctx)
-        if isinstance(self.across, Synchronous) and self._shards is not None:
+        if self._sums_gradients and self._shards is not None:
             return self._shards.kept_identical(ctx.optimizer, ctx.steps)
-        if isinstance(self.across, Synchronous):
+        if self._sums_gradients:
             return super().kept_identical(ctx, scheduled)
         self._across_params(ctx)
         self._ctx.set_steps(ctx.steps)
