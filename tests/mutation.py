@@ -221,6 +221,10 @@ MUTANTS: List[Mutant] = [
            "        share = (interface_tx_bytes() - first) // (job.options.ranks_per_host * n)\n",
            "        share = (interface_tx_bytes() - first) // n\n",
            ["tests/fronts/test_benchmark_islands.py", "-k", "shaped_link"]),
+    Mutant("stall inspector: a finalizer's retire() waits for the lock", "distopt/transport/stalls.py",
+           "    _inspector.leaving.append(progress)\n",
+           "    with _inspector.lock:\n        _inspector.progresses.discard(progress)\n",
+           ["tests/unit/test_inspector_thread.py"]),
 ]
 
 

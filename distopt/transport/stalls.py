@@ -263,7 +263,11 @@ class _Inspector:
         # once more when the process ends, so that peers read how it ended.
         self.progresses: "weakref.WeakSet[Progress]" = weakref.WeakSet()
         self.retired: Deque[Progress] = deque(maxlen=16)
-        self.lock = threading.Lock()  # the main thread adds and retires while the thread iterates
+        self.lock = threading.Lock()  # the main thread adds while the thread iterates
+        # Closed wrappers' positions, taken out of ``progresses`` under the lock by the next live(). A wrapper
+        # that the garbage collector frees retires from its finalizer, which runs on whichever thread allocated:
+        # inside live() too, with the lock held by that very thread. So retire() never waits for the lock.
+        self.leaving: Deque[Progress] = deque()
         self.stopping = threading.Event()
         self.thread = threading.Thread(target=self._run, args=(store.clone(),), name="distopt-stall-inspector",
                                        daemon=True)
@@ -271,6 +275,8 @@ class _Inspector:
 
     def live(self) -> List[Progress]:
         with self.lock:
+            while self.leaving:
+                self.progresses.discard(self.leaving.popleft())
             return list(self.progresses)
 
     def _run(self, store: Any) -> None:
@@ -323,13 +329,14 @@ def watch(progress: Progress) -> None:
 
 
 def retire(progress: Progress) -> None:
-    """Stop publishing ``progress`` (its wrapper is closed) until the process ends."""
-    if _inspector is None:
+    """Stop publishing ``progress`` (its wrapper is closed) until the process ends.
+
+    May be called from a finalizer (a wrapper freed by the garbage collector), on any thread and
+    while this module's own code holds its lock: it takes no lock.
+    """
+    if _inspector is None or progress.closed or progress not in _inspector.progresses:
         return
-    with _inspector.lock:
-        if progress not in _inspector.progresses:
-            return
-        _inspector.progresses.discard(progress)
+    _inspector.leaving.append(progress)
     progress.phase = f"{progress.phase}; its DistributedOptimizer was closed"
     progress.closed = True
     progress.cuda_works.clear()
