@@ -189,8 +189,21 @@ class LocalSGDMode(Mode):
             loss = None
         else:
             loss = ctx.optimizer.step() if closure is None else ctx.optimizer.step(closure)
+        ctx.inner_step_taken()
         self._after_local_step(ctx)
         return loss
+
+    def follow_step(self, ctx: ModeContext) -> None:
+        """Count a local step that ranks this one replicates took without it, and sync when it is due.
+
+        ``distopt.Islands`` calls it on a rank that ran out of data inside ``join()`` while the other ranks of
+        its island train on: the inner optimizer is not stepped; :meth:`ModeContext.inner_step_taken` gives this
+        rank its island's parameters, so that it takes part in the syncs across as its island's copy.
+        """
+        ctx.engine.reset_stats()
+        self._track(ctx)
+        ctx.inner_step_taken()
+        self._after_local_step(ctx)
 
     def _after_local_step(self, ctx: ModeContext) -> None:
         """After a local step (the inner step taken or skipped): sync when the period is over."""
