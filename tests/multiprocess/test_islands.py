@@ -580,6 +580,62 @@ def fsdp_checkpoint():
     return full_params_of(net), full_params_of(resumed_net)
 
 
+def dcp_between_syncs(fsdp):
+    """DiLoCo across (streaming with plain replicas inside; int8 across with FSDP2 inside), Adam inside: saved
+    with torch.distributed.checkpoint between two syncs, with distopt.RankState beside the model's and the
+    optimizer's entries; a new model and wrapper (other weights) load it and train on. Against the uninterrupted
+    run; and resumed without RankState (the model and optimizer entries alone), which is not it."""
+    import shutil
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+    mesh = island_mesh() if fsdp else None
+    directory = [tempfile.mkdtemp(prefix="distopt-dcp-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(directory)
+    directory = directory[0]
+
+    def build(seed):
+        if fsdp:
+            net = fsdp_model(mesh["shard"], seed)
+            mode = distopt.Islands(across=distopt.DiLoCo(3, OUTER), islands=mesh, compression="int8")
+        else:
+            net = make_model(seed)
+            mode = distopt.Islands(across=distopt.DiLoCo(4, OUTER, fragments=2, overlap=1), islands=ISLANDS)
+        return net, DistributedOptimizer(torch.optim.Adam(net.parameters(), lr=0.01), mode=mode)
+
+    def run(opt, net, steps, start):
+        if fsdp:
+            fsdp_train(opt, net, steps, start=start)
+        else:
+            train(opt, net, steps, start=start)
+
+    def whole(net):
+        return full_params_of(net) if fsdp else params_of(net)
+
+    net, opt = build(0)
+    run(opt, net, 5, 0)
+    dcp.save({"model": get_model_state_dict(net), "optim": get_optimizer_state_dict(net, opt),
+              "distopt": distopt.RankState(opt)}, checkpoint_id=directory)
+    run(opt, net, 4, 5)
+    resumed = []
+    for with_rank_state in (True, False):
+        again_net, again = build(1)  # other weights: all of them must come from the checkpoint
+        state = {"model": get_model_state_dict(again_net), "optim": get_optimizer_state_dict(again_net, again)}
+        dcp.load(state, checkpoint_id=directory)
+        set_model_state_dict(again_net, state["model"])
+        set_optimizer_state_dict(again_net, again, state["optim"])
+        if with_rank_state:
+            dcp.load({"distopt": distopt.RankState(again)}, checkpoint_id=directory)
+        run(again, again_net, 4, 5)
+        resumed.append(whole(again_net))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(directory)
+    return whole(net), resumed[0], resumed[1]
+
+
 def fsdp_resume():
     """FSDP2 inside, DiLoCo across with int8 across and Adam inside: each rank saves its own state between two
     syncs (its shards), and a new model and wrapper resume from it; against the uninterrupted run."""
@@ -790,6 +846,8 @@ CASES = {
     "fsdp replicate": (4, fsdp_mismatched, ("replicate",)),
     "fsdp compressed": (4, fsdp_compressed, ()),
     "fsdp resume": (4, fsdp_resume, ()),
+    "dcp diloco": (4, dcp_between_syncs, (False,)),
+    "fsdp dcp diloco": (4, dcp_between_syncs, (True,)),
     "fsdp added group": (4, fsdp_added_group, ()),
     "fsdp join": (4, fsdp_join, ()),
     "fsdp rebroadcast": (4, fsdp_rebroadcast, ()),
@@ -1159,6 +1217,14 @@ def test_fsdp2_inside_with_streaming_diloco_across_is_flat_streaming_diloco_on_t
 def test_fsdp2_inside_a_checkpoint_resumes_bitwise_through_dcp_or_each_ranks_own_state_dict(case):
     for uninterrupted, resumed in results(case):
         assert all(torch.equal(a, b) for a, b in zip(uninterrupted, resumed))
+
+
+@pytest.mark.parametrize("case", ["dcp diloco", "fsdp dcp diloco"])
+def test_diloco_across_resumes_bitwise_from_a_dcp_checkpoint_between_two_syncs_with_rank_state(case):
+    for uninterrupted, resumed, without_rank_state in results(case):
+        assert all(torch.equal(a, b) for a, b in zip(uninterrupted, resumed))
+        # The model's and the optimizer's entries alone lose the across state (and island 1's own values).
+        assert not all(torch.equal(a, b) for a, b in zip(uninterrupted, without_rank_state))
 
 
 @pytest.mark.parametrize("case, message", [
