@@ -81,7 +81,7 @@ from .. import collectives
 from .. import compression as compression_module
 from ..compression import Compressor
 from ..engine import GradientEngine
-from ..engine.packs import Pack
+from ..engine.packs import DIRECT_MIN_BYTES, Pack
 from ..launching import placement
 from ..planning import drift
 from ..planning import topology as topologies
@@ -473,7 +473,8 @@ class Islands(Mode):
         """Every island built the same wrapper: compare what decides the across level's collectives
         (the islands agree inside already: the wrapper compared its settings there).
 
-        The pack size is island 0's (``pack_threshold="auto"`` times each island's link).
+        The pack size is island 0's (``pack_threshold="auto"`` times each island's link); with local SGD or
+        DiLoCo across, uncompressed, at most ``DIRECT_MIN_BYTES``, so that large parameters need no pack buffer.
 
         Raises:
             ValueError: two islands differ, naming what.
@@ -508,7 +509,14 @@ class Islands(Mode):
                 raise ValueError(
                     f"the islands built different optimizers: {what}; build the same model, optimizer and "
                     "DistributedOptimizer arguments on every rank")
-        engine.reconfigure(pack_threshold=first["pack_threshold"])
+        threshold = first["pack_threshold"]
+        if not self._sums_gradients and self.compressor is None:
+            # Local SGD across sends the pseudo-gradients every few steps only, so packs buy little there,
+            # and a pack's buffer would hold a second copy of its parameters for good: a parameter of
+            # DIRECT_MIN_BYTES or more travels in a pack of its own, without a buffer, and a whole-model sync
+            # sends it from the parameter's own storage (LocalSGDMode._filler).
+            threshold = min(threshold, DIRECT_MIN_BYTES)
+        engine.reconfigure(pack_threshold=threshold)
 
     def _track_across(self, ctx: ModeContext) -> List[Tensor]:
         """The across engine takes on the wrapper's parameters it lacks (local SGD exchanges them)."""

@@ -580,6 +580,33 @@ def fsdp_checkpoint():
     return full_params_of(net), full_params_of(resumed_net)
 
 
+def diloco_large_parameter():
+    """DiLoCo across with a parameter of 2 MiB: the across engine holds no pack buffer for it (it is sent from
+    its own storage); and flat DiLoCo over each across group on the island's batches, whose packs hold it in a
+    buffer (the default pack size), trains the same (tests/multiprocess/test_pack_paths.py checks the bits of
+    a parameter sent from its own storage against a pack buffer's)."""
+    rank = dist.get_rank()
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 512), nn.Tanh(), nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 2)).double()
+
+    net = model()
+    opt = DistributedOptimizer(INNER(net.parameters()),
+                               mode=distopt.Islands(across=distopt.DiLoCo(2, OUTER), islands=ISLANDS))
+    train(opt, net, 4)
+    held = sum(p.buffer.numel() * p.buffer.element_size() for p in opt.mode._engine.packs)
+    across = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
+    flat = model()
+    flat_opt = DistributedOptimizer(INNER(flat.parameters()), mode=distopt.DiLoCo(2, OUTER), process_group=across)
+    for t in range(4):
+        flat_opt.zero_grad()
+        loss_of(flat, *island_batch(0 if rank in ISLANDS[0] else 1, t)).backward()
+        flat_opt.step()
+    flat_held = sum(p.buffer.numel() * p.buffer.element_size() for p in flat_opt._engine.packs)
+    return params_of(net), params_of(flat), held, flat_held
+
+
 def dcp_between_syncs(fsdp):
     """DiLoCo across (streaming with plain replicas inside; int8 across with FSDP2 inside), Adam inside: saved
     with torch.distributed.checkpoint between two syncs, with distopt.RankState beside the model's and the
@@ -847,6 +874,7 @@ CASES = {
     "fsdp compressed": (4, fsdp_compressed, ()),
     "fsdp resume": (4, fsdp_resume, ()),
     "dcp diloco": (4, dcp_between_syncs, (False,)),
+    "diloco large parameter": (4, diloco_large_parameter, ()),
     "fsdp dcp diloco": (4, dcp_between_syncs, (True,)),
     "fsdp added group": (4, fsdp_added_group, ()),
     "fsdp join": (4, fsdp_join, ()),
@@ -1217,6 +1245,13 @@ def test_fsdp2_inside_with_streaming_diloco_across_is_flat_streaming_diloco_on_t
 def test_fsdp2_inside_a_checkpoint_resumes_bitwise_through_dcp_or_each_ranks_own_state_dict(case):
     for uninterrupted, resumed in results(case):
         assert all(torch.equal(a, b) for a, b in zip(uninterrupted, resumed))
+
+
+def test_diloco_across_sends_a_large_parameter_from_its_own_storage_as_flat_diloco_sends_it_from_a_pack():
+    for islands, flat, held, flat_held in results("diloco large parameter"):
+        assert close(islands, flat)  # the island's mean gradient against the island batch's: rounding apart
+        assert flat_held > 2 * 2**20  # flat DiLoCo's default pack holds the 2 MiB parameter in a buffer
+        assert held < 2**20  # across, only the small parameters' packs
 
 
 @pytest.mark.parametrize("case", ["dcp diloco", "fsdp dcp diloco"])
