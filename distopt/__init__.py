@@ -41,7 +41,7 @@ from .modes import DiLoCo, Islands, LocalSGD, ShardedState, Synchronous, merge_s
 from .planning.drift import DriftError, DriftReport, DriftWarning
 from .planning.stats import StepStats
 from .transport.stalls import StallError
-from .wrapper import DistributedOptimizer, join
+from .wrapper import DistributedOptimizer, RankState, join
 
 __all__ = [
     "DistributedOptimizer",
@@ -57,6 +57,7 @@ __all__ = [
     "DiLoCo",
     "Islands",
     "merge_state_dicts",
+    "RankState",
     "optim",
     "compression",
     "get_rank",

@@ -32,7 +32,7 @@ from ..planning.packing import PackSpec, ParamMeta, plan_packs
 from .carrier import Carrier
 from .sparse_rows import RowSparse
 
-__all__ = ["Pack", "DIRECT_MIN_BYTES", "layout_of", "build_packs", "adopt_current_grads", "gather", "gather_nothing", "scratch",
+__all__ = ["Pack", "DIRECT_MIN_BYTES", "layout_of", "build_packs", "adopt_current_grads", "gather", "gather_nothing", "scratch", "send_in_place",
            "release", "gather_early", "metas", "sums"]
 
 #: Bytes from which a pack of one gradient sends that gradient itself: below it, the flags'
@@ -188,6 +188,13 @@ def scratch(pack: Pack) -> None:
     """Give a direct pack a fresh buffer, for values other than its gradient (an exchange)."""
     if pack.direct:
         _direct_data(pack, torch.empty_like(pack.params[0], memory_format=torch.contiguous_format))
+
+
+def send_in_place(pack: Pack, tensor: Tensor) -> None:
+    """A direct pack's exchange sends ``tensor`` (shaped like its parameter, contiguous) in place of the
+    scratch buffer :func:`scratch` gave it: local SGD writes the pseudo-gradient over the parameter itself
+    where the parameter takes the sync's values afterwards, so the sync holds no second copy of it."""
+    _direct_data(pack, tensor)
 
 
 def release(pack: Pack) -> None:

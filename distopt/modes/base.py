@@ -114,13 +114,17 @@ class ModeContext:
         open_managed: opens an engine over the wrapper's torchft Manager with a compressor (or None),
             where the mode runs fault tolerance on a level of its own (:attr:`Mode.fault_tolerance_above`);
             else None (default).
+        after_inner_step: called by a local step once the inner optimizer stepped (or skipped), before a
+            sync that step may bring (:meth:`inner_step_taken`); None (default): nothing. ``distopt.Islands``
+            hands the island's parameters there to its ranks that ran out of data inside ``join()``.
     """
 
     def __init__(self, *, optimizer: Optimizer, engine: GradientEngine, params: List[Tensor], names: Dict[int, str],
                  process_group: Optional[ProcessGroup], rank: int, root_rank: int, reduce_op: str,
                  stall_warning: Optional[float], stall_timeout: Optional[float],
                  reduce_for_step: Callable[[], None], synchronize: Callable[[], None],
-                 open_managed: Optional[Callable[[Optional[Compressor]], GradientEngine]] = None) -> None:
+                 open_managed: Optional[Callable[[Optional[Compressor]], GradientEngine]] = None,
+                 after_inner_step: Optional[Callable[[], None]] = None) -> None:
         self.optimizer = optimizer
         self.engine = engine
         self.params = params
@@ -134,6 +138,7 @@ class ModeContext:
         self._reduce_for_step = reduce_for_step
         self._synchronize = synchronize
         self._open_managed = open_managed
+        self._after_inner_step = after_inner_step
         #: ``GradScaler``'s verdict for the step being taken (set by the wrapper's ``step()`` when the
         #: mode :attr:`Mode.handles_amp_scaling`): ``found_inf`` and the ``grad_scale`` the gradients
         #: still carry; both None without a ``GradScaler``.
@@ -165,6 +170,12 @@ class ModeContext:
     def set_steps(self, steps: int) -> None:
         """Set the step count (a checkpoint, or another rank's count at the end of a join block)."""
         self.engine.set_steps(steps)
+
+    def inner_step_taken(self) -> None:
+        """A local step's inner optimizer stepped (or skipped it): what the context's owner does then, before
+        the step's sync (see ``after_inner_step``)."""
+        if self._after_inner_step is not None:
+            self._after_inner_step()
 
     def reduce_for_step(self) -> None:
         """Reduce what backward did not, as ``step()`` must, and wait for it."""

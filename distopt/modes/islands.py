@@ -33,7 +33,10 @@ the whole pseudo-gradient on its own link; the islands stay identical inside).
 
 ``join()`` works with synchronous training across: each island's mean counts by its contributors,
 and a rank that has joined takes part in the sums across until no rank of any island contributes
-(:meth:`Islands.leaving`).
+(:meth:`Islands.leaving`). With local SGD or DiLoCo across an island is the across level's replica: a
+rank that has joined stays its island's copy (it takes the island's parameters after each step while a
+rank of the island trains) and syncs as a contributor; an island whose ranks have all joined leaves the
+across level as a rank leaves flat local SGD (its progress once more, then zeros).
 
 **FSDP2 inside** (:mod:`distopt.modes.island_shards`): where the optimizer's parameters are DTensors
 sharded by FSDP2 over each rank's island, FSDP2 averages inside, the wrapper's engine runs over this rank
@@ -49,7 +52,7 @@ step (synchronous across: the wrapper's) or per sync (local SGD / DiLoCo across,
 its ranks restart together and rank ``j`` heals from rank ``j`` of a live island.
 
 What is not supported yet raises at construction or at the call, naming what to do:
-``join()`` with local SGD or DiLoCo across, under fault tolerance ``islands=``, ``compression=`` and
+``join()`` with local SGD or DiLoCo across islands of one rank, under fault tolerance ``islands=``, ``compression=`` and
 ``join()``, a closure, the
 across modes ``ShardedState`` and local SGD's ``warmup``, a frozen parameter made trainable after the
 first cross-island sum (synchronous across; ``add_param_group()`` works); with FSDP2 inside, ``join()``,
@@ -78,7 +81,7 @@ from .. import collectives
 from .. import compression as compression_module
 from ..compression import Compressor
 from ..engine import GradientEngine
-from ..engine.packs import Pack
+from ..engine.packs import DIRECT_MIN_BYTES, Pack
 from ..launching import placement
 from ..planning import drift
 from ..planning import topology as topologies
@@ -197,6 +200,7 @@ class Islands(Mode):
         self._shards_crossed_at = -1  # FSDP2 inside: the step whose gradients were summed across last
         self._fault_tolerant = False  # fault_tolerance=: the island is a replica group, the manager joins them
         self._vote: Optional[SyncVote] = None  # the wrapper's torchft controller, under fault tolerance
+        self._across_join: Optional[Tuple[bool, bool]] = None  # local SGD across in join(): what leaving restores
         self._started_alike = False  # under fault tolerance: the island took its root's state after step 0
 
     # ------------------------------------------------------------------ the public object
@@ -400,7 +404,8 @@ class Islands(Mode):
             process_group=self._across_group, rank=across_rank, root_rank=self._across_source,
             reduce_op=ctx.reduce_op, stall_warning=ctx.stall_warning, stall_timeout=ctx.stall_timeout,
             reduce_for_step=_weakly(self, lambda mode: mode._reduce_across(ctx)),
-            synchronize=_weakly(self, lambda mode: mode._reduce_across(ctx)))
+            synchronize=_weakly(self, lambda mode: mode._reduce_across(ctx)),
+            after_inner_step=_weakly(self, lambda mode: mode._hand_island_parameters(ctx)))
         if topology is not None and topology.size > 1 and self._shards is None and not self._fault_tolerant:
             self._world = self._open_world(ctx)
         # Under fault tolerance the across world is 1 until a quorum, so this compares nothing: a rank that
@@ -468,7 +473,8 @@ class Islands(Mode):
         """Every island built the same wrapper: compare what decides the across level's collectives
         (the islands agree inside already: the wrapper compared its settings there).
 
-        The pack size is island 0's (``pack_threshold="auto"`` times each island's link).
+        The pack size is island 0's (``pack_threshold="auto"`` times each island's link); with local SGD or
+        DiLoCo across, uncompressed, at most ``DIRECT_MIN_BYTES``, so that large parameters need no pack buffer.
 
         Raises:
             ValueError: two islands differ, naming what.
@@ -503,7 +509,14 @@ class Islands(Mode):
                 raise ValueError(
                     f"the islands built different optimizers: {what}; build the same model, optimizer and "
                     "DistributedOptimizer arguments on every rank")
-        engine.reconfigure(pack_threshold=first["pack_threshold"])
+        threshold = first["pack_threshold"]
+        if not self._sums_gradients and self.compressor is None:
+            # Local SGD across sends the pseudo-gradients every few steps only, so packs buy little there,
+            # and a pack's buffer would hold a second copy of its parameters for good: a parameter of
+            # DIRECT_MIN_BYTES or more travels in a pack of its own, without a buffer, and a whole-model sync
+            # sends it from the parameter's own storage (LocalSGDMode._filler).
+            threshold = min(threshold, DIRECT_MIN_BYTES)
+        engine.reconfigure(pack_threshold=threshold)
 
     def _track_across(self, ctx: ModeContext) -> List[Tensor]:
         """The across engine takes on the wrapper's parameters it lacks (local SGD exchanges them)."""
@@ -538,6 +551,7 @@ class Islands(Mode):
         if closure is not None:
             raise RuntimeError(f"step(closure) {_NOT_YET}; call step() after backward()")
         ctx.reduce_for_step()  # the island's round, if it was left pending
+        self._join_across(ctx)
         self._across_params(ctx)
         across = self._ctx
         across.set_steps(ctx.steps)
@@ -564,24 +578,30 @@ class Islands(Mode):
             raise RuntimeError(
                 f"{what}: join() {_NOT_YET} under fault_tolerance; give every rank the same number of batches (e.g. "
                 "drop the last, uneven ones with DistributedSampler(drop_last=True))")
-        if ctx.engine.join.in_block and not self._sums_gradients:
+        if ctx.engine.join.in_block and not self._sums_gradients and ctx.world_size == 1:
             raise RuntimeError(
-                f"{what}: join() {_NOT_YET}(across={self.across!r}), only with across=Synchronous(); give every "
-                "rank the same number of batches (e.g. drop the last, uneven ones with "
-                "DistributedSampler(drop_last=True))")
+                f"{what}: join() with islands of one rank {_NOT_YET}(across={self.across!r}); that is flat "
+                f"training: use mode={self.across!r} without Islands, whose join() works, or islands of several "
+                "ranks")
 
-    # ------------------------------------------------------------------ join(), with synchronous training across
+    # ------------------------------------------------------------------ join()
 
     def leaving(self, ctx: ModeContext) -> Optional[Callable[[], None]]:
-        """A rank ran out of data: it shadows its island's rounds, and takes part in every sum across with its
-        island's values, until no rank of any island contributes (:meth:`_shadow_until_every_island_joined`).
+        """A rank ran out of data: it shadows its island's rounds until no rank of any island contributes.
+
+        With synchronous training across it takes part in every sum across with its island's values
+        (:meth:`_shadow_until_every_island_joined`); with local SGD or DiLoCo across it follows its island's
+        steps and syncs as long as a rank of the island trains, then sends the island's last progress and
+        shadows the other islands' syncs (:meth:`_follow_until_every_island_joined`).
 
         The wrapper's own loop ends when no rank of the island contributes; an island whose ranks have all
-        joined must still send zeros across while another island trains, so this rank's loop runs here,
+        joined must still take part across while another island trains, so this rank's loop runs here,
         in place of the wrapper's first shadow round, and ends when every island's has."""
         self._refuse_join(ctx, "a rank ran out of data")
         if self._engine is None or self._engine.world_size == 1:
             return None  # one island: the wrapper's join is the whole story
+        if not self._sums_gradients:
+            return _weakly(self, lambda mode: mode._follow_until_every_island_joined(ctx))
         return _weakly(self, lambda mode: mode._shadow_until_every_island_joined(ctx))
 
     def joins_alone(self, ctx: ModeContext) -> bool:
@@ -596,6 +616,67 @@ class Islands(Mode):
             if not self._contributors:
                 return
 
+    def _follow_until_every_island_joined(self, ctx: ModeContext) -> None:
+        """Local SGD or DiLoCo across: this rank ran out of data. An island is the across level's replica, so
+        while a rank of its island trains, this rank is the island's copy in its across group: it shadows the
+        island's rounds (zeros, not counted in the island's mean) and, after each round with contributors,
+        counts the step the island took, takes the island's parameters (:meth:`_hand_island_parameters`) and
+        syncs with the other islands when a sync is due, as a contributor. Once no rank of the island trains,
+        the island leaves the across level as a rank leaves flat local SGD: its progress since the last sync
+        once more, as a contributor for the last time (``across.leaving``), then zeros in the other islands'
+        syncs, which average over the islands still training (or over all, with ``divide_by_world``), until no
+        island trains."""
+        island, across = ctx.engine, self._ctx
+        self._join_across(ctx)
+        while True:
+            island.shadow_launch()
+            if not island.shadow_finish():
+                break  # no rank of the island trains any more
+            self._across_params(ctx)
+            across.set_steps(ctx.steps)
+            try:
+                self.across.follow_step(across)
+            finally:
+                self._engine.after_step()
+            ctx.set_steps(ctx.steps + 1)
+        engine = self._engine
+        across.set_steps(ctx.steps)
+        final = self.across.leaving(across)
+        while True:
+            if final is None:
+                engine.shadow_launch()
+            contributors = engine.shadow_finish(final)
+            final = None
+            if not contributors:
+                return
+            self.across.shadow_step(across)
+
+    def _join_across(self, ctx: ModeContext) -> None:
+        """Local SGD or DiLoCo across, inside ``join()``: the across engine's syncs count their contributors
+        too (the islands still training; ``divide_by_world`` as the block says), from the block's first step."""
+        island = ctx.engine
+        if self._sums_gradients or not island.join.in_block or self._across_join is not None:
+            return
+        self._across_join = self._engine.enter_join(island.join.divide_by_world)
+
+    def _hand_island_parameters(self, ctx: ModeContext) -> None:
+        """After a local step's inner step, before its sync: where a rank of this island has run out of data
+        inside ``join()`` (the island's round of this step had fewer contributors than ranks), the island's
+        first rank still training gives every rank of the island its parameters, so that a rank that has joined
+        sends its island's progress across, the same as its island's other ranks send in their across groups.
+        Every rank of the island reads the same round's flags, so all of them take part or none."""
+        island = ctx.engine
+        if not island.join.in_block or self._shards is not None:
+            return
+        contributors = island.outcome.contributors
+        if contributors == 0 or contributors >= island.world_size:
+            return
+        group = ctx.group
+        source = torch.tensor([island.world_size if island.join.joined else dist.get_rank(group)], dtype=torch.int64)
+        with torch.no_grad(), stalls.inspected(ctx.progress, "the island's parameters to its ranks out of data (join)"):
+            dist.all_reduce(source, op=dist.ReduceOp.MIN, group=group)
+            collectives.broadcast_parameters(ctx.params, src=int(source.item()), group=group)
+
     def shadow_step(self, ctx: ModeContext) -> None:
         self._refuse_join(ctx, "a rank ran out of data")
 
@@ -606,16 +687,27 @@ class Islands(Mode):
         if whole is ctx or whole.world_size == 1:
             super().settle_after_join(ctx, last, identical)
             return
-        mine = torch.tensor([ctx.steps], dtype=torch.int64)
+        # A rank that followed its island without data (local SGD across) holds the island's parameters and
+        # step count, but not its inner optimizer's state: the source is a rank that trained in its island's
+        # last round with contributors.
+        mine = torch.tensor([ctx.steps, int(ctx.engine.outcome.contributed_last)], dtype=torch.int64)
         with stalls.inspected(whole.progress, "the exchange of step counts at the end of the join block"):
-            steps = [int(t.item()) for t in collectives.all_gather(mine, group=whole.group)]
+            gathered = [t.tolist() for t in collectives.all_gather(mine, group=whole.group)]
+        steps = [s for s, _ in gathered]
         longest = max(steps)
-        source = steps.index(longest)
-        if min(steps) != longest:
+        source = max(range(len(gathered)), key=lambda r: (steps[r], gathered[r][1], -r))
+        if min(steps) != longest or not self._sums_gradients:
             with torch.no_grad(), stalls.inspected(whole.progress, "the parameter broadcast at the end of the join block"):
                 collectives.broadcast_parameters(ctx.params, src=source, group=whole.group)
             with stalls.inspected(whole.progress, "the optimizer-state broadcast at the end of the join block"):
                 collectives.broadcast_optimizer_state(ctx.optimizer, src=source, group=whole.group)
+        if self._across_join is not None:  # local SGD across: its state too, and the across engine leaves the block
+            whole.set_steps(longest)
+            self.across.broadcast_state(whole, source)
+            engine, previous, self._across_join = self._engine, self._across_join, None
+            engine.stop_shadowing()
+            engine.after_join()
+            engine.leave_join(previous)
         # The wrapper sets the island's count next; every later use takes this one first.
         self._steps_after_join = longest
 
@@ -624,6 +716,9 @@ class Islands(Mode):
         any island has joined (the sum across counts every island's contributors), since a collective over
         every island (the drift check, a re-broadcast) cannot run then."""
         training = super().ranks_training(ctx)
+        if ctx.engine.join.in_block and not self._sums_gradients:
+            # Local SGD across: a rank of another island may have run out unseen (its island's copy syncs on).
+            return None if training is None else min(training, ctx.world_size - 1)
         everyone = self._contributors
         if (not ctx.engine.join.in_block or everyone is None or training is None
                 or everyone == self.topology.count * self.topology.size):

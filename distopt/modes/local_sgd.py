@@ -72,7 +72,7 @@ from torch.optim import Optimizer
 
 from .. import collectives
 from ..engine import GradientEngine
-from ..engine.packs import Pack
+from ..engine.packs import Pack, send_in_place
 from ..planning import drift
 from ..planning.mixing import mix_
 from ..transport import stalls
@@ -122,6 +122,9 @@ class LocalSGDMode(Mode):
         self._synced_now = False  # the last step read a round's flags (it synced, or was a warm-up step)
         # ids of the parameters this rank sent no pseudo-gradient for in the exchange that last carried them
         self._unsent: Set[int] = set()
+        # ids of the parameters whose own storage carries the exchange in flight (their pseudo-gradient, then
+        # the mean): a whole-model sync gives them their anchors' values afterwards (:meth:`_filler`)
+        self._in_place: Set[int] = set()
 
     def fault_tolerant(self, vote: SyncVote) -> bool:
         """Sync under a torchft Manager: every sync is a quorum (the exchange opens it), ``vote.commit()``
@@ -189,8 +192,21 @@ class LocalSGDMode(Mode):
             loss = None
         else:
             loss = ctx.optimizer.step() if closure is None else ctx.optimizer.step(closure)
+        ctx.inner_step_taken()
         self._after_local_step(ctx)
         return loss
+
+    def follow_step(self, ctx: ModeContext) -> None:
+        """Count a local step that ranks this one replicates took without it, and sync when it is due.
+
+        ``distopt.Islands`` calls it on a rank that ran out of data inside ``join()`` while the other ranks of
+        its island train on: the inner optimizer is not stepped; :meth:`ModeContext.inner_step_taken` gives this
+        rank its island's parameters, so that it takes part in the syncs across as its island's copy.
+        """
+        ctx.engine.reset_stats()
+        self._track(ctx)
+        ctx.inner_step_taken()
+        self._after_local_step(ctx)
 
     def _after_local_step(self, ctx: ModeContext) -> None:
         """After a local step (the inner step taken or skipped): sync when the period is over."""
@@ -288,20 +304,47 @@ class LocalSGDMode(Mode):
             self._apply([(p, anchor, self._pseudo_gradient_alone(p)) for p, anchor in self._pairs(ctx)])
 
     def _launch(self, ctx: ModeContext, leaving: bool = False) -> None:
-        """Send the pseudo-gradients (``leaving``: as this rank's last contribution, see :func:`last_contribution`)."""
+        """Send the pseudo-gradients (``leaving``: as this rank's last contribution, see :func:`last_contribution`).
+        A whole-model sync: each parameter takes the sync's values once it is back (:meth:`_finish`), so a
+        parameter alone in its pack carries its pseudo-gradient in its own storage (:meth:`_filler`); not
+        under fault tolerance, where a replica may heal (take a peer's parameters) before the mean is applied."""
         engine = ctx.engine
         if engine.progress is not None:
             engine.progress.phase = "inside step() (local SGD: averaging the pseudo-gradients)"
-        with torch.no_grad(), last_contribution(engine, leaving):
-            engine.launch_exchange(self._filler(ctx))
+        try:
+            with torch.no_grad(), last_contribution(engine, leaving):
+                engine.launch_exchange(self._filler(ctx, in_place=self._vote is None))
+        except BaseException:
+            self._restore_in_place(ctx)
+            raise
 
-    def _filler(self, ctx: ModeContext) -> Callable[[Pack], None]:
+    def _restore_in_place(self, ctx: ModeContext) -> None:
+        """A sync that failed midway: the parameters that carried it take their anchors' values (the last
+        sync's), not a pseudo-gradient."""
+        with torch.no_grad():
+            for p, anchor in self._pairs(ctx):
+                if id(p) in self._in_place:
+                    p.copy_(anchor)
+        self._in_place.clear()
+
+    def _filler(self, ctx: ModeContext, in_place: bool = False) -> Callable[[Pack], None]:
         """What an exchange writes into each pack: the pseudo-gradients ``anchor - param``, scaled, and
-        which members have none (:func:`_nothing_to_send`: their presence flag is 0)."""
+        which members have none (:func:`_nothing_to_send`: their presence flag is 0).
+
+        Args:
+            in_place: the parameters take the sync's values when it is back (a whole-model sync without
+                mixing): a pack of one parameter that needs no buffer of its own (a large gradient's,
+                :attr:`Pack.direct`) then sends from the parameter's own storage, which the pseudo-gradient
+                and then the mean overwrite, rather than from a second copy. The same values travel.
+        """
+        self._in_place.clear()
 
         def fill(pack: Pack) -> None:
             scale = ctx.engine.scale  # read as each pack launches: under fault tolerance it is set as the round opens
             pack.absent.clear()
+            if in_place and pack.direct and pack.params[0].is_contiguous():
+                send_in_place(pack, pack.params[0].detach())
+                self._in_place.add(id(pack.params[0]))
             for j, (p, view) in enumerate(zip(pack.params, pack.views)):
                 if p.grad is view:  # left by a synchronous round: .grad stays this rank's own gradient
                     p.grad = view.clone()
@@ -338,6 +381,14 @@ class LocalSGDMode(Mode):
         return out
 
     def _finish(self, ctx: ModeContext) -> None:
+        try:
+            self._finish_exchange(ctx)
+        except BaseException:
+            self._restore_in_place(ctx)
+            raise
+        self._in_place.clear()
+
+    def _finish_exchange(self, ctx: ModeContext) -> None:
         engine = ctx.engine
         with torch.no_grad():
             engine.finish_exchange()
@@ -376,6 +427,8 @@ class LocalSGDMode(Mode):
         for p, anchor, pseudo in items:
             if pseudo is not None:
                 mix_(p, anchor, alpha if p.requires_grad or p.grad is not None else 0.0)
+            elif id(p) in self._in_place:  # it sent nothing (unmoved): its storage carried zeros
+                p.copy_(anchor)
 
     # ------------------------------------------------------------------ checkpoints and taking one rank's state
 

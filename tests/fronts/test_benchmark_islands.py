@@ -40,7 +40,8 @@ def test_the_islands_are_the_ranks_of_one_namespace_one_host_after_the_other() -
 
 def test_two_ranks_per_host_run_the_two_level_contenders_and_the_flat_ones_to_beat() -> None:
     assert LinkConfig(2 * 10**8, ranks_per_host=2).contenders == ("local", "ddp", "distopt", *TWO_LEVEL)
-    assert TWO_LEVEL == ["island-alone", "hsdp", "islands", "islands-int8", "islands-diloco16", "islands-stream16"]
+    assert TWO_LEVEL == ["island-alone", "hsdp", "islands", "islands-int8", "islands-diloco16", "islands-stream16",
+                         "islands-fsdp", "islands-fsdp-diloco16", "islands-fsdp-stream16"]
     # one rank per host: every flat contender, none of the two-level ones (they could not run)
     flat = LinkConfig(2 * 10**8).contenders
     assert flat == default_contenders(1) and "distopt" in flat and not set(flat) & set(TWO_LEVEL)
@@ -125,6 +126,44 @@ def test_the_report_gives_the_topology_and_each_step_against_the_islands_alone()
     data = link_report_to_json(report)["tasks"][0]
     assert data["paired_x_alone"]["islands"] == pytest.approx(1.5)
     assert data["paired_x_alone"]["island-alone"] == pytest.approx(1.0)
+
+
+def _fsdp_contenders_train(names: List[str]) -> List[Any]:
+    """On each of 4 ranks (2 hosts of 2): each FSDP2 contender built as the benchmark builds it, on the mlp
+    task's model and optimizer, trained 2 steps; its parameters' kind, what its last step sent across, and
+    the full parameters after the steps."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    task = TASKS["mlp"]
+    out = []
+    for name in names:
+        torch.manual_seed(0)
+        model = task.build_model()
+        built = CONTENDERS[name].build(model, task.make_optimizer(model.parameters()), ContenderOptions(ranks_per_host=2))
+        for step in range(2):
+            x, y = task.batch(dist.get_rank(), 4, step, 0)
+            built.optimizer.zero_grad()
+            task.loss_fn(built.module(x), y).backward()
+            built.optimizer.step()
+        params = list(model.parameters())
+        full = [p.full_tensor() for p in params]
+        out.append((all(isinstance(p, DTensor) for p in params), built.library_bytes(), [float(t.sum()) for t in full]))
+    return out
+
+
+def test_the_fsdp2_island_contenders_train_with_fsdp2_inside_and_distopt_across() -> None:
+    from distopt._testing import run_world
+
+    names = ["islands-fsdp", "islands-fsdp-diloco16", "islands-fsdp-stream16"]
+    per_rank = run_world(_fsdp_contenders_train, 4, names, timeout=150)
+    for rank in per_rank:
+        for name, (sharded, sent, sums) in zip(names, rank):
+            assert sharded, name  # the parameters are FSDP2's
+            assert all(s == s for s in sums), name  # it trained to numbers
+        assert rank[0][1] > 0  # synchronous across sums every step's gradients across
+    # Synchronous across: every rank of every island holds the same model.
+    assert len({tuple(rank[0][2]) for rank in per_rank}) == 1
 
 
 # --- end to end, as root -------------------------------------------------------------------------------------

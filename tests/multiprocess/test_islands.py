@@ -6,6 +6,7 @@ batch (synchronous across), or a replay of the protocol (each island steps on it
 the islands sync every H steps). Streaming DiLoCo across is compared with flat streaming DiLoCo
 over 2 ranks, each training on its island's whole batch, which is the same protocol.
 """
+import copy
 import io
 import os
 
@@ -300,15 +301,17 @@ def mesh_and_hosts():
 
 def starts_identical_and_refuses_join():
     """Each rank builds its own initial parameters; the wrapper gives every rank island 0's root's. With DiLoCo
-    across, a step inside join() is refused on every rank, before any collective."""
+    across islands of one rank, a step inside join() is refused on every rank, before any collective."""
     rank = dist.get_rank()
     net = make_model(seed=rank)
     opt = DistributedOptimizer(torch.optim.SGD(net.parameters(), lr=0.1),
                                mode=distopt.Islands(across=distopt.DiLoCo(2, OUTER), islands=ISLANDS))
     start = params_of(net)
+    alone = DistributedOptimizer(torch.optim.SGD(make_model().parameters(), lr=0.1),
+                                 mode=distopt.Islands(across=distopt.DiLoCo(2, OUTER), islands=[[0], [1], [2], [3]]))
     try:
-        with opt.join():
-            train(opt, net, 1)
+        with alone.join():
+            alone.step()
     except RuntimeError as exc:
         return start, str(exc)
     return start, None
@@ -344,6 +347,51 @@ def uneven_batches(divide_by_world=False):
     report = opt.check_drift()  # every rank of every island holds the same state and step count again
     train(opt, net, 1, start=10)  # and trains on together
     return params_of(net), report.step, report.drifted
+
+
+LOCAL_BATCHES = {0: 5, 1: 2, 2: 7, 3: 7}  # rank 1 runs out first, then island 0; island 1 trains the longest
+
+
+def active(rank_batches, island, t):
+    """The ranks of ``island`` that still have a batch at step ``t``."""
+    return [r for r in ISLANDS[island] if rank_batches[r] > t]
+
+
+def local_join(divide_by_world=False):
+    """join() with DiLoCo across: rank 1 runs out while rank 0 trains island 0 on, then island 0 runs out with a
+    step not synced yet, while island 1 trains on; every rank leaves the block, alike, and trains on together."""
+    rank = dist.get_rank()
+    net = make_model()
+    opt = DistributedOptimizer(INNER(net.parameters()), check_every=2,
+                               mode=distopt.Islands(across=distopt.DiLoCo(2, OUTER), islands=ISLANDS))
+    with opt.join(divide_by_world=divide_by_world):
+        train(opt, net, LOCAL_BATCHES[rank])
+    left = params_of(net)
+    report = opt.check_drift()  # every rank of every island holds the same state and step count again
+    train(opt, net, 1, start=10)
+    return left, report.step, report.drifted, params_of(net)
+
+
+def streaming_join():
+    """join() with streaming DiLoCo across, and flat streaming DiLoCo over each across group in join() on the
+    batches of its island's ranks that still train: the same protocol."""
+    rank = dist.get_rank()
+    mode = lambda: distopt.DiLoCo(4, OUTER, fragments=2, overlap=1)  # noqa: E731
+    net = make_model()
+    opt = DistributedOptimizer(INNER(net.parameters()), mode=distopt.Islands(across=mode(), islands=ISLANDS))
+    with opt.join():
+        train(opt, net, LOCAL_BATCHES[rank])
+    across = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
+    flat = make_model()
+    flat_opt = DistributedOptimizer(INNER(flat.parameters()), mode=mode(), process_group=across)
+    island = 0 if rank in ISLANDS[0] else 1
+    with flat_opt.join():
+        for t in range(max(LOCAL_BATCHES[r] for r in ISLANDS[island])):
+            ranks = active(LOCAL_BATCHES, island, t)
+            flat_opt.zero_grad()
+            sum(loss_of(flat, *batch(r, t)) for r in ranks).div(len(ranks)).backward()
+            flat_opt.step()
+    return params_of(net), params_of(flat)
 
 
 def drift_across(across):
@@ -530,6 +578,89 @@ def fsdp_checkpoint():
     if dist.get_rank() == 0:
         shutil.rmtree(directory)
     return full_params_of(net), full_params_of(resumed_net)
+
+
+def diloco_large_parameter():
+    """DiLoCo across with a parameter of 2 MiB: the across engine holds no pack buffer for it (it is sent from
+    its own storage); and flat DiLoCo over each across group on the island's batches, whose packs hold it in a
+    buffer (the default pack size), trains the same (tests/multiprocess/test_pack_paths.py checks the bits of
+    a parameter sent from its own storage against a pack buffer's)."""
+    rank = dist.get_rank()
+
+    def model():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(4, 512), nn.Tanh(), nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 2)).double()
+
+    net = model()
+    opt = DistributedOptimizer(INNER(net.parameters()),
+                               mode=distopt.Islands(across=distopt.DiLoCo(2, OUTER), islands=ISLANDS))
+    train(opt, net, 4)
+    held = sum(p.buffer.numel() * p.buffer.element_size() for p in opt.mode._engine.packs)
+    across = [dist.new_group([0, 2]), dist.new_group([1, 3])][rank % 2]
+    flat = model()
+    flat_opt = DistributedOptimizer(INNER(flat.parameters()), mode=distopt.DiLoCo(2, OUTER), process_group=across)
+    for t in range(4):
+        flat_opt.zero_grad()
+        loss_of(flat, *island_batch(0 if rank in ISLANDS[0] else 1, t)).backward()
+        flat_opt.step()
+    flat_held = sum(p.buffer.numel() * p.buffer.element_size() for p in flat_opt._engine.packs)
+    return params_of(net), params_of(flat), held, flat_held
+
+
+def dcp_between_syncs(fsdp):
+    """DiLoCo across (streaming with plain replicas inside; int8 across with FSDP2 inside), Adam inside: saved
+    with torch.distributed.checkpoint between two syncs, with distopt.RankState beside the model's and the
+    optimizer's entries; a new model and wrapper (other weights) load it and train on. Against the uninterrupted
+    run; and resumed without RankState (the model and optimizer entries alone), which is not it."""
+    import shutil
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+    mesh = island_mesh() if fsdp else None
+    directory = [tempfile.mkdtemp(prefix="distopt-dcp-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(directory)
+    directory = directory[0]
+
+    def build(seed):
+        if fsdp:
+            net = fsdp_model(mesh["shard"], seed)
+            mode = distopt.Islands(across=distopt.DiLoCo(3, OUTER), islands=mesh, compression="int8")
+        else:
+            net = make_model(seed)
+            mode = distopt.Islands(across=distopt.DiLoCo(4, OUTER, fragments=2, overlap=1), islands=ISLANDS)
+        return net, DistributedOptimizer(torch.optim.Adam(net.parameters(), lr=0.01), mode=mode)
+
+    def run(opt, net, steps, start):
+        if fsdp:
+            fsdp_train(opt, net, steps, start=start)
+        else:
+            train(opt, net, steps, start=start)
+
+    def whole(net):
+        return full_params_of(net) if fsdp else params_of(net)
+
+    net, opt = build(0)
+    run(opt, net, 5, 0)
+    dcp.save({"model": get_model_state_dict(net), "optim": get_optimizer_state_dict(net, opt),
+              "distopt": distopt.RankState(opt)}, checkpoint_id=directory)
+    run(opt, net, 4, 5)
+    resumed = []
+    for with_rank_state in (True, False):
+        again_net, again = build(1)  # other weights: all of them must come from the checkpoint
+        state = {"model": get_model_state_dict(again_net), "optim": get_optimizer_state_dict(again_net, again)}
+        dcp.load(state, checkpoint_id=directory)
+        set_model_state_dict(again_net, state["model"])
+        set_optimizer_state_dict(again_net, again, state["optim"])
+        if with_rank_state:
+            dcp.load({"distopt": distopt.RankState(again)}, checkpoint_id=directory)
+        run(again, again_net, 4, 5)
+        resumed.append(whole(again_net))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(directory)
+    return whole(net), resumed[0], resumed[1]
 
 
 def fsdp_resume():
@@ -725,6 +856,9 @@ CASES = {
     "join": (4, uneven_batches, ()),
     "join with another": (4, joined_with_another, ()),
     "join divide_by_world": (4, uneven_batches, (True,)),
+    "join diloco": (4, local_join, ()),
+    "join diloco divide_by_world": (4, local_join, (True,)),
+    "join streaming": (4, streaming_join, ()),
     "closed wrapper": (4, subgroup_after_a_closed_wrapper, ()),
     "drift": (4, drift_across, (False,)),
     "rebroadcast": (4, rebroadcast_across, ()),
@@ -739,6 +873,9 @@ CASES = {
     "fsdp replicate": (4, fsdp_mismatched, ("replicate",)),
     "fsdp compressed": (4, fsdp_compressed, ()),
     "fsdp resume": (4, fsdp_resume, ()),
+    "dcp diloco": (4, dcp_between_syncs, (False,)),
+    "diloco large parameter": (4, diloco_large_parameter, ()),
+    "fsdp dcp diloco": (4, dcp_between_syncs, (True,)),
     "fsdp added group": (4, fsdp_added_group, ()),
     "fsdp join": (4, fsdp_join, ()),
     "fsdp rebroadcast": (4, fsdp_rebroadcast, ()),
@@ -809,6 +946,64 @@ def local_reference(outer, steps=STEPS, every=2, sync_at_end=False, skipped=()):
                     for p, a in zip(m.parameters(), anchors):
                         p.copy_(a)
     return [params_of(m) for m in models]
+
+
+def local_join_reference(divide_by_world, every=2):
+    """DiLoCo across in join(), replayed: each island steps on the mean over its ranks that still train (with
+    ``divide_by_world`` over all its ranks, the others as zeros) while one does; the islands training sync every
+    ``every`` of their steps; an island whose ranks all ran out sends its progress since the last sync once more,
+    in the next sync, and no more. Each sync averages over the islands that send (``divide_by_world``: over
+    both). Returns the parameters every rank leaves the block with, and those after one more step together."""
+    models = [make_model(), make_model()]
+    inners = [INNER(m.parameters()) for m in models]
+    anchors = params_of(models[0])
+    outer_opt = OUTER(anchors)
+    alive, since, steps, pending = [0, 1], [0, 0], [0, 0], []
+
+    def pseudo(i):
+        return [a - p.detach() for a, p in zip(anchors, models[i].parameters())]
+
+    t = 0
+    while alive or pending:
+        for i in list(alive):
+            ranks = active(LOCAL_BATCHES, i, t)
+            if not ranks:
+                alive.remove(i)
+                if since[i]:
+                    pending.append(pseudo(i))
+                continue
+            inners[i].zero_grad()
+            sum(loss_of(models[i], *batch(r, t)) for r in ranks).div(2 if divide_by_world else len(ranks)).backward()
+            inners[i].step()
+            since[i] += 1
+            steps[i] += 1
+        syncing = [i for i in alive if since[i] >= every]
+        if syncing or (pending and not alive):
+            sent = [pseudo(i) for i in syncing] + pending
+            with torch.no_grad():
+                for n, a in enumerate(anchors):
+                    a.grad = sum(g[n] for g in sent) / (2 if divide_by_world else len(sent))
+                outer_opt.step()
+                for i in syncing:
+                    for p, a in zip(models[i].parameters(), anchors):
+                        p.copy_(a)
+                    since[i] = 0
+            pending = []
+        t += 1
+    left = [a.detach().clone() for a in anchors]
+    last = max((0, 1), key=lambda i: steps[i])
+    state = copy.deepcopy(inners[last].state_dict())
+    after = []
+    for i in (0, 1):  # every rank takes the longest island's state, then one local step on its island's batch
+        with torch.no_grad():
+            for p, a in zip(models[i].parameters(), left):
+                p.copy_(a)
+        inners[i].load_state_dict(copy.deepcopy(state))
+        inners[i].zero_grad()
+        loss_of(models[i], *island_batch(i, 10)).backward()
+        inners[i].step()
+        after.append(params_of(models[i]))
+    return left, after, max(steps) + 1
 
 
 def close(a, b, tol=TOL):
@@ -946,9 +1141,10 @@ def test_every_rank_of_every_island_starts_from_island_0s_parameters():
         assert all(torch.equal(a, b) for a, b in zip(start, reference))
 
 
-def test_join_with_local_sgd_across_is_refused_on_every_rank_at_the_first_step_inside_the_block():
+def test_join_with_diloco_across_islands_of_one_rank_is_refused_on_every_rank_at_the_first_step_in_the_block():
     for _, message in results("start"):
-        assert message is not None and "join() is not supported yet with distopt.Islands(across=DiLoCo" in message
+        assert message is not None and "join() with islands of one rank is not supported yet" in message, message
+        assert "use mode=DiLoCo(" in message
 
 
 def test_an_islands_wrapper_joined_in_one_block_with_another_optimizer_is_refused_on_every_rank_as_it_opens():
@@ -969,6 +1165,24 @@ def test_uneven_batches_in_join_train_as_one_process_on_the_batches_there_are(ca
     for params, steps, drifted in results(case):
         assert steps == max(BATCHES.values()) and drifted == []
         assert close(params, params_of(net))
+
+
+@pytest.mark.parametrize("case", ["join diloco", "join diloco divide_by_world"])
+def test_join_with_diloco_across_follows_the_island_then_syncs_over_the_islands_still_training(case):
+    left, after, steps = local_join_reference("world" in case)
+    per_rank = results(case)
+    for rank, (params, step, drifted, trained_on) in enumerate(per_rank):
+        assert close(params, left), rank  # every rank leaves the block with the longest island's state
+        assert all(torch.equal(a, b) for a, b in zip(params, per_rank[0][0]))
+        assert step == steps - 1 and drifted == []
+        assert close(trained_on, after[0 if rank in ISLANDS[0] else 1]), rank
+
+
+def test_join_with_streaming_diloco_across_is_flat_streaming_diloco_join_on_the_islands_batches():
+    per_rank = results("join streaming")
+    for rank, (islands, flat) in enumerate(per_rank):
+        assert close(islands, flat), rank
+        assert all(torch.equal(a, b) for a, b in zip(islands, per_rank[0][0]))
 
 
 @pytest.mark.parametrize("case", ["drift", "drift diloco"])
@@ -1031,6 +1245,21 @@ def test_fsdp2_inside_with_streaming_diloco_across_is_flat_streaming_diloco_on_t
 def test_fsdp2_inside_a_checkpoint_resumes_bitwise_through_dcp_or_each_ranks_own_state_dict(case):
     for uninterrupted, resumed in results(case):
         assert all(torch.equal(a, b) for a, b in zip(uninterrupted, resumed))
+
+
+def test_diloco_across_sends_a_large_parameter_from_its_own_storage_as_flat_diloco_sends_it_from_a_pack():
+    for islands, flat, held, flat_held in results("diloco large parameter"):
+        assert close(islands, flat)  # the island's mean gradient against the island batch's: rounding apart
+        assert flat_held > 2 * 2**20  # flat DiLoCo's default pack holds the 2 MiB parameter in a buffer
+        assert held < 2**20  # across, only the small parameters' packs
+
+
+@pytest.mark.parametrize("case", ["dcp diloco", "fsdp dcp diloco"])
+def test_diloco_across_resumes_bitwise_from_a_dcp_checkpoint_between_two_syncs_with_rank_state(case):
+    for uninterrupted, resumed, without_rank_state in results(case):
+        assert all(torch.equal(a, b) for a, b in zip(uninterrupted, resumed))
+        # The model's and the optimizer's entries alone lose the across state (and island 1's own values).
+        assert not all(torch.equal(a, b) for a, b in zip(uninterrupted, without_rank_state))
 
 
 @pytest.mark.parametrize("case, message", [

@@ -24,7 +24,10 @@ per rank, :mod:`.worker`), so one that aborts cannot take another down.
   alone, no cross-host traffic (the floor of the two-level contenders); ``hsdp``, torch's
   ``fully_shard`` over a 2-D mesh (shard inside a host, replicate across); and
   ``distopt.Islands`` with synchronous training across (``islands``, ``islands-int8``),
-  DiLoCo and streaming DiLoCo across (``islands-diloco16``, ``islands-stream16``).
+  DiLoCo and streaming DiLoCo across (``islands-diloco16``, ``islands-stream16``); and the same with
+  FSDP2 inside each island (``fully_shard`` over the island's ranks, distopt across: ``islands-fsdp``,
+  HSDP's shape with distopt's synchronous sum across, ``islands-fsdp-diloco16``,
+  ``islands-fsdp-stream16``).
 
 A contender whose construction raises (an argument this distopt does not have yet, a
 compressor that refuses the model) is reported as unavailable, with the reason.
@@ -413,6 +416,23 @@ def _island_contender(across: Callable[[], Any], compression: Optional[str] = No
     return build
 
 
+def _fsdp_island_contender(across: Callable[[], Any]) -> Build:
+    """``Islands`` over FSDP2: ``fully_shard`` over each island's ranks (the model one unit, as :func:`_hsdp`),
+    the inner optimizer rebuilt over the sharded parameters, and ``across`` between the islands."""
+    def build(model: nn.Module, inner: torch.optim.Optimizer, options: ContenderOptions) -> Built:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        islands = _islands(options)
+        mesh = init_device_mesh("cpu", (len(islands), options.ranks_per_host), mesh_dim_names=("replicate", "shard"))
+        fully_shard(model, mesh=mesh["shard"])
+        mode = Islands(across(), islands=mesh)
+        opt = DistributedOptimizer(rebuilt(inner, model.parameters()), mode=mode)
+        return Built(model, opt, opt, lambda: int(mode.across_stats.bytes))
+
+    return build
+
+
 def _diloco(**streaming: Any) -> Callable[[], Any]:
     return lambda: DiLoCo(every=STREAM_PERIOD, outer=_nesterov, **streaming)
 
@@ -431,6 +451,15 @@ ISLAND_CONTENDERS: Tuple[Contender, ...] = (
               f"Islands(across=DiLoCo(every={STREAM_PERIOD}, fragments=4, overlap=2, mixing=0.5))",
               _island_contender(_diloco(fragments=4, overlap=2, mixing=0.5)),
               baseline=f"islands-diloco{STREAM_PERIOD}"),
+    Contender("islands-fsdp", "FSDP2 inside each host, Islands(across=Synchronous()): HSDP's shape, distopt across",
+              _fsdp_island_contender(Synchronous)),
+    Contender(f"islands-fsdp-diloco{STREAM_PERIOD}",
+              f"FSDP2 inside each host, Islands(across=DiLoCo(every={STREAM_PERIOD}, Nesterov lr 0.7))",
+              _fsdp_island_contender(_diloco())),
+    Contender(f"islands-fsdp-stream{STREAM_PERIOD}",
+              f"FSDP2 inside each host, Islands(across=DiLoCo(every={STREAM_PERIOD}, fragments=4, overlap=2, "
+              "mixing=0.5))",
+              _fsdp_island_contender(_diloco(fragments=4, overlap=2, mixing=0.5))),
 )
 
 
