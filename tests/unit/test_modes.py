@@ -186,7 +186,7 @@ class World:
         # The modes switch local training through the engine's method; the fake records it where they read it.
         self.engine.keep_gradients_local.side_effect = lambda local: setattr(self.engine.exchange, "local", local)
         self.engine.set_steps.side_effect = lambda steps: setattr(self.engine, "steps", steps)
-        self.pack = SimpleNamespace(params=self.params, views=[torch.zeros_like(p) for p in self.params], absent=[],
+        self.pack = SimpleNamespace(params=self.params, views=[torch.zeros_like(p) for p in self.params], absent=[], direct=False,
                                     flags=torch.ones(len(self.params)))
         self.engine.packs = [self.pack]
         self.sent: List[List[torch.Tensor]] = []
