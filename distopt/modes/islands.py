@@ -591,8 +591,8 @@ class Islands(Mode):
                 # Synchronous across has nothing to do in the step (the sum across ran where the island's round
                 # settled): the inside mode steps this rank's shard of the global mean and shares it in the island.
                 loss = self.inside.step(self._inside(ctx), None)
-            else:
-                loss = self.across.step(across, None)  # local SGD across steps the inside through the context
+            else:  # local SGD across steps the inside mode through the across context (step_inner)
+                loss = self.across.step(across, None)
         finally:
             across.found_inf = across.grad_scale = None
             self._engine.after_step()  # as the wrapper does for its own engine: the next round starts

@@ -853,16 +853,19 @@ def sharded_inside_run(inside, across, steps=STEPS):
         loss_of(net, x, y).backward()
         opt.step()
         across_bytes.append(opt.mode.across_stats.bytes)
+    opt.synchronize()  # share="background": the last step's parameters arrive
     stats = opt.stats
     held = [i for i, p in enumerate(net.parameters()) if p in opt.optimizer.state]
     return params_of(net), held, stats.optimizer_state_bytes, across_bytes, stats.parameter_bytes
 
 
 def sharded_inside(across):
-    """The same training unsharded and with inside=ShardedState(), synchronous or DiLoCo across (a sync every 2
-    steps, AdamW inside)."""
+    """The same training unsharded, with inside=ShardedState() and with ShardedState(share="background") (whose
+    share must arrive before a sync reads the parameters), synchronous or DiLoCo across (a sync every 2 steps,
+    AdamW inside)."""
     make = (lambda: None) if across == "synchronous" else (lambda: distopt.DiLoCo(2, OUTER))
-    return sharded_inside_run(None, make()), sharded_inside_run(distopt.ShardedState(), make())
+    return (sharded_inside_run(None, make()), sharded_inside_run(distopt.ShardedState(), make()),
+            sharded_inside_run(distopt.ShardedState(share="background"), make()))
 
 
 def sharded_inside_checkpoint(across):
@@ -1455,17 +1458,19 @@ def adamw_global_batch_reference():
 @pytest.mark.parametrize("case", ["sharded inside", "sharded inside diloco"])
 def test_sharded_state_inside_each_island_trains_bitwise_as_unsharded_with_1_over_k_of_the_state_per_rank(case):
     per_rank = results(case)
-    # Rank j of every island owns the same (uneven) share of the parameters; an island's ranks own all of them.
-    assert [sharded[1] for _, sharded in per_rank] == [[0], [1, 2, 3], [0], [1, 2, 3]]
-    for unsharded, sharded in per_rank:
-        # The same values step for step: every parameter is stepped once, by its owner, on the same gradient.
-        assert all(torch.equal(a, b) for a, b in zip(unsharded[0], sharded[0]))
-        assert unsharded[1] == [0, 1, 2, 3] and sharded[2] < unsharded[2]
-        # The parameters are shared inside the island only: the cross-island link carries what it did unsharded.
-        assert sharded[3] == unsharded[3] and sharded[4] > 0 == unsharded[4]
-    unsharded_bytes = per_rank[0][0][2]
-    assert per_rank[0][1][2] + per_rank[1][1][2] == unsharded_bytes  # AdamW: 32 and 26 values' moments of 58
-    if case == "sharded inside":
+    for unsharded, *runs in per_rank:
+        assert unsharded[1] == [0, 1, 2, 3]
+        for sharded in runs:
+            # The same values step for step: every parameter is stepped once, by its owner, on the same gradient.
+            assert all(torch.equal(a, b) for a, b in zip(unsharded[0], sharded[0]))
+            assert sharded[2] < unsharded[2]
+            # The parameters are shared inside the island only: the cross-island link carries what it did unsharded.
+            assert sharded[3] == unsharded[3] and sharded[4] > 0 == unsharded[4]
+    for run in (1, 2):
+        # Rank j of every island owns the same (uneven) share of the parameters; an island's ranks own all of them.
+        assert [r[run][1] for r in per_rank] == [[0], [1, 2, 3], [0], [1, 2, 3]]
+        assert per_rank[0][run][2] + per_rank[1][run][2] == per_rank[0][0][2]  # AdamW: moments of 32 and 26 of 58
+    if case == "sharded inside":  # and as one process on the global batch, up to the summation order
         assert close(per_rank[0][1][0], adamw_global_batch_reference())
 
 
