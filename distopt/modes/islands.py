@@ -43,6 +43,11 @@ sharded by FSDP2 over each rank's island, FSDP2 averages inside, the wrapper's e
 alone, and the across level syncs each rank's local shard over its across group (rank ``j`` of every
 island holds the same shard): synchronous across in ``step()``, local SGD / DiLoCo on the shards.
 
+**Sharded optimizer state inside** (``inside=ShardedState()``, :mod:`distopt.modes.island_sharding`): the
+inside mode's own code runs with a view of the wrapper over the island (:meth:`Islands._inside`): rank ``j`` of
+every island owns the same parameters, steps them (after the sum across, or as local SGD's inner step) and
+shares them inside the island only.
+
 **Fault tolerance by island** (``fault_tolerance=manager``, :attr:`fault_tolerance_above`): each island is a
 torchft replica group, the wrapper's ``process_group`` (one torchrun agent's workers); the manager's
 group joins rank ``j`` of every island, so the across engine is the engine over the manager
@@ -54,9 +59,10 @@ its ranks restart together and rank ``j`` heals from rank ``j`` of a live island
 What is not supported yet raises at construction or at the call, naming what to do:
 ``join()`` with local SGD or DiLoCo across islands of one rank, under fault tolerance ``islands=``, ``compression=`` and
 ``join()``, a closure, the
-across modes ``ShardedState`` and local SGD's ``warmup``, a frozen parameter made trainable after the
+across modes ``ShardedState`` (it goes in ``inside=``) and local SGD's ``warmup``, a frozen parameter made trainable after the
 first cross-island sum (synchronous across; ``add_param_group()`` works); with FSDP2 inside, ``join()``,
-``add_param_group()`` and ``broadcast_optimizer_state()``.
+``add_param_group()`` and ``broadcast_optimizer_state()``; with ``inside=ShardedState()``, FSDP2 parameters,
+``fault_tolerance``, ``join()`` and ``broadcast_optimizer_state()``.
 
 The drift check compares every rank of every island, and ``broadcast_parameters()`` (``bcast_period``)
 and ``broadcast_optimizer_state()`` reach every rank of every island from island 0's root
