@@ -276,6 +276,10 @@ class Mode:
     #: takes the quorum and the commit vote (per step, or per sync through :meth:`fault_tolerant`).
     fault_tolerance_above: bool = False
 
+    #: How this mode takes the optimizer state sharded, for the error that ``shard_state=True`` given beside it
+    #: gets (None: the error says to pass one or the other).
+    shards_state_as: Optional[str] = None
+
     #: How the user asked for this mode, for error messages: ``mode=<its repr>`` unless the keyword
     #: shorthands built it (:mod:`distopt.modes.shorthands` then names the keywords).
     given_as: Optional[str] = None

@@ -168,6 +168,8 @@ class Islands(Mode):
 
     reduces_in_backward = True
     fault_tolerance_above = True  # under fault tolerance a replica is an island; the manager joins them
+    shards_state_as = ("mode=distopt.Islands(across=..., inside=distopt.ShardedState()), which shards the optimizer "
+                       "state over each island's ranks")
 
     def __init__(self, across: Optional[Mode] = None, *, islands: Any = None,
                  compression: Union[str, Compressor, None] = None, inside: Optional[Mode] = None) -> None:

@@ -68,11 +68,10 @@ def resolve(mode: Optional[Mode], **keywords: Any) -> Mode:
             f"got {type(mode).__name__}"
         )
     extra = given(keywords)
-    if extra and keywords.get("shard_state") is True and _is_islands(mode):
+    if extra and keywords.get("shard_state") is True and mode.shards_state_as is not None:
         raise TypeError(
             f"mode={mode!r} was given with shard_state=True as well: pass both in the mode, "
-            "mode=distopt.Islands(across=..., inside=distopt.ShardedState()), which shards the optimizer state over "
-            "each island's ranks; drop shard_state="
+            f"{mode.shards_state_as}; drop shard_state="
         )
     if extra:
         raise TypeError(
@@ -81,12 +80,6 @@ def resolve(mode: Optional[Mode], **keywords: Any) -> Mode:
             "object's own arguments say it)"
         )
     return mode
-
-
-def _is_islands(mode: Mode) -> bool:
-    """Whether ``mode`` is :class:`~distopt.modes.islands.Islands` (imported here: it builds on this module)."""
-    from .islands import Islands
-    return isinstance(mode, Islands)
 
 
 def from_keywords(*, shard_state: Any = False, sync_every: Any = 1, outer_optimizer: Optional[OuterFactory] = None,
