@@ -117,6 +117,9 @@ class ModeContext:
         after_inner_step: called by a local step once the inner optimizer stepped (or skipped), before a
             sync that step may bring (:meth:`inner_step_taken`); None (default): nothing. ``distopt.Islands``
             hands the island's parameters there to its ranks that ran out of data inside ``join()``.
+        inner_step: takes a local step's inner optimizer step, given the closure or None (:meth:`step_inner`);
+            None (default): ``optimizer.step``. ``distopt.Islands(inside=distopt.ShardedState())`` steps this
+            rank's shard there and shares it inside the island.
     """
 
     def __init__(self, *, optimizer: Optimizer, engine: GradientEngine, params: List[Tensor], names: Dict[int, str],
@@ -124,7 +127,8 @@ class ModeContext:
                  stall_warning: Optional[float], stall_timeout: Optional[float],
                  reduce_for_step: Callable[[], None], synchronize: Callable[[], None],
                  open_managed: Optional[Callable[[Optional[Compressor]], GradientEngine]] = None,
-                 after_inner_step: Optional[Callable[[], None]] = None) -> None:
+                 after_inner_step: Optional[Callable[[], None]] = None,
+                 inner_step: Optional[Callable[[Optional[Callable[[], Any]]], Any]] = None) -> None:
         self.optimizer = optimizer
         self.engine = engine
         self.params = params
@@ -139,6 +143,7 @@ class ModeContext:
         self._synchronize = synchronize
         self._open_managed = open_managed
         self._after_inner_step = after_inner_step
+        self._inner_step = inner_step
         #: ``GradScaler``'s verdict for the step being taken (set by the wrapper's ``step()`` when the
         #: mode :attr:`Mode.handles_amp_scaling`): ``found_inf`` and the ``grad_scale`` the gradients
         #: still carry; both None without a ``GradScaler``.
@@ -170,6 +175,13 @@ class ModeContext:
     def set_steps(self, steps: int) -> None:
         """Set the step count (a checkpoint, or another rank's count at the end of a join block)."""
         self.engine.set_steps(steps)
+
+    def step_inner(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """A local step's inner optimizer step (see ``inner_step``): ``optimizer.step(closure)`` unless the
+        context's owner steps it otherwise. Returns what the inner optimizer's ``step`` returns."""
+        if self._inner_step is not None:
+            return self._inner_step(closure)
+        return self.optimizer.step() if closure is None else self.optimizer.step(closure)
 
     def inner_step_taken(self) -> None:
         """A local step's inner optimizer stepped (or skipped it): what the context's owner does then, before
@@ -263,6 +275,10 @@ class Mode:
     #: that fails, restarts and heals as one replica: :class:`distopt.Islands`' island). The wrapper still
     #: takes the quorum and the commit vote (per step, or per sync through :meth:`fault_tolerant`).
     fault_tolerance_above: bool = False
+
+    #: How this mode takes the optimizer state sharded, for the error that ``shard_state=True`` given beside it
+    #: gets (None: the error says to pass one or the other).
+    shards_state_as: Optional[str] = None
 
     #: How the user asked for this mode, for error messages: ``mode=<its repr>`` unless the keyword
     #: shorthands built it (:mod:`distopt.modes.shorthands` then names the keywords).

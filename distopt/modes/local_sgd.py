@@ -191,7 +191,7 @@ class LocalSGDMode(Mode):
         if skip:
             loss = None
         else:
-            loss = ctx.optimizer.step() if closure is None else ctx.optimizer.step(closure)
+            loss = ctx.step_inner(closure)
         ctx.inner_step_taken()
         self._after_local_step(ctx)
         return loss

@@ -68,6 +68,11 @@ def resolve(mode: Optional[Mode], **keywords: Any) -> Mode:
             f"got {type(mode).__name__}"
         )
     extra = given(keywords)
+    if extra and keywords.get("shard_state") is True and mode.shards_state_as is not None:
+        raise TypeError(
+            f"mode={mode!r} was given with shard_state=True as well: pass both in the mode, "
+            f"{mode.shards_state_as}; drop shard_state="
+        )
     if extra:
         raise TypeError(
             f"mode={mode!r} was given with the shorthand {', '.join(extra)} as well: pass the mode object or the "

@@ -835,6 +835,100 @@ def fsdp_mismatched(kind):
     return None
 
 
+# ---------------------------------------------------------------------- inside=ShardedState(): the state sharded in the island
+
+
+ADAMW = lambda ps: torch.optim.AdamW(ps, lr=0.05)  # noqa: E731  (state of two tensors per parameter)
+
+
+def sharded_inside_run(inside, across, steps=STEPS):
+    """make_model() (parameters of 32, 8, 16 and 2 values: uneven shards) trained ``steps`` steps with AdamW."""
+    net = make_model()
+    opt = DistributedOptimizer(ADAMW(net.parameters()), mode=distopt.Islands(across=across, islands=ISLANDS,
+                                                                                    inside=inside))
+    across_bytes = []
+    for t in range(steps):
+        x, y = batch(dist.get_rank(), t)
+        opt.zero_grad()
+        loss_of(net, x, y).backward()
+        opt.step()
+        across_bytes.append(opt.mode.across_stats.bytes)
+    opt.synchronize()  # share="background": the last step's parameters arrive
+    stats = opt.stats
+    held = [i for i, p in enumerate(net.parameters()) if p in opt.optimizer.state]
+    return params_of(net), held, stats.optimizer_state_bytes, across_bytes, stats.parameter_bytes
+
+
+def sharded_inside(across):
+    """The same training unsharded, with inside=ShardedState() and with ShardedState(share="background") (whose
+    share must arrive before a sync reads the parameters), synchronous or DiLoCo across (a sync every 2 steps,
+    AdamW inside)."""
+    make = (lambda: None) if across == "synchronous" else (lambda: distopt.DiLoCo(2, OUTER))
+    return (sharded_inside_run(None, make()), sharded_inside_run(distopt.ShardedState(), make()),
+            sharded_inside_run(distopt.ShardedState(share="background"), make()))
+
+
+def sharded_inside_checkpoint(across):
+    """inside=ShardedState(), synchronous or DiLoCo across (a sync every 2 steps: saved between two): 3 steps, then ``state_dict()`` (gathered in the island) and
+    ``sharded_state_dict()``. Uninterrupted: 2 more steps. Resumed: an unsharded wrapper loads the gathered state,
+    takes step 3, and a sharded one loads the unsharded wrapper's state dict and takes step 4; and a sharded
+    wrapper loads each rank's own shard and takes steps 3 and 4."""
+    make = (lambda: None) if across == "synchronous" else (lambda: distopt.DiLoCo(2, OUTER))
+    net = make_model()
+    opt = DistributedOptimizer(ADAMW(net.parameters()),
+                               mode=distopt.Islands(make(), islands=ISLANDS, inside=distopt.ShardedState()))
+    train(opt, net, 3)
+    saved_params, full, shard = params_of(net), copy_of(opt.state_dict()), copy_of(opt.sharded_state_dict())
+    train(opt, net, 2, start=3)
+    uninterrupted = params_of(net)
+
+    def build(inside, state, params):
+        model = make_model()
+        wrapper = DistributedOptimizer(ADAMW(model.parameters()),
+                                       mode=distopt.Islands(make(), islands=ISLANDS, inside=inside))
+        with torch.no_grad():  # after the wrapper's broadcast of island 0's: between two syncs the islands differ
+            for p, v in zip(model.parameters(), params):
+                p.copy_(v)
+        wrapper.load_state_dict(copy_of(state))
+        return wrapper, model
+
+    plain, model = build(None, full, saved_params)
+    train(plain, model, 1, start=3)
+    back, model = build(distopt.ShardedState(), plain.state_dict(), params_of(model))
+    train(back, model, 1, start=4)
+    through_unsharded = params_of(model)
+    own, model = build(distopt.ShardedState(), shard, saved_params)
+    train(own, model, 2, start=3)
+    return (uninterrupted, through_unsharded, params_of(model), sorted(full["state"]), sorted(shard["state"]),
+            sorted(back.optimizer.state_dict()["state"]))
+
+
+def sharded_inside_refusals():
+    """inside=ShardedState(): with FSDP2 parameters (refused at construction), a step inside join(), and
+    broadcast_optimizer_state(); each error's message, on every rank."""
+    messages = []
+    net = fsdp_model(island_mesh()["shard"])
+    try:
+        DistributedOptimizer(INNER(net.parameters()), mode=distopt.Islands(islands=island_mesh(),
+                                                                           inside=distopt.ShardedState()))
+    except ValueError as exc:
+        messages.append(str(exc))
+    net = make_model()
+    opt = DistributedOptimizer(INNER(net.parameters()), mode=distopt.Islands(islands=ISLANDS,
+                                                                           inside=distopt.ShardedState()))
+    for call in (lambda: opt.broadcast_optimizer_state(), lambda: _step_in_join(opt, net)):
+        try:
+            call()
+        except RuntimeError as exc:
+            messages.append(str(exc))
+    return messages
+
+
+def _step_in_join(opt, net):
+    with opt.join():
+        train(opt, net, 1)
+
+
 CASES = {
     "synchronous": (4, synchronous_across, ()),
     "accumulated": (4, accumulated_and_clipped, ()),
@@ -884,6 +978,11 @@ CASES = {
     "drift islands of one": (4, drift_islands_of_one, ()),
     "fsdp drift": (4, fsdp_drift, (False,)),
     "fsdp drift diloco": (4, fsdp_drift, (True,)),
+    "sharded inside": (4, sharded_inside, ("synchronous",)),
+    "sharded inside diloco": (4, sharded_inside, ("diloco",)),
+    "sharded inside checkpoint": (4, sharded_inside_checkpoint, ("synchronous",)),
+    "sharded inside checkpoint diloco": (4, sharded_inside_checkpoint, ("diloco",)),
+    "sharded inside refusals": (4, sharded_inside_refusals, ()),
 }
 WORLDS = Worlds(CASES, timeout=200)
 results = WORLDS.results
@@ -1344,3 +1443,49 @@ def test_fsdp2_inside_synchronize_sums_across_so_that_clipping_sees_the_global_m
     for params, rank_norms in results("fsdp clipped"):
         assert close(params, params_of(net))
         assert all(abs(a - b) <= TOL for a, b in zip(rank_norms, norms))
+
+
+def adamw_global_batch_reference():
+    net = make_model()
+    opt = ADAMW(net.parameters())
+    for t in range(STEPS):
+        opt.zero_grad()
+        sum(loss_of(net, *batch(r, t)) for r in range(4)).div(4).backward()
+        opt.step()
+    return params_of(net)
+
+
+@pytest.mark.parametrize("case", ["sharded inside", "sharded inside diloco"])
+def test_sharded_state_inside_each_island_trains_bitwise_as_unsharded_with_1_over_k_of_the_state_per_rank(case):
+    per_rank = results(case)
+    for unsharded, *runs in per_rank:
+        assert unsharded[1] == [0, 1, 2, 3]
+        for sharded in runs:
+            # The same values step for step: every parameter is stepped once, by its owner, on the same gradient.
+            assert all(torch.equal(a, b) for a, b in zip(unsharded[0], sharded[0]))
+            assert sharded[2] < unsharded[2]
+            # The parameters are shared inside the island only: the cross-island link carries what it did unsharded.
+            assert sharded[3] == unsharded[3] and sharded[4] > 0 == unsharded[4]
+    for run in (1, 2):
+        # Rank j of every island owns the same (uneven) share of the parameters; an island's ranks own all of them.
+        assert [r[run][1] for r in per_rank] == [[0], [1, 2, 3], [0], [1, 2, 3]]
+        assert per_rank[0][run][2] + per_rank[1][run][2] == per_rank[0][0][2]  # AdamW: moments of 32 and 26 of 58
+    if case == "sharded inside":  # and as one process on the global batch, up to the summation order
+        assert close(per_rank[0][1][0], adamw_global_batch_reference())
+
+
+@pytest.mark.parametrize("case", ["sharded inside checkpoint", "sharded inside checkpoint diloco"])
+def test_sharded_state_inside_a_checkpoint_gathers_the_islands_shards_and_resumes_bitwise_sharded_or_not(case):
+    for uninterrupted, through_unsharded, from_own_shard, full, shard, back in results(case):
+        assert full == [0, 1, 2, 3] and shard in ([0], [1, 2, 3]) and back == shard
+        assert all(torch.equal(a, b) for a, b in zip(uninterrupted, through_unsharded))
+        assert all(torch.equal(a, b) for a, b in zip(uninterrupted, from_own_shard))
+
+
+def test_sharded_state_inside_refuses_fsdp2_join_and_the_state_broadcast_on_every_rank_saying_what_to_do():
+    for fsdp2, broadcast, joined in results("sharded inside refusals"):
+        assert "with FSDP2 parameters (DTensors): FSDP2 shards the optimizer state over the island already" in fsdp2
+        assert "drop inside=" in fsdp2
+        assert broadcast.startswith("broadcast_optimizer_state() with inside=ShardedState(): each rank of an island")
+        assert "opt.load_state_dict()" in broadcast
+        assert "join() with inside=ShardedState() is not supported yet" in joined and "drop_last=True" in joined

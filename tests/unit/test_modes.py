@@ -295,7 +295,12 @@ def test_a_mode_without_a_shorthand_spells_its_arguments_its_own_way_in_errors()
 @pytest.mark.parametrize("build, error, match", [
     (lambda: distopt.Islands(across=torch.optim.SGD), TypeError, r"across must be a distopt mode object"),
     (lambda: distopt.Islands(across=distopt.ShardedState()), ValueError,
-     r"across=ShardedState\(\) is not supported yet with distopt.Islands: .*distopt.Synchronous\(\)"),
+     r"across=ShardedState\(\) is not supported yet with distopt.Islands: .*pass inside=ShardedState\(\), with "
+     r"across=distopt.Synchronous\(\)"),
+    (lambda: distopt.Islands(inside="sharded"), TypeError,
+     r"Islands\(inside='sharded'\): inside must be a distopt mode object, got str; pass inside=distopt.ShardedState"),
+    (lambda: distopt.Islands(inside=distopt.LocalSGD(4)), ValueError,
+     r"Islands\(inside=LocalSGD\(every=4\)\): .*LocalSGD, DiLoCo\) goes in across=; pass inside=distopt.ShardedState"),
     (lambda: distopt.Islands(across=distopt.LocalSGD(4, warmup=2)), ValueError,
      r"warmup=2 is not supported yet with distopt.Islands .*pass warmup=0"),
     (lambda: distopt.Islands(islands="0,1"), TypeError, r"islands must be None \(one island per host\), a DeviceMesh"),
@@ -330,6 +335,34 @@ def test_islands_in_one_process_train_as_the_across_mode_does(across) -> None:
     assert all(torch.equal(a, b) for a, b in zip(*runs))
     assert repr(distopt.Islands(distopt.LocalSGD(4), islands=[[0, 1], [2, 3]], compression="int8")) == (
         "Islands(across=LocalSGD(every=4), islands=[[0, 1], [2, 3]], compression='int8')")
+
+
+def test_islands_take_sharded_state_inside_and_say_so_where_shard_state_true_is_given_with_them() -> None:
+    assert repr(distopt.Islands(inside=distopt.ShardedState(share="background"))) == (
+        "Islands(across=Synchronous(), inside=ShardedState(share='background'))")
+    assert distopt.Islands(inside=distopt.Synchronous()).inside is None  # the default, plain replicas, spelled out
+    with pytest.raises(TypeError, match=r"shard_state=True as well: pass both in the mode, mode=distopt.Islands\("
+                                        r"across=..., inside=distopt.ShardedState\(\)\).*drop shard_state="):
+        DistributedOptimizer(torch.optim.SGD(model().parameters(), lr=0.1), mode=distopt.Islands(), shard_state=True)
+    with pytest.raises(TypeError, match=r"inside=ShardedState\(\) cannot shard LBFGS"):
+        DistributedOptimizer(torch.optim.LBFGS(model().parameters()), mode=distopt.Islands(inside=distopt.ShardedState()))
+
+
+@pytest.mark.parametrize("across", [None, lambda: distopt.DiLoCo(2, OUTER)])
+def test_islands_with_sharded_state_inside_in_one_process_train_as_unsharded(across) -> None:
+    runs = []
+    for inside in (distopt.ShardedState(), None):
+        net = model()
+        opt = DistributedOptimizer(torch.optim.AdamW(net.parameters(), lr=0.1),
+                                   mode=distopt.Islands(across=across and across(), inside=inside))
+        for t in range(5):
+            opt.zero_grad()
+            net(torch.full((4, 3), float(t))).pow(2).sum().backward()
+            opt.step()
+        runs.append([p.detach().clone() for p in net.parameters()])
+        if inside is not None:  # a world of one: its shard is the whole state
+            assert opt.sharded_state_dict()["state"].keys() == opt.state_dict()["state"].keys()
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
 def test_islands_refuse_a_closure_saying_what_to_do() -> None:
