@@ -42,7 +42,8 @@ after each shadow round, :meth:`Mode.shadow_step`; the end of the block,
 (:meth:`Mode.extra_state_bytes`) and the drift check (:meth:`Mode.kept_identical`: what
 it keeps identical on every rank, and when; :meth:`Mode.whole_context`: over which ranks;
 :meth:`Mode.ranks_training`: whether the ranks know at this point that none of them has
-joined; :meth:`Mode.probe`: inside a join block, a round that asks who trains now). The defaults do what synchronous training needs.
+joined; :meth:`Mode.probe`: inside a join block, a round that asks who trains now). The
+defaults do what synchronous training needs.
 """
 from __future__ import annotations
 
