@@ -632,7 +632,8 @@ class DistributedOptimizer(InnerOptimizerSurface):
         others must not run collectives of their own (a metric's all-reduce, a
         barrier, ``add_param_group``, ``broadcast_parameters()``): the finished rank
         cannot take part in them. Move them after the block. ``bcast_period``
-        broadcasts are skipped while a rank has joined. An LR scheduler or a
+        broadcasts are skipped while a rank has joined; :meth:`check_drift` asks first,
+        with a probe round, and raises on every rank still training once one has. An LR scheduler or a
         ``GradScaler`` on a finished rank is not advanced: step them per epoch,
         after the block, or from the optimizer's own state.
 
