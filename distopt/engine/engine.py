@@ -83,8 +83,8 @@ from .carrier import Carrier, carries_flags
 from .partial import PartialExchange, empty_exchange
 from .state import (Announcements, EngineConfig, ExchangeState, JoinState, RoundHooks, RoundOutcome,
                     World)
-from .packs import (Pack, adopt_current_grads, build_packs, gather, gather_early, gather_nothing, metas, release,
-                    scratch, sums)
+from .packs import (Pack, adopt_current_grads, build_packs, gather, gather_early, gather_nothing, metas, probe_copy,
+                    release, scratch, sums)
 from .in_flight import (Sent, broadcast_each, gather_buffer, gather_by_broadcasts, labelled,
                      plan_gathers, sum_copies, sums_by_gather)
 
@@ -156,6 +156,7 @@ class GradientEngine:
         # Called on every rank once a round's control flags are read, at the same point of every rank's
         # collectives (a joined rank's shadow round included): a mode may run collectives of its own there.
         self._on_settled: Optional[Callable[[], None]] = None
+        self._probing = False  # a probe round is being sent (see probe())
         self.backward_passes_per_step = backward_passes_per_step
         self.stats = StepStats()
         self.steps = 0  # the owner's steps taken; its parity travels in the control flags
@@ -280,12 +281,14 @@ class GradientEngine:
 
     def stop_shadowing(self) -> None:
         """Every rank has joined: this rank no longer sends zeros for the others."""
-        self.join.joined = False
+        self.join.joined = self.join.probed = False
+        self.join.shadowed = None
 
     def after_join(self) -> None:
         """The join block's state is settled on every rank: every rank contributes again, from a new round."""
         self.outcome.contributors = self.outcome.training = self.world.size
         self.outcome.contributed_last = True
+        self.outcome.probe = False
         self.reset_round()
 
     # ------------------------------------------------------------------ set-up
@@ -532,6 +535,10 @@ class GradientEngine:
         return max(self.backward_patience, self.patience_growth * self._slowest_wait)
 
     def _control_flags(self) -> Tensor:
+        if self._control is None and self._probing:  # contributing, and nothing else to say (see probe())
+            self._control = Control(during_backward=False, inside_step=False, unfrozen=False, contributing=True,
+                                    in_join=self.join.in_block, divide_by_world=self.join.divide_by_world,
+                                    probe=True).tensor()
         if self._control is None:
             self._control = Control(
                 during_backward=not self.join.joined and self._phase == Phase.BACKWARD,
@@ -554,7 +561,7 @@ class GradientEngine:
         rows = pack.rows if pack.rows is not None and pack.rows.cap and self.exchange.fill is None else None
         if rows is None and pack.rows is not None and self.exchange.fill is None:
             sparse_rows.dense_round(pack.rows)  # sent densely this round; rows again once the wait is over
-        if self.join.joined:
+        if self.join.joined or self._probing:
             gather_nothing(pack)
         else:
             if self.exchange.fill is not None:
@@ -576,7 +583,8 @@ class GradientEngine:
                 self._send(pack.data, pack, index, carries_flags=False)
                 self._send(pack.flags, pack, index, carries_flags=True)
             elif pack.codec is not None:  # the flags exactly, the values as the codec sends them
-                contributing = not self.join.joined and (self.round_hooks is None or self.round_hooks.participating)
+                contributing = (not self.join.joined and not self._probing
+                                and (self.round_hooks is None or self.round_hooks.participating))
                 if not contributing:
                     pack.data.zero_()  # what Round.contributing=False promises the codec
                 group = self.channel.group
@@ -712,7 +720,8 @@ class GradientEngine:
             return True
         start = time.perf_counter()
         try:
-            kind = "parameter exchange (local SGD)" if self._phase == Phase.EXCHANGE else "gradient all-reduce"
+            kind = ("probe round of check_drift() inside a join block" if self._probing
+                    else "parameter exchange (local SGD)" if self._phase == Phase.EXCHANGE else "gradient all-reduce")
             deadline = None if patience is None else start + patience
             with labelled("distopt.wait"):
                 for sent in self.inflight:
@@ -756,6 +765,9 @@ class GradientEngine:
         totals.check(self.world_size if self.config.flags_from_all else None)
         if touched:
             raise RuntimeError(_TOUCHED_WHILE_PENDING.format(self._patience_used))
+        if totals.probe:
+            self._shadowed_probe()
+            return
         self._settle(totals)
         if self._on_settled is not None:
             self._on_settled()
@@ -881,6 +893,9 @@ class GradientEngine:
 
     def _totals(self, flags: List[float]) -> Totals:
         totals = Totals.read(flags, self.world_size, averaged=self.config.op == dist.ReduceOp.AVG)
+        self.outcome.probe = bool(totals.probe)
+        if totals.probe:  # says nothing of the rounds: the outcome stays the last round's
+            return totals
         self.outcome.closure = bool(totals.closure)
         self.outcome.training = totals.training
         if totals.contributing:
@@ -889,6 +904,14 @@ class GradientEngine:
         else:
             self.outcome.contributors = 0
         return totals
+
+    def _shadowed_probe(self) -> None:
+        """The round back was the others' probe (:meth:`probe`), which this rank shadowed: nothing is settled
+        and nothing follows it. It takes no place among the rounds, as on the ranks that sent it, and a rank
+        that has joined shadows the same packs again next (the others' round it was waiting for is still due)."""
+        if self.join.joined:
+            self.rounds -= 1
+            self.join.probed = True
 
     def _settle(self, totals: Totals) -> None:
         if totals.unfrozen:
@@ -947,6 +970,9 @@ class GradientEngine:
         self.state = RoundState.SETTLED
         totals = self._totals(flags.tolist())
         totals.check(self.world_size if self.config.flags_from_all else None)
+        if totals.probe:
+            self._shadowed_probe()
+            return
         if totals.unfrozen:
             self._adopt_unfrozen()
         if self._on_settled is not None:
@@ -1159,7 +1185,12 @@ class GradientEngine:
             if not self.packs:  # nothing trainable: only the control flags travel, at once
                 self.control_round()
                 return
-            fragment = None if self.exchange.shadow_fragment is None else self.exchange.shadow_fragment()
+            if self.join.probed:  # the last one was the others' probe: their round is still to come
+                self.join.probed = False
+                fragment = self.join.shadowed
+            else:
+                fragment = None if self.exchange.shadow_fragment is None else self.exchange.shadow_fragment()
+            self.join.shadowed = fragment
             if fragment is None:
                 self.flush()
                 return
@@ -1186,6 +1217,65 @@ class GradientEngine:
         """Complete what has arrived without waiting (gathered copies, rows); False while more is due."""
         with self.lock:
             return self._arrive(0.0)
+
+    # ------------------------------------------------------------------ probe rounds (the ranks still training)
+
+    def probe(self, fragment: Optional[int] = None) -> Totals:
+        """Inside a join block, as a rank still training: learn who trains now, from a round of its own.
+
+        A rank that has joined waits in a shadow round for the others' next round, and a collective of
+        the others' own (the drift check's) would meet it there and wait for ever. So before one, every rank
+        still training sends this *probe round*: the shape of that shadow round (zeros in every pack of the
+        plan, or in ``fragment``'s, through the same collectives and codecs), contributing, with the probe
+        flag raised. A rank that has joined shadows it and does nothing else for it (:meth:`_shadowed_probe`);
+        the ranks that sent it read from its sums how many ranks contributed, and so whether every rank
+        trains on. Every rank still training calls it at the same point; a rank that ran a round of training
+        instead fails that round on every rank (:meth:`~distopt.planning.control.Totals.check`).
+
+        It leaves this rank as it was: the packs' buffers (the gradients), the round in progress, the
+        compressor's state (put back from a copy), :attr:`stats`, and its place among the rounds. It costs
+        one round of the gradients' size (the zeros, in buffers of their own for its duration).
+
+        Args:
+            fragment: the streaming fragment whose packs the rounds send now (None: every pack).
+
+        Returns:
+            The round's control flags, summed: :attr:`~distopt.planning.control.Totals.training` ranks train.
+
+        Raises:
+            RuntimeError: the ranks are not in step (see :meth:`distopt.planning.control.Totals.check`).
+            StallError: a rank did not send its part within the stall timeout.
+        """
+        compressor = self.config.compressor
+        with self.lock:
+            saved = (self.packs, self.inflight, self._control, self._phase, self._round_step, self.stats)
+            before = None if compressor is None else compressor.state_dict()  # a copy (PowerSGD's Q moves)
+            self._probing = True
+            self._round_step = self.rounds  # the place a joined rank's shadow round takes, and gives back
+            self.inflight, self._control, self._phase, self.stats = [], None, Phase.EXCHANGE, StepStats()
+            try:
+                if self.packs:
+                    self.packs = [probe_copy(pack) for pack in self.packs]
+                    for k in (range(len(self.packs)) if fragment is None else self.exchange.fragment_packs[fragment]):
+                        self._launch(k)
+                    self._arrive(None)
+                    sent = next(sent for sent in self.inflight if sent.carries_flags)
+                    if sent.pack.wire is not None:
+                        sent.pack.buffer.copy_(sent.pack.wire)
+                    flags = sent.pack.flags[-CONTROL_FLAGS:].tolist()
+                else:  # nothing trainable: the flags alone, as a joined rank's control round
+                    sent_flags = self._control_flags().clone()
+                    with stalls.inspected(self.progress, "the probe round of check_drift() (its control flags)"):
+                        collectives.all_reduce(sent_flags, op="sum", group=self.channel.group)
+                    flags = sent_flags.tolist()
+            finally:
+                self._probing = False
+                self.packs, self.inflight, self._control, self._phase, self._round_step, self.stats = saved
+                if before is not None:
+                    compressor.load_state_dict(before)
+        totals = Totals.read(flags, self.world_size, averaged=self.config.op == dist.ReduceOp.AVG)
+        totals.check(self.world_size if self.config.flags_from_all else None)
+        return totals
 
 
 def _make_hook(ref: "weakref.ReferenceType[GradientEngine]", index: int) -> Callable[[Tensor], None]:

@@ -20,7 +20,7 @@ gradient (memory) and the copy into it.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
@@ -33,7 +33,7 @@ from .carrier import Carrier
 from .sparse_rows import RowSparse
 
 __all__ = ["Pack", "DIRECT_MIN_BYTES", "layout_of", "build_packs", "adopt_current_grads", "gather", "gather_nothing", "scratch", "send_in_place",
-           "release", "gather_early", "metas", "sums"]
+           "release", "gather_early", "metas", "sums", "probe_copy"]
 
 #: Bytes from which a pack of one gradient sends that gradient itself: below it, the flags'
 #: extra all-reduce would cost more than the copy saves.
@@ -182,6 +182,17 @@ def gather_nothing(pack: Pack) -> None:
     if pack.direct:
         _direct_data(pack, torch.zeros_like(pack.params[0], memory_format=torch.contiguous_format))
     pack.absent[:] = range(len(pack.params))
+
+
+def probe_copy(pack: Pack) -> Pack:
+    """``pack`` with zeroed buffers of its own, for a round that must leave the pack's as they are (a probe
+    round, :meth:`distopt.engine.GradientEngine.probe`, while ``.grad`` are views of the pack's buffer). It
+    shares the rest: the codec, the row-sparse state and the room for gathered copies, which such a round
+    uses as any round does."""
+    buffer = torch.zeros_like(pack.buffer)
+    values = 0 if pack.direct else pack.spec.numel  # a direct pack's buffer is its flags
+    return replace(pack, buffer=buffer, data=buffer[:values], views=[], flags=buffer[values:],
+                   wire=None if pack.wire is None else torch.empty_like(pack.wire), absent=[], moved=set())
 
 
 def scratch(pack: Pack) -> None:

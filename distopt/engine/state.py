@@ -84,11 +84,16 @@ class JoinState:
         in_block: inside ``join()``: its flags say so, and the mean is rescaled to the contributors.
         divide_by_world: joined ranks count as zeros in the mean (``join(divide_by_world=True)``).
         joined: this rank ran out of data and sends zeros in shadow rounds.
+        shadowed: the fragment the last shadow round sent (None: every pack).
+        probed: the last shadow round was a probe of the ranks still training (``check_drift()``), which
+            takes no place among the rounds: the next shadow round sends the same packs again.
     """
 
     in_block: bool = False
     divide_by_world: bool = False
     joined: bool = False
+    shadowed: Optional[int] = None
+    probed: bool = False
 
 
 @dataclass
@@ -100,12 +105,15 @@ class RoundOutcome:
         training: of those, the ranks that go on training (:attr:`distopt.planning.control.Totals.training`).
         contributed_last: this rank contributed to the last round that had contributors.
         closure: the last round was a closure's: a reduction of its loss follows, on every rank.
+        probe: the last round back was a probe of the ranks still training (``check_drift()`` inside a join
+            block), shadowed by this rank: nothing follows it, and the other fields are those of the round before.
     """
 
     contributors: int = 1
     training: int = 1
     contributed_last: bool = True
     closure: bool = False
+    probe: bool = False
 
 
 @dataclass

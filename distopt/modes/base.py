@@ -42,7 +42,8 @@ after each shadow round, :meth:`Mode.shadow_step`; the end of the block,
 (:meth:`Mode.extra_state_bytes`) and the drift check (:meth:`Mode.kept_identical`: what
 it keeps identical on every rank, and when; :meth:`Mode.whole_context`: over which ranks;
 :meth:`Mode.ranks_training`: whether the ranks know at this point that none of them has
-joined). The defaults do what synchronous training needs.
+joined; :meth:`Mode.probe`: inside a join block, a round that asks who trains now). The
+defaults do what synchronous training needs.
 """
 from __future__ import annotations
 
@@ -496,6 +497,21 @@ class Mode:
             (local SGD between two syncs): a rank may have joined unseen.
         """
         return ctx.engine.outcome.training
+
+    def probe(self, ctx: ModeContext) -> Optional[int]:
+        """Inside a join block, before a collective of the ranks still training (``check_drift()``): how many
+        ranks train now, asked by a probe round (:meth:`distopt.engine.GradientEngine.probe`).
+
+        :meth:`ranks_training` says what the last round said; a rank may have run out of data since, and
+        then waits in a shadow round for the others' next round. The probe has that shadow round's shape
+        (every pack of the plan, by default), so the joined rank takes part in it and the collective after
+        it is not met by its shadow round. Every rank still training calls it at the same point.
+
+        Returns:
+            The count, the same on every rank still training; None where a probe round cannot tell
+            (:class:`distopt.Islands`: a rank of another island waits in its own island's round).
+        """
+        return ctx.engine.probe().training
 
     def whole_context(self, ctx: ModeContext) -> ModeContext:
         """Every rank the wrapper serves (its ``process_group``), as a context: its group, progress, step

@@ -796,6 +796,13 @@ class Islands(Mode):
             return training
         return min(training, ctx.world_size - 1)
 
+    def probe(self, ctx: ModeContext) -> Optional[int]:
+        """None across islands: a probe round over this island's engine reaches only its ranks, and a rank of
+        another island that has joined waits in its own island's shadow round."""
+        if self.whole_context(ctx) is not ctx:
+            return None
+        return super().probe(ctx)
+
     def _steps_from_join(self, ctx: ModeContext) -> None:
         """After a join block: the step count of the rank that trained the longest, on every island."""
         if self._steps_after_join is not None:

@@ -364,6 +364,14 @@ class StreamingMode(LocalSGDMode):
         ctx.engine.arrive_partial(exchange)
         return ctx.engine.outcome.training if exchange.totals is None else exchange.totals.training
 
+    def probe(self, ctx: ModeContext) -> Optional[int]:
+        """The probe round sends zeros in the packs of the fragment the next exchange sends: a rank that has
+        joined shadows that one now (in the warm-up, every pack: a gradient round)."""
+        engine = ctx.engine
+        if not engine.exchange.local or ctx.world_size == 1:
+            return super().probe(ctx)
+        return engine.probe(self.schedule(ctx).order_after(ctx.steps - self.local_warmup)[0]).training
+
     def _start_shadow_cycle(self, ctx: ModeContext, step: int) -> None:
         self._shadow_cycle = self.schedule(ctx).order_after(step)
         self._shadow_next = 0

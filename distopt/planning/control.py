@@ -18,7 +18,12 @@ of their own:
 - how many of the contributing ranks contribute for the last time (local SGD: a
   rank that ran out of data sends its last local steps, then joins), so that the
   ranks still training know who goes on with them (:attr:`Totals.training`)
-  before they run a collective of their own, such as the drift check.
+  before they run a collective of their own, such as the drift check;
+- whether the round is a probe: inside a join block, ``check_drift()`` on the ranks
+  still training first sends a round of the shape a rank that has joined shadows (zeros,
+  nothing averaged), to learn who trains now. A joined rank that shadowed it does
+  nothing else for it, and the ranks that sent it read from its sums whether every rank
+  took part (:meth:`distopt.engine.GradientEngine.probe`).
 """
 from __future__ import annotations
 
@@ -31,7 +36,7 @@ from torch import Tensor
 __all__ = ["CONTROL_FLAGS", "Control", "Totals", "SAME_JOIN_BLOCK"]
 
 #: Flags after the presence flags of every pack.
-CONTROL_FLAGS = 10
+CONTROL_FLAGS = 11
 
 #: What to do when the ranks' join blocks differ: here, and in the stall inspector's errors.
 SAME_JOIN_BLOCK = ("every rank must enter the same join block, with the same optimizers (`with opt.join():`, or "
@@ -53,12 +58,13 @@ class Control:
     odd_steps: bool = False  # it has taken an odd number of steps
     closure: bool = False  # a closure's round: the reduction of the closure's loss follows it
     leaving: bool = False  # it contributes for the last time: it ran out of data and has joined after this round
+    probe: bool = False  # check_drift()'s probe round inside a join block: zeros, only its flags are read
 
     def tensor(self, dtype: torch.dtype = torch.float32) -> Tensor:
         return torch.tensor([float(f) for f in (self.during_backward, self.inside_step, self.unfrozen,
                                                   self.contributing, self.in_join, self.divide_by_world,
                                                   self.counts_steps, self.odd_steps, self.closure,
-                                                  self.leaving)],
+                                                  self.leaving, self.probe)],
                             dtype=dtype)
 
 
@@ -76,6 +82,7 @@ class Totals:
     odd_steps: int
     closure: int
     leaving: int = 0
+    probe: int = 0
 
     @property
     def training(self) -> int:
@@ -103,10 +110,17 @@ class Totals:
         Raises:
             RuntimeError: some ranks reduced during backward and others only inside ``step()``,
                 or only some ranks are inside a join block, or they have taken different numbers
-                of steps, or they average differently.
+                of steps, or they average differently, or some ranks sent ``check_drift()``'s probe
+                round and others a round of training.
         """
         if self.during_backward and self.inside_step:
             raise RuntimeError(_MIXED_ROUND)
+        if 0 < self.probe < self.training:  # a rank that sends its last exchange (leaving) trains no more
+            raise RuntimeError(
+                f"{self.probe} of the {self.training} ranks training in this round called check_drift() "
+                "inside a join block, and the others trained on (their gradients or local SGD's exchange met the "
+                "check's probe round): call opt.check_drift() at the same point of the loop on every rank"
+            )
         if self._mixed(self.in_join, world_size):
             # Said to ranks inside a block too, so it names what differs rather than asking for a block.
             of = f"{world_size} ranks" if world_size is not None else "the replicas"

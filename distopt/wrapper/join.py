@@ -17,6 +17,11 @@ in one last exchange (:meth:`distopt.modes.Mode.leaving`); it then shadows the o
 exchanges like their gradient rounds. Several optimizers trained in one loop (a GAN's
 two) join together (:func:`join`): each has its own private group, so a joined rank
 keeps one shadow round in flight per optimizer, in whatever order the others step them.
+A collective of the ranks still training (``check_drift()``) would meet a joined rank's
+shadow round and wait for ever, so inside a block they first send a *probe round* of
+the shape it shadows, flagged as such (:meth:`distopt.engine.GradientEngine.probe`): the
+joined rank shadows it and does nothing else for it (it shadows the same packs again
+next), and the ranks that sent it learn from its flags whether every rank trains on.
 
 Each wrapper takes part through its :class:`JoinParty` (``opt.join_party``): its engine,
 its mode and the mode's context, and its fault tolerance, never the wrapper itself.
@@ -152,6 +157,8 @@ class JoinParty:
                 ft.commit(joined=True)
                 if failed:
                     continue
+            if engine.outcome.probe:  # the others' check_drift() asked who trains: nothing follows it
+                continue
             if not contributors:
                 break
             self.follow_shadow_round()
@@ -169,7 +176,8 @@ class JoinParty:
         if final is None and not engine.poll():
             return None
         if engine.shadow_finish(final):
-            self.follow_shadow_round()
+            if not engine.outcome.probe:  # after the others' probe (check_drift()), nothing follows
+                self.follow_shadow_round()
             engine.shadow_launch()
             return True
         return False

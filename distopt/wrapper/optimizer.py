@@ -432,13 +432,21 @@ class DistributedOptimizer(InnerOptimizerSurface):
         Every rank must call it at the same point. Beyond the tolerance it raises (or
         warns, per ``on_drift``) on every rank alike; ``stats`` holds its figures.
 
+        Inside ``join()`` a rank that has run out of data cannot take part, and the others
+        may not know yet that it has (it ran out since the last round). So there it first
+        sends a probe round: one round of the gradients' size, zeros, which a rank that has
+        joined shadows like any round (:meth:`distopt.modes.Mode.probe`); if it says that a
+        rank has joined, every rank still training raises at once. Outside a join block
+        nothing is sent before the check.
+
         Returns:
             What differs between the ranks (nothing in a world of one).
 
         Raises:
             DriftError: a difference beyond ``drift_atol``/``drift_rtol``, with ``on_drift="raise"``.
-            RuntimeError: called while gradients are being averaged, or inside a join block
-                after a rank has joined.
+            RuntimeError: called while gradients are being averaged; or inside a join block after
+                a rank has joined (on every rank still training, at once), between two syncs of
+                local SGD, or with ``distopt.Islands`` of more than one island.
         """
         self._check_not_retired("check_drift()")
         if self.fault_tolerance is not None:
@@ -455,17 +463,16 @@ class DistributedOptimizer(InnerOptimizerSurface):
             )
         training = self.world_size if self.world_size == 1 else self._mode.ranks_training(ctx)
         if training is None and engine.join.in_block:
-            raise RuntimeError(
+            self._refuse_in_join(
                 "check_drift() was called inside a join block between two syncs of local SGD: a rank that runs out "
                 "of data cannot take part, and the others learn that one has only from a sync's flags; call it "
                 "right after a step that syncs (in streaming local SGD, one that sends a fragment), or after the "
                 "block, where every rank holds the same state again"
             )
         if training is not None and training != self.world_size:
-            raise RuntimeError(
-                "check_drift() was called inside a join block after a rank ran out of data: that rank cannot take "
-                "part; call it after the block, where every rank holds the same state again"
-            )
+            self._refuse_in_join(_JOINED_BEFORE_CHECK)
+        if engine.join.in_block and self._compared_size() > 1:
+            self._probe_before_check()
         kept = None if self._compared_size() == 1 else self._mode.kept_identical(ctx, scheduled=False)
         if kept is None:
             return DriftReport(step=engine.steps)
@@ -474,6 +481,39 @@ class DistributedOptimizer(InnerOptimizerSurface):
         self._drift.act(report, when=f"called as opt.check_drift() after step {engine.steps}", root=self.root_rank,
                         bcast_period=self.bcast_period, stacklevel=2)
         return report
+
+    def _probe_before_check(self) -> None:
+        """Inside a join block: ask who trains now, by a probe round (:meth:`distopt.modes.Mode.probe`), and
+        refuse the check, on every rank still training alike, where a rank has joined since the last round."""
+        progress = self._engine.progress
+        phase = None if progress is None else progress.phase
+        if progress is not None:
+            progress.phase = "check_drift()'s probe round (inside a join block)"
+        try:
+            training = self._mode.probe(self._context)
+        finally:
+            if progress is not None:
+                progress.phase = phase
+        if training is None:
+            self._refuse_in_join(
+                f"check_drift() was called inside a join block of {self._mode.describe()}: a rank of another island "
+                "that has run out of data cannot take part, and no round of this island's tells whether one has; "
+                "call it after the block, where every rank holds the same state again"
+            )
+        if training != self.world_size:
+            self._refuse_in_join(_JOINED_BEFORE_CHECK)
+
+    def _refuse_in_join(self, text: str) -> None:
+        """Raise ``text`` from ``check_drift()`` inside a join block, published for the ranks that have joined:
+        the others leave the block with it, and a joined rank's wait for them names it.
+
+        Raises:
+            RuntimeError: always.
+        """
+        error = RuntimeError(text)
+        if self._engine.progress is not None:
+            self._engine.progress.fail("check_drift() inside a join block", error)
+        raise error
 
     def _drift_due(self, rebroadcast: bool) -> bool:
         """Whether a drift check is due at this step; with ``bcast_period``, only right before a
@@ -592,7 +632,8 @@ class DistributedOptimizer(InnerOptimizerSurface):
         others must not run collectives of their own (a metric's all-reduce, a
         barrier, ``add_param_group``, ``broadcast_parameters()``): the finished rank
         cannot take part in them. Move them after the block. ``bcast_period``
-        broadcasts are skipped while a rank has joined. An LR scheduler or a
+        broadcasts are skipped while a rank has joined; :meth:`check_drift` asks first,
+        with a probe round, and raises on every rank still training once one has. An LR scheduler or a
         ``GradScaler`` on a finished rank is not advanced: step them per epoch,
         after the block, or from the optimizer's own state.
 
@@ -865,6 +906,12 @@ class DistributedOptimizer(InnerOptimizerSurface):
                 f"{what} on a DistributedOptimizer that no longer reduces: {self._retired_by}. Use the newer "
                 "wrapper (each parameter is reduced by one wrapper, the newest one built over it)"
             )
+
+
+_JOINED_BEFORE_CHECK = (
+    "check_drift() was called inside a join block after a rank ran out of data: that rank cannot take part; call it "
+    "after the block, where every rank holds the same state again"
+)
 
 
 def _weakly(method: Callable[[], None]) -> Callable[[], None]:

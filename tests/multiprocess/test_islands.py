@@ -248,7 +248,7 @@ def resume():
 
 def bytes_across():
     """Cross-island bytes per rank vs flat's, on 8 layers of 32 x 32: every rank carries its half of the
-    gradients, plus one pack's presence and control flags (11 values), which flat's 16 presence flags outweigh."""
+    gradients, plus one pack's presence and control flags (12 values), which flat's 16 presence flags outweigh."""
     def layers():
         torch.manual_seed(0)
         return nn.Sequential(*[nn.Linear(32, 32) for _ in range(8)])

@@ -14,6 +14,7 @@ from torch import nn
 import distopt
 from distopt import DistributedOptimizer
 
+from _drift_outcome import checks_at_the_top
 from _worlds import Worlds
 
 pytestmark = [pytest.mark.usefixtures("no_leftover_processes"), pytest.mark.timeout(300)]
@@ -380,6 +381,59 @@ def horovod_join_uneven(counts):
 
 
 # (world, check function, args, kwargs)
+def _compressor(name):
+    # PowerSGD of rank 1 compresses the 8 x 8 layer; its warm-started Q must not move in a probe round
+    return distopt.compression.PowerSGD(rank=1) if name == "powersgd" else name
+
+
+def check_drift_at_the_top(counts, two=False):
+    """``opt.check_drift()`` at the top of every step inside the block: a rank that ran out of data at the end of
+    the last step waits in a shadow round (with ``two``, one per optimizer of ``distopt.join(a, b)``: the check
+    is a's, and its probe round must pair with a's), which no round has told the others of yet."""
+    rank = dist.get_rank()
+    models = [make_model(seed=rank), make_model(seed=10 + rank)][:1 + two]
+    opts = [DistributedOptimizer(OPTIMIZERS[name](m.parameters()), pack_threshold=64, stall_timeout=10)
+            for name, m in zip(("momentum", "adam"), models)]
+
+    def train_step(t):
+        for model, opt in zip(models, opts):
+            opt.zero_grad()
+            loss_of(model, *batch(rank, t)).backward()
+            opt.step()
+
+    result = checks_at_the_top(opts, counts[rank], train_step)
+    for opt in opts:
+        opt.close()
+    return result
+
+
+def check_drift_changes_nothing(counts, compression=None):
+    """With ``check_drift()`` at the top of every step and between backward() and step() inside join() (each a
+    probe round, then the check), the loop ends bitwise where it ends without them: with equal counts, where every
+    check runs, and with uneven ones, where the checks after a rank ran out fail and are caught, the loop going on
+    (the joined rank shadowed each probe round, and waits for the others' next round again)."""
+    rank = dist.get_rank()
+    steps = counts[rank]
+    finals = []
+    for checks in (True, False):
+        model = make_model(seed=rank)
+        opt = DistributedOptimizer(OPTIMIZERS["momentum"](model.parameters()), pack_threshold=64, stall_timeout=10,
+                                   compression=_compressor(compression))
+
+        def train_step(t):
+            opt.zero_grad()
+            loss_of(model, *batch(rank, t)).backward()
+            if checks and t < min(counts):  # the gradients are views of the packs' buffers: the probe must not touch them
+                opt.check_drift()
+            opt.step()
+
+        outcome = checks_at_the_top(opt, steps, train_step, every=1 if checks else None, go_on=True)
+        finals.append(([p.detach().clone() for p in model.parameters()], outcome))
+        opt.close()
+    (with_checks, outcome), (without, _) = finals
+    return dict(outcome, bitwise=all(torch.equal(a, b) for a, b in zip(with_checks, without)))
+
+
 CASES = {
     # rank r gets 10 + r batches
     "sgd staircase": (2, train_uneven, ([10, 11], "sgd"), {}),
@@ -417,6 +471,12 @@ CASES = {
     "two tables overflowing after a rank joined": (2, two_tables_overflowing_after_a_rank_joined, (), {}),
     "horovod join": (3, horovod_join_uneven, ([5, 3, 7],), {}),
     "horovod join, root last": (2, horovod_join_uneven, ([6, 2],), {}),
+    "check_drift at the top, a rank just out of data": (2, check_drift_at_the_top, ([5, 3],), {}),
+    "check_drift at the top, a rank just out of data, world 3": (3, check_drift_at_the_top, ([6, 3, 6],), {}),
+    "check_drift at the top, two optimizers": (2, check_drift_at_the_top, ([4, 2],), {"two": True}),
+    "check_drift changes nothing": (2, check_drift_changes_nothing, ([4, 4],), {}),
+    "check_drift changes nothing, powersgd": (2, check_drift_changes_nothing, ([4, 4],), {"compression": "powersgd"}),
+    "check_drift changes nothing, caught after a rank ran out": (2, check_drift_changes_nothing, ([6, 3],), {}),
 }
 
 WORLDS = Worlds(CASES, timeout=240)
@@ -498,3 +558,39 @@ def test_horovod_join_counts_joined_ranks_as_zeros_and_returns_the_last_rank(nam
         assert rank_result["identical"], rank_result
         assert rank_result["diff"] < TOL, rank_result
         assert rank_result["last"] == last
+
+
+JOINED_BEFORE_CHECK = ("check_drift() was called inside a join block after a rank ran out of data: that rank cannot "
+                       "take part; call it after the block, where every rank holds the same state again")
+
+
+@pytest.mark.parametrize("name", ["check_drift at the top, a rank just out of data",
+                                  "check_drift at the top, a rank just out of data, world 3",
+                                  "check_drift at the top, two optimizers"])
+def test_check_drift_at_the_top_of_the_loop_after_a_rank_ran_out_raises_at_once_on_every_training_rank(name):
+    # Its all-gather met the joined rank's shadow round: every rank waited for the stall timeout (30 minutes by
+    # default; 10 s here). Now a probe round that the joined rank shadows tells the others first.
+    counts = CASES[name][2][0]
+    last = min(counts)
+    for rank, r in enumerate(results(name)):
+        assert r["seconds"] < 8, r
+        if counts[rank] > last:  # still training: the checks before the rank ran out ran, then the same error
+            assert r["checks"] == last and r["error"] == JOINED_BEFORE_CHECK, r
+        else:  # the joined rank: its shadow round lost the peers, and it says why they left
+            assert r["checks"] == last, r
+            assert "is gone: it exited while it waited for the other ranks in check_drift() inside a join block" \
+                in r["error"] and JOINED_BEFORE_CHECK in r["error"], r
+
+
+@pytest.mark.parametrize("name", ["check_drift changes nothing", "check_drift changes nothing, powersgd"])
+def test_check_drift_inside_a_join_block_where_no_rank_has_joined_changes_no_parameter(name):
+    for r in results(name):
+        assert r["error"] is None and r["checks"] == 4, r
+        assert r["bitwise"], r
+
+
+def test_a_check_drift_error_caught_inside_the_block_lets_training_go_on_as_without_the_checks():
+    trainer, joined = results("check_drift changes nothing, caught after a rank ran out")
+    assert trainer["checks"] == 3 and trainer["errors"] == 3 and trainer["error"] == JOINED_BEFORE_CHECK, trainer
+    assert joined["checks"] == 3 and joined["errors"] == 0, joined
+    assert trainer["bitwise"] and joined["bitwise"], (trainer, joined)

@@ -18,7 +18,7 @@ import distopt
 from distopt import DistributedOptimizer
 from distopt.modes.local_sgd import STATE_KEY
 
-from _drift_outcome import drift_outcome
+from _drift_outcome import checks_at_the_top, drift_outcome
 from _worlds import Worlds
 
 TOL = 1e-10
@@ -432,6 +432,30 @@ def check_drift_inside_join(counts, sync_every, outer=None):
     return result
 
 
+def check_drift_right_after_syncs_inside_join(counts, sync_every, outer=None):
+    """``opt.check_drift()`` at the top of every step that follows a sync, inside join(): with ``counts`` uneven,
+    a rank whose last step synced has nothing more to send and waits in the shadow of the next exchange, which the
+    sync's flags could not tell (an error on every rank, at once); with equal counts the checks (each a probe
+    round) leave the loop bitwise where it ends without them."""
+    rank = dist.get_rank()
+    finals = []
+    for every in (sync_every, None):
+        model = make_model(seed=rank)
+        opt = DistributedOptimizer(INNER["momentum"](model.parameters()), sync_every=sync_every,
+                                   outer_optimizer=OUTER[outer], pack_threshold=256, check_every=0, stall_timeout=10)
+
+        def train_step(t):
+            opt.zero_grad()
+            loss_of(model, *batch(rank, t)).backward()
+            opt.step()
+
+        outcome = checks_at_the_top(opt, counts[rank], train_step, every)
+        finals.append(([p.detach().clone() for p in model.parameters()], outcome))
+        opt.close()
+    (with_checks, outcome), (without, _) = finals
+    return dict(outcome, bitwise=all(torch.equal(a, b) for a, b in zip(with_checks, without)))
+
+
 def state_of(opt):
     """The local-SGD mode's state on this rank: step counts, anchors and outer optimizer state, in order."""
     mode = opt._mode
@@ -629,6 +653,10 @@ CASES = {
                                                         {"outer": "nesterov", "check_every": 1, "stall_timeout": 10}),
     "join under the default drift check": (2, train_uneven, ([104, 99], 4), {"stall_timeout": 10}),
     "check_drift() inside join, world 3": (3, check_drift_inside_join, ([20, 12, 16], 5), {"outer": "nesterov"}),
+    "check_drift() right after a sync, a rank just out of data": (2, check_drift_right_after_syncs_inside_join,
+                                                                  ([7, 4], 2), {"outer": "nesterov"}),
+    "check_drift() right after a sync, equal counts": (2, check_drift_right_after_syncs_inside_join, ([6, 6], 2),
+                                                       {"outer": "nesterov"}),
     "frozen mid-training": (2, freeze_mid_training, (15, 3, 6, (0, 1)), {}),
     "frozen mid-training, world 3": (3, freeze_mid_training, (12, 4, 4, (0, 1, 2)), {}),
     "frozen on one rank only": (2, freeze_mid_training, (15, 3, 6, (1,)), {}),
@@ -787,6 +815,20 @@ def test_check_drift_inside_join_runs_right_after_syncs_every_rank_trains_on_and
         assert r["outcomes"] == ["between" if t % every else "ran" if t <= min(counts) else "joined"
                                  for t in range(1, counts[rank] + 1)], r
         assert r["identical"] and r["diff"] < TOL, r  # the calls changed nothing; training went on
+
+
+def test_check_drift_right_after_a_sync_inside_join_raises_at_once_where_a_rank_ran_out_at_that_sync(
+        no_leftover_processes):
+    # Rank 1's last step synced (step 4): it has nothing left to send and shadows rank 0's next exchange, which
+    # rank 0's check at the top of step 5 met before: both waited for the stall timeout.
+    trainer, joined = results("check_drift() right after a sync, a rank just out of data")
+    assert trainer["checks"] == 1 and trainer["seconds"] < 8, trainer  # after the sync at step 2 every rank trained
+    assert trainer["error"].startswith("check_drift() was called inside a join block after a rank ran out of data"), \
+        trainer
+    assert joined["seconds"] < 8 and "rank 0 is gone" in joined["error"] and trainer["error"] in joined["error"], \
+        joined
+    for r in results("check_drift() right after a sync, equal counts"):
+        assert r["error"] is None and r["checks"] == 2 and r["bitwise"], r
 
 
 @pytest.mark.timeout(300)

@@ -21,6 +21,7 @@ from distopt import DistributedOptimizer
 from distopt._testing import run_world
 from distopt.planning.ownership import assign_owners
 
+from _drift_outcome import checks_at_the_top
 from _worlds import Worlds
 
 pytestmark = [pytest.mark.usefixtures("no_leftover_processes"), pytest.mark.timeout(300)]
@@ -540,6 +541,26 @@ class Held(nn.Module):
         return self.b(torch.tanh(self.wide(torch.tanh(self.a(x) * scale + bias))))
 
 
+def drift_check_at_the_top_inside_join(counts, go_on=False):
+    """``opt.check_drift()`` at the top of every step inside join(): with ``counts`` uneven, a rank that ran out
+    of data at the end of the last step waits in a shadow round the others know nothing of yet (an error on
+    every rank, at once); with equal counts, or with ``go_on`` (the errors caught, training going on), the checks
+    (each a probe round) leave the loop bitwise where it ends without them: the joined rank shadows a probe
+    round and does nothing else for it (no hand-over of shards, which the others do not run).
+    """
+    rank = dist.get_rank()
+    finals = []
+    for every in (1, None):
+        model = Net()
+        opt = DistributedOptimizer(torch.optim.Adam(param_groups(model), lr=0.01), pack_threshold=256,
+                                   shard_state=True, stall_timeout=10)
+        outcome = checks_at_the_top(opt, counts[rank], lambda t: train(model, opt, 1, start=t), every, go_on)
+        finals.append(([p.detach().clone() for p in model.parameters()], outcome))
+        opt.close()
+    (with_checks, outcome), (without, _) = finals
+    return dict(outcome, bitwise=all(torch.equal(a, b) for a, b in zip(with_checks, without)))
+
+
 def in_step_share(world):
     """The default share: the last rank sends its own late, and right after step(), without opt.synchronize(),
     every parameter read directly (a weight EMA over model.parameters(), as a user writes one) is the one
@@ -652,6 +673,9 @@ CASES["own shard after add_param_group"] = (2, own_shard_after_add_param_group, 
 CASES["step hooks"] = (2, step_hooks, ())
 CASES["drift"] = (2, drift_check, ())
 CASES["wrap loaded"] = (2, wrap_loaded, ("{tmp}",))
+for name, counts, go_on in (("a rank just out of data", [5, 3], False), ("equal counts", [4, 4], False),
+                            ("errors caught", [5, 3], True)):
+    CASES[f"check_drift at the top inside join, {name}"] = (2, drift_check_at_the_top_inside_join, (counts, go_on))
 for group_and_size in (2, 3):
     CASES[f"lazy share, world {group_and_size}"] = (group_and_size, lazy_share, (group_and_size,))
     CASES[f"in-step share, world {group_and_size}"] = (group_and_size, in_step_share, (group_and_size,))
@@ -697,6 +721,22 @@ def test_by_default_every_parameter_is_every_ranks_when_step_returns_so_a_weight
         assert max(r["ema"]) < TOL, r
         parameter_bytes, expected = r["sent"]
         assert parameter_bytes == expected > 0, r
+
+
+def test_check_drift_at_the_top_of_a_join_loop_raises_at_once_after_a_rank_ran_out_and_changes_nothing_else(
+        tmp_path_factory):
+    # Before, its all-gather met the joined rank's shadow round and every rank waited for the stall timeout.
+    trainer, joined = results("check_drift at the top inside join, a rank just out of data", tmp_path_factory)
+    assert trainer["checks"] == 3 and trainer["seconds"] < 8, trainer
+    assert trainer["error"].startswith("check_drift() was called inside a join block after a rank ran out of data"), \
+        trainer
+    assert joined["seconds"] < 8 and "rank 0 is gone" in joined["error"], joined
+    assert trainer["error"] in joined["error"], joined  # the joined rank says why the others left
+    for r in results("check_drift at the top inside join, equal counts", tmp_path_factory):
+        assert r["error"] is None and r["checks"] == 4 and r["bitwise"], r
+    trainer, joined = results("check_drift at the top inside join, errors caught", tmp_path_factory)
+    assert trainer["checks"] == 3 and trainer["errors"] == 2 and trainer["bitwise"], trainer
+    assert joined["checks"] == 3 and joined["errors"] == 0 and joined["bitwise"], joined
 
 
 def test_the_drift_check_ignores_each_ranks_own_shard_and_names_a_parameter_moved_on_one_rank(tmp_path_factory):

@@ -23,7 +23,7 @@ from distopt.planning.fragments import split_fragments
 from distopt.planning.mixing import mix_
 from distopt.planning.schedule import StreamSchedule
 
-from _drift_outcome import drift_outcome
+from _drift_outcome import checks_at_the_top, drift_outcome
 from _worlds import Worlds
 
 TOL = 1e-10
@@ -355,6 +355,31 @@ def check_drift_inside_join(counts, every, fragments, overlap, outer=None):
     return result
 
 
+def check_drift_after_fragments_inside_join(counts, every, fragments, overlap, outer=None):
+    """``opt.check_drift()`` at the top of every step that follows one that sent a fragment (every other step
+    here), inside join(): with ``counts`` uneven, a rank that ran out at the last one sends its last exchanges,
+    which the others' check met before; with equal counts the checks (each a probe round in the packs of the
+    next fragment) leave the loop bitwise where it ends without them."""
+    rank = dist.get_rank()
+    finals = []
+    for checks in (every // fragments, None):
+        model = make_model(seed=rank)
+        opt = DistributedOptimizer(INNER["sgd"](model.parameters()), sync_every=every, outer_optimizer=OUTER[outer],
+                                   sync_fragments=fragments, sync_overlap=overlap, pack_threshold=256, check_every=0,
+                                   stall_timeout=10)
+
+        def train_step(t):
+            opt.zero_grad()
+            loss_of(model, *batch(rank, t)).backward()
+            opt.step()
+
+        outcome = checks_at_the_top(opt, counts[rank], train_step, checks)
+        finals.append(([p.detach().clone() for p in model.parameters()], outcome))
+        opt.close()
+    (with_checks, outcome), (without, _) = finals
+    return dict(outcome, bitwise=all(torch.equal(a, b) for a, b in zip(with_checks, without)))
+
+
 def checkpoint_in_flight(steps, cut, frozen=False):
     """Save every rank's model and optimizer while a fragment's sync is in flight; resume: the same bits.
     ``frozen``: the last layer is frozen from the start (so the syncs in flight carry no mean for it), and
@@ -461,6 +486,10 @@ CASES = {
     "join under the default drift check": (2, train_uneven, ([104, 99], 4, 2, 1),
                                            {"outer": "nesterov", "stall_timeout": 10}),
     "check_drift() inside join": (2, check_drift_inside_join, ([12, 7], 4, 2, 1), {"outer": "nesterov"}),
+    "check_drift() after a fragment, a rank just out of data": (2, check_drift_after_fragments_inside_join,
+                                                                ([7, 4], 4, 2, 1), {"outer": "nesterov"}),
+    "check_drift() after a fragment, equal counts": (2, check_drift_after_fragments_inside_join, ([8, 8], 4, 2, 1),
+                                                     {"outer": "nesterov"}),
     "frozen mid-training": (2, freeze_mid_training, (20, 4, 2, 1, 0.5, 5), {}),
     "checkpoint": (2, checkpoint_in_flight, (12, 6), {}),
     "checkpoint, a frozen layer": (2, checkpoint_in_flight, (12, 8), {"frozen": True}),
@@ -556,6 +585,20 @@ def test_a_drift_check_due_after_a_rank_ran_out_of_data_is_skipped_on_every_rank
     # 14-20 (rank 1's last exchanges, then rank 2's), nor at 100 (rank 1 ran out after 99).
     for r in results(name):
         assert r["drift_checks"] == checks, r
+
+
+def test_check_drift_after_a_fragment_inside_join_raises_at_once_where_a_rank_ran_out_at_that_fragment(
+        no_leftover_processes):
+    # Rank 1 ran out after step 4 (which sent fragment 1): its last exchanges met rank 0's check at the top of
+    # step 5, and both waited for the stall timeout.
+    trainer, joined = results("check_drift() after a fragment, a rank just out of data")
+    assert trainer["checks"] == 1 and trainer["seconds"] < 8, trainer  # after step 2 every rank trained
+    assert trainer["error"].startswith("check_drift() was called inside a join block after a rank ran out of data"), \
+        trainer
+    assert joined["seconds"] < 8 and "rank 0 is gone" in joined["error"] and trainer["error"] in joined["error"], \
+        joined
+    for r in results("check_drift() after a fragment, equal counts"):
+        assert r["error"] is None and r["checks"] == 3 and r["bitwise"], r
 
 
 @pytest.mark.timeout(300)
