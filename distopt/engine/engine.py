@@ -607,7 +607,7 @@ class GradientEngine:
         copies = None
         if (self.config.op == dist.ReduceOp.SUM and nbytes in pack.gathers
                 and sums_by_gather(nbytes, self.world_size, flat.device, self.config.gather_sum_limit)):
-            copies = gather_buffer(pack, flat, self.world_size)
+            copies = gather_buffer(pack, flat, self.world_size, flags=carries_flags)
             work = gather_by_broadcasts(self.channel.group, copies, flat, self.world_size)
         else:
             options = dist.AllreduceOptions()

@@ -85,9 +85,14 @@ def plan_gathers(sums: Sequence[Tuple[int, torch.device]], world: int,
     return out
 
 
-def gather_buffer(pack: Pack, tensor: Tensor, world: int) -> Tensor:
-    """Room for the other ranks' copies of ``tensor``, kept on ``pack`` from round to round."""
-    key = (tensor.numel(), tensor.dtype)
+def gather_buffer(pack: Pack, tensor: Tensor, world: int, flags: bool) -> Tensor:
+    """Room for the other ranks' copies of ``tensor``, kept on ``pack`` from round to round.
+
+    Args:
+        flags: ``tensor`` is the pack's flags, sent beside its gradient (a direct pack's): the two are
+            in flight together, so each has room of its own even where they are of one size.
+    """
+    key = (flags, tensor.numel(), tensor.dtype)
     copies = pack.copies.get(key)
     if copies is None:
         copies = pack.copies[key] = torch.empty((world - 1) * tensor.numel(), dtype=tensor.dtype,

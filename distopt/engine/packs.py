@@ -68,8 +68,9 @@ class Pack:
     moved: Set[int] = field(default_factory=set)  # members moved in by their hook this round
     rows: Optional[RowSparse] = None  # direct packs whose gradient may travel as its non-zero rows
     gathers: Set[int] = field(default_factory=set)  # bytes of the sums it sends as a gather (rounds.plan_gathers)
-    # Room for the other ranks' copies of each of those sums, by (numel, dtype).
-    copies: Dict[Tuple[int, torch.dtype], Tensor] = field(default_factory=dict)
+    # Room for the other ranks' copies of each of those sums, by (whether it is the flags, numel, dtype): a
+    # direct pack's gradient and its flags are gathered at once, and may be of one size.
+    copies: Dict[Tuple[bool, int, torch.dtype], Tensor] = field(default_factory=dict)
     # The compressor's codec for the values (the flags travel exactly, apart or in its first all-gather), or None.
     codec: Optional[Codec] = None
     # The buffers of the codec's first all-gather when it carries the flags (distopt.engine.carrier).

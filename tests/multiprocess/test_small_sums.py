@@ -89,12 +89,21 @@ def _pack() -> Pack:
 
 def test_a_pack_keeps_room_for_the_other_ranks_copies_of_each_of_its_sums_from_round_to_round():
     pack = _pack()
-    first = gather_buffer(pack, pack.buffer, 3)
+    first = gather_buffer(pack, pack.buffer, 3, flags=False)
     assert first.shape == (16,) and first.dtype == torch.float32  # two other ranks' copies of 8
-    flags = gather_buffer(pack, pack.flags, 3)
+    flags = gather_buffer(pack, pack.flags, 3, flags=True)
     assert flags.shape == (6,)
-    assert gather_buffer(pack, pack.buffer, 3) is first and gather_buffer(pack, pack.flags, 3) is flags
-    assert gather_buffer(pack, pack.flags.double(), 3).dtype == torch.float64
+    assert gather_buffer(pack, pack.buffer, 3, flags=False) is first
+    assert gather_buffer(pack, pack.flags, 3, flags=True) is flags
+    assert gather_buffer(pack, pack.flags.double(), 3, flags=True).dtype == torch.float64
+
+
+def test_a_direct_packs_gradient_and_flags_of_one_size_gathered_at_once_have_room_of_their_own():
+    # Both are in flight together: one room for the two let the flags' copies overwrite the gradient's
+    # (a complex 4x3 gradient is the size of its flags; every rank kept its own gradient).
+    pack = _pack()
+    gradient, flags = torch.zeros(3), pack.flags
+    assert gather_buffer(pack, gradient, 2, flags=False) is not gather_buffer(pack, flags, 2, flags=True)
 
 
 def _data(rank: int, step: int):
