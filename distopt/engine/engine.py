@@ -177,6 +177,9 @@ class GradientEngine:
         self._hooked: List[int] = []  # the parameters hooked, by index (trainable when tracked)
         self._hooks_on = True
         self.packs: List[Pack] = []
+        # shard_state="gradients": each parameter's owning rank in the channel (scatter_to), or None: all-reduced.
+        self.owner_of: Optional[Callable[[Tensor], int]] = None
+        self._order: List[int] = []  # the order the packs were last planned in
         self.pack_of: List[int] = []  # parameter index -> pack index
         self.slot_of: List[int] = []  # parameter index -> its place in its pack
         self.launch_order = LaunchOrder([])
@@ -342,9 +345,23 @@ class GradientEngine:
         if self.channel is not None:
             self.channel.destroy()
 
+    def scatter_to(self, owner_of: Callable[[Tensor], int]) -> None:
+        """Reduce-scatter every pack to the owners of its members (``owner_of``: a parameter's rank in the
+        channel, the same on every rank) instead of all-reducing it; re-plans at once, in the plan's order.
+        Each pack's members are grouped by owner, and its flags travel in an all-reduce of their own. After
+        a round a gradient is the average only on its owner (the others' chunks hold their own sums)."""
+        self.owner_of = owner_of
+        if self.params:
+            self.build_packs(self._order)
+
     def build_packs(self, order: Sequence[int]) -> None:
         groups = self._fragment_groups()
-        packs = build_packs(self.params, self.names, order, self.config.pack_threshold, self.config.compressor, groups)
+        self._order = list(order)
+        owners = None
+        if self.owner_of is not None and self.channel is not None:
+            owners = [self.owner_of(p) for p in self.params]
+        packs = build_packs(self.params, self.names, order, self.config.pack_threshold, self.config.compressor, groups,
+                            owners, self.channel.group.size() if self.channel is not None else 1)
         for pack in packs:
             if pack.direct and self.config.rows and self.channel is not None:
                 pack.rows = sparse_rows.plan_rows(pack.params[0], self.world_size, self.channel.group.rank())
@@ -575,6 +592,9 @@ class GradientEngine:
             elif pack.direct:
                 self._send(pack.data, pack, index, carries_flags=False)
                 self._send(pack.flags, pack, index, carries_flags=True)
+            elif pack.chunks is not None:  # to the owners; the flags apart, every rank reads them
+                self._send(pack.flags, pack, index, carries_flags=True)
+                self._scatter(pack, index)
             elif pack.codec is not None:  # the flags exactly, the values as the codec sends them
                 contributing = not self.join.joined and (self.round_hooks is None or self.round_hooks.participating)
                 if not contributing:
@@ -611,6 +631,22 @@ class GradientEngine:
                                   into=None if copies is None else flat))
         self.stats.all_reduces += 1
         self.stats.bytes += tensor.numel() * tensor.element_size()
+
+    def _scatter(self, pack: Pack, index: int) -> None:
+        """Reduce-scatter ``pack``'s gradients in place: each rank's chunk arrives summed on that rank."""
+        chunks = pack.chunks
+        assert chunks is not None
+        rank = self.channel.group.rank()
+        options = dist.ReduceScatterOptions()
+        options.reduceOp = self.config.op
+        if hasattr(options, "asyncOp"):
+            options.asyncOp = True
+        work = self.channel.group.reduce_scatter([chunks[rank]], [list(chunks)], options)
+        seq = self.progress.issue() if self.progress is not None else 0
+        self.inflight.append(Sent(work, pack, index, seq, carries_flags=False))
+        self.stats.all_reduces += 1
+        # What leaves this rank: every other rank's chunk, once (a ring reduce-scatter's bytes).
+        self.stats.bytes += (pack.data.numel() - chunks[rank].numel()) * pack.data.element_size()
 
     def _resume_codec(self, codec: Iterator[Collective], pack: Pack, index: int, after_last: bool = False,
                       first: bool = False, outcome: Optional[Outcome] = None) -> bool:

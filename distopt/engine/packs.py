@@ -28,7 +28,7 @@ from torch import Tensor
 
 from ..compression.protocol import Codec, Compressor, PackLayout
 from ..planning.control import CONTROL_FLAGS
-from ..planning.packing import PackSpec, ParamMeta, plan_packs
+from ..planning.packing import PackSpec, ParamMeta, grouped_by_owner, owner_bounds, plan_packs
 from .carrier import Carrier
 from .sparse_rows import RowSparse
 
@@ -74,13 +74,15 @@ class Pack:
     codec: Optional[Codec] = None
     # The buffers of the codec's first all-gather when it carries the flags (distopt.engine.carrier).
     carrier: Optional[Carrier] = None
+    # Reduce-scattered to the owners (shard_state="gradients"): each rank's chunk of ``data``, in rank order.
+    chunks: Optional[List[Tensor]] = None
 
 
 def sums(pack: Pack) -> List[int]:
     """Bytes of each sum the pack sends in a round: its buffer, or a direct pack's gradient and flags."""
     if pack.direct:
         return [pack.spec.nbytes, pack.flags.numel() * pack.flags.element_size()]
-    if pack.codec is not None:  # the values' collectives are the codec's
+    if pack.codec is not None or pack.chunks is not None:  # the values' collectives are the codec's, or a scatter
         return [pack.flags.numel() * pack.flags.element_size()]
     sent = pack.buffer if pack.wire is None else pack.wire
     return [sent.numel() * sent.element_size()]
@@ -100,11 +102,17 @@ def layout_of(spec: PackSpec, params: Sequence[Tensor], names: Sequence[str]) ->
 
 
 def build_packs(params: Sequence[Tensor], names: Sequence[str], order: Sequence[int], threshold: int,
-                compressor: Optional[Compressor], groups: Optional[Sequence[int]] = None) -> List[Pack]:
+                compressor: Optional[Compressor], groups: Optional[Sequence[int]] = None,
+                owners: Optional[Sequence[int]] = None, world: int = 1) -> List[Pack]:
     """Allocate the packs of the plan for ``params`` taken in ``order``, each with its codec if compressed
-    (packs never mix ``groups``: see :func:`distopt.planning.packing.plan_packs`)."""
+    (packs never mix ``groups``: see :func:`distopt.planning.packing.plan_packs`). With ``owners`` (each
+    parameter's owning rank of ``world``), every pack is buffered, its members grouped by owner, and
+    reduce-scattered to them (:attr:`Pack.chunks`)."""
     packs = []
-    for spec in plan_packs(order, metas(params), threshold, groups):
+    specs = plan_packs(order, metas(params), threshold, groups)
+    if owners is not None:
+        specs = grouped_by_owner(specs, metas(params), owners)
+    for spec in specs:
         device, dtype = spec.key
         first = params[spec.members[0]]
         wire_dtype = codec = None
@@ -113,7 +121,7 @@ def build_packs(params: Sequence[Tensor], names: Sequence[str], order: Sequence[
             if wire_dtype is None:
                 codec = compressor.codec(layout_of(spec, params, names))
         if (len(spec.members) == 1 and spec.nbytes >= DIRECT_MIN_BYTES and first.is_contiguous()
-                and wire_dtype is None and codec is None):
+                and wire_dtype is None and codec is None and owners is None):
             flags = torch.empty(1 + CONTROL_FLAGS, dtype=dtype, device=device)
             packs.append(Pack(spec, flags, flags[:0], [], flags, [first], [names[spec.members[0]]], False, None, [],
                               direct=True))
@@ -124,9 +132,13 @@ def build_packs(params: Sequence[Tensor], names: Sequence[str], order: Sequence[
         if wire_dtype is not None:
             wire = torch.empty(buffer.numel(), dtype=wire_dtype, device=device)
         batched = spec.numel < _BATCH_GATHER_BELOW * len(spec.members)
+        chunks = None
+        if owners is not None:
+            bounds = owner_bounds(spec, owners, world)
+            chunks = [buffer[bounds[r]:bounds[r + 1]] for r in range(world)]
         packs.append(Pack(spec, buffer, buffer[: spec.numel], views, buffer[spec.numel :],
                           [params[i] for i in spec.members], [names[i] for i in spec.members], batched, wire, [],
-                          codec=codec))
+                          codec=codec, chunks=chunks))
     return packs
 
 

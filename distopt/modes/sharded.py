@@ -125,7 +125,10 @@ class ShardedState(Synchronous):
     #: inner steps that a streaming sync runs behind; this says where the parameter share is finished.
     SHARES = ("in_step", "background")
 
-    def __init__(self, share: str = "in_step") -> None:
+    def __init__(self, share: str = "in_step", gradients: bool = False) -> None:
+        if not isinstance(gradients, bool):
+            raise TypeError(f"ShardedState(gradients={gradients!r}): gradients must be True or False")
+        self.gradients = gradients
         if share not in self.SHARES:
             raise ValueError(
                 f"ShardedState(share={share!r}): share must be 'in_step' (the default: step() returns with every "
@@ -146,11 +149,13 @@ class ShardedState(Synchronous):
         self._seen: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # modules seen running a forward while it flew
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}()" if self.share == "in_step" else f"{type(self).__name__}(share={self.share!r})"
+        args = ([f"share={self.share!r}"] if self.share != "in_step" else []) + (["gradients=True"] if self.gradients
+                                                                                 else [])
+        return f"{type(self).__name__}({', '.join(args)})"
 
     def settings(self) -> Dict[str, Any]:
         # Both sides send the same, but a rank that waits in step() and one that does not are out of step.
-        return {"shard_state": True, "shard_state_share": self.share}
+        return {"shard_state": "gradients" if self.gradients else True, "shard_state_share": self.share}
 
     def check_compatible(self, *, optimizer: Optimizer, reduce_op: str, bcast_period: int,
                          fault_tolerant: bool) -> None:
@@ -183,6 +188,8 @@ class ShardedState(Synchronous):
         self._drop_foreign_state(ctx)
 
     def attach(self, ctx: ModeContext) -> None:
+        if self.gradients:
+            self._refuse_with_gradients(ctx)
         if ctx.world_size == 1:
             return
         # Weakly: the engine must not keep the mode, nor the context, alive.
@@ -191,11 +198,93 @@ class ShardedState(Synchronous):
         def follow_joins() -> None:
             m, c = mode(), context()
             if m is not None and c is not None:
+                if m.gradients:
+                    m._after_scatter(c)
                 m._follow_joins(c)
 
         ctx.engine.call_when_settled(follow_joins)
+        if self.gradients:
+            def owner(p: Tensor) -> int:
+                m = mode()
+                return m.owner_of[id(p)] if m is not None else 0
+
+            ctx.engine.scatter_to(owner)
+
+    # ------------------------------------------------------------------ the gradients sharded too (ZeRO-2)
+
+    def _refuse_with_gradients(self, ctx: ModeContext) -> None:
+        """What sharded gradients do not support yet, refused when the wrapper is built."""
+        what = f"{self.describe()} (the gradients reduce-scattered to their owners)"
+        if ctx.engine.config.compressor is not None:
+            raise ValueError(
+                f"{what} cannot be compressed yet: a codec's collectives assume the whole pack on every rank; "
+                "drop compression=, or shard the optimizer state only (shard_state=True)")
+        if ctx.engine.backward_passes_per_step != 1:
+            raise ValueError(
+                f"{what} with backward_passes_per_step={ctx.engine.backward_passes_per_step} is not supported yet; "
+                "pass backward_passes_per_step=1 and accumulate the passes before the last inside opt.no_sync(), "
+                "or shard the optimizer state only (shard_state=True)")
+
+    def _refuse_join(self, what: str) -> None:
+        raise RuntimeError(
+            f"{what}: join() with {self.describe()} is not supported yet (a rank that joins would hand its "
+            "gradients' owners over mid-round); give every rank the same number of batches (e.g. "
+            "DistributedSampler(drop_last=True)), or shard the optimizer state only (shard_state=True)")
+
+    def _after_scatter(self, ctx: ModeContext) -> None:
+        """A round is back (on every rank, at the same point): forget the gradients of the parameters other ranks
+        own (this rank's copy of them is its own sum, not the average), and make an inf or NaN found on any rank's
+        slice show on every rank's, so that ``GradScaler`` skips the step everywhere alike."""
+        engine = ctx.engine
+        if engine.exchange.fill is not None:
+            return
+        local = False
+        first_owned: Optional[Tensor] = None
+        with torch.no_grad():
+            for pack in engine.packs:
+                if pack.chunks is None:
+                    continue
+                mine = pack.chunks[self.rank]
+                if mine.numel() and not bool(torch.isfinite(mine).all()):
+                    local = True
+                for p in pack.params:
+                    if not self.mine(p):
+                        p.grad = None
+                    elif first_owned is None and p.grad is not None and p.grad.numel():
+                        first_owned = p.grad
+            flag = torch.tensor([float(local)], dtype=torch.float64)
+            with stalls.inspected(ctx.progress, "the exchange of whether a gradient slice is not finite"):
+                collectives.all_reduce(flag, op="sum", group=ctx.group)
+            if flag.item() and not local and first_owned is not None:
+                first_owned.view(-1)[0] = float("inf")
+
+    def clip_grad_norm_(self, ctx: ModeContext, max_norm: float, norm_type: float) -> Tensor:
+        if not self.gradients or ctx.world_size == 1:
+            return super().clip_grad_norm_(ctx, max_norm, norm_type)
+        grads = [p.grad for group in ctx.optimizer.param_groups for p in group["params"]
+                 if p.grad is not None and self.mine(p)]
+        with torch.no_grad():
+            if norm_type == float("inf"):
+                local = max((g.detach().abs().max().double() for g in grads), default=torch.zeros((), dtype=torch.float64))
+                total = local.reshape(1).clone()
+                with stalls.inspected(ctx.progress, "the sum of the gradients' norms (clip_grad_norm_)"):
+                    collectives.all_reduce(total, op="max", group=ctx.group)
+                total_norm = total[0]
+            else:
+                norms = [torch.linalg.vector_norm(g.detach(), norm_type).double() for g in grads]
+                local = sum((n ** norm_type for n in norms), torch.zeros((), dtype=torch.float64))
+                total = local.reshape(1).clone()
+                with stalls.inspected(ctx.progress, "the sum of the gradients' norms (clip_grad_norm_)"):
+                    collectives.all_reduce(total, op="sum", group=ctx.group)
+                total_norm = total[0] ** (1.0 / norm_type)
+            coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+            for g in grads:
+                g.mul_(coef.to(g.dtype))
+        return total_norm
 
     def step(self, ctx: ModeContext, closure: Optional[Callable[[], Any]]) -> Any:
+        if self.gradients and ctx.engine.join.in_block and ctx.world_size > 1:
+            self._refuse_join("a step inside join()")
         if ctx.world_size == 1:  # nothing to divide
             return super().step(ctx, closure)
         self._finish_share()  # the last step's: this one changes the parameters it sent
@@ -218,6 +307,8 @@ class ShardedState(Synchronous):
         return step_with_hooks(ctx.optimizer, closure, body)
 
     def leaving(self, ctx: ModeContext) -> Optional[Callable[[], None]]:
+        if self.gradients and ctx.world_size > 1:
+            self._refuse_join("a rank out of data inside join()")
         self._finish_share()  # before this rank's shadow rounds: it sends nothing more
         return None
 

@@ -635,8 +635,109 @@ def lazy_share(world):
             "step_seconds": step_seconds, "late": rank == world - 1}
 
 
+def sharded_gradients(world):
+    """shard_state="gradients" against one process, SGD with momentum and Adam with two param groups, a
+    frozen and an unused parameter, 6 steps at world 2 and 3 (uneven slices): .grad is None for what
+    this rank does not own, clip_grad_norm_ is the reference's, GradScaler skips on every rank where one
+    rank's slice had an inf, and the bytes are plain distopt's (world 2; ring-equivalent otherwise)."""
+    rank = dist.get_rank()
+    out = {}
+    for name in ("momentum", "adam"):
+        model, ref, plain_model = Net(), Net(), Net()
+        opt = DistributedOptimizer(OPTIMIZERS[name](param_groups(model)), pack_threshold=256,
+                                   shard_state="gradients")
+        plain = DistributedOptimizer(OPTIMIZERS[name](param_groups(plain_model)), pack_threshold=256)
+        ref_opt = OPTIMIZERS[name](param_groups(ref))
+        norms, foreign_none, owned_present = [], True, True
+        for step in range(6):
+            for m, o in ((model, opt), (plain_model, plain)):
+                x, y = batch(step)
+                o.zero_grad()
+                nn.functional.mse_loss(m(x), y).backward()
+            owned = opt.mode.owner_of
+            for p in model.parameters():
+                if id(p) in owned and p.requires_grad and p is not model.unused.weight and p is not model.unused.bias:
+                    if owned[id(p)] == rank:
+                        owned_present = owned_present and p.grad is not None
+                    else:
+                        foreign_none = foreign_none and p.grad is None
+            norm = opt.clip_grad_norm_(0.5)
+            plain.step()
+            opt.step()
+            ref_opt.zero_grad()
+            whole = sum(nn.functional.mse_loss(ref(batch(step, r)[0]), batch(step, r)[1]) for r in range(world))
+            (whole / world).backward()
+            ref_norm = torch.nn.utils.clip_grad_norm_([p for g in ref_opt.param_groups for p in g["params"]], 0.5)
+            ref_opt.step()
+            norms.append(abs(norm.item() - ref_norm.item()))
+            if step == 2:
+                flags = sum(pack.flags.numel() * pack.flags.element_size() for pack in opt._engine.packs)
+                sent = (opt.stats.bytes, plain.stats.bytes, opt.stats.parameter_bytes, flags)
+        diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+        out[name] = {"diff": diff, "norm": max(norms), "foreign_none": foreign_none, "owned": owned_present,
+                     "sent": sent}
+        opt.close()
+        plain.close()
+    # GradScaler: an inf on the last rank's batch at step 1 only; every rank skips that step, and trains on.
+    model, ref = Net(), Net()
+    opt = DistributedOptimizer(torch.optim.Adam(param_groups(model), lr=0.01), pack_threshold=256,
+                               shard_state="gradients")
+    ref_opt = torch.optim.Adam(param_groups(ref), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    stepped = []
+    for step in range(4):
+        x, y = batch(step)
+        if step == 1 and rank == world - 1:
+            x = x.clone()
+            x[0, 0] = float("inf")
+        opt.zero_grad()
+        scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+        stepped.append(scaler.get_scale())
+        if step != 1:
+            ref_opt.zero_grad()
+            whole = sum(nn.functional.mse_loss(ref(batch(step, r)[0]), batch(step, r)[1]) for r in range(world))
+            (whole / world).backward()
+            ref_opt.step()
+    opt.close()
+    out["scaler"] = {"diff": max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters())),
+                     "scales": stepped}
+    # Accumulation inside no_sync(): the first half-batch stays local, the second's backward reduces both.
+    model, ref = Net(), Net()
+    opt = DistributedOptimizer(torch.optim.Adam(param_groups(model), lr=0.01), shard_state="gradients")
+    ref_opt = torch.optim.Adam(param_groups(ref), lr=0.01)
+    for step in range(3):
+        x, y = batch(step)
+        opt.zero_grad()
+        with opt.no_sync():
+            nn.functional.mse_loss(model(x[:3]), y[:3]).backward()
+        nn.functional.mse_loss(model(x[3:]), y[3:]).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        whole = sum(nn.functional.mse_loss(ref(batch(step, r)[0][:3]), batch(step, r)[1][:3])
+                    + nn.functional.mse_loss(ref(batch(step, r)[0][3:]), batch(step, r)[1][3:]) for r in range(world))
+        (whole / world).backward()
+        ref_opt.step()
+    opt.close()
+    out["no_sync"] = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+    opt = DistributedOptimizer(torch.optim.SGD(param_groups(model), lr=0.01), shard_state="gradients")
+    try:
+        with opt.join():
+            x, y = batch(0)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            opt.step()
+        out["join"] = None
+    except RuntimeError as exc:
+        out["join"] = str(exc)
+    opt.close()
+    return out
+
+
 CASES = {}
 for group_and_size in (2, 3):
+    CASES[f"sharded gradients, world {group_and_size}"] = (group_and_size, sharded_gradients, (group_and_size,))
     for _name in OPTIMIZERS:
         CASES[f"{_name}, world {group_and_size}"] = (group_and_size, parity, (_name,))
 
@@ -697,6 +798,33 @@ def test_by_default_every_parameter_is_every_ranks_when_step_returns_so_a_weight
         assert max(r["ema"]) < TOL, r
         parameter_bytes, expected = r["sent"]
         assert parameter_bytes == expected > 0, r
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_gradients_train_like_one_process_with_clipping_scaler_and_grads_only_where_owned(
+        world, tmp_path_factory):
+    ranks = results(f"sharded gradients, world {world}", tmp_path_factory)
+    for name in ("momentum", "adam"):
+        for r in ranks:
+            case = r[name]
+            assert case["diff"] < TOL and case["norm"] < TOL, (name, case)
+            assert case["foreign_none"] and case["owned"], (name, case)
+            total, plain_total, parameter_bytes, flags = case["sent"]
+            assert parameter_bytes > 0, case
+            if world == 2:  # the other half of the gradients out, this half's parameters back: plain's bytes
+                assert total == plain_total, case
+        # What leaves the ranks together: every gradient but the owner's copy, and every parameter to each
+        # other rank (2(N-1) times the gradients, a ring all-reduce's); the flags travel whole from each rank.
+        total = sum(r[name]["sent"][0] for r in ranks)
+        _, plain_total, _, flags = ranks[0][name]["sent"]
+        assert total == 2 * (world - 1) * (plain_total - flags) + world * flags, (name, ranks)
+    for r in ranks:
+        scaler = r["scaler"]
+        assert scaler["diff"] < TOL, scaler
+        assert scaler["scales"] == [16.0, 8.0, 8.0, 8.0], scaler  # step 1 skipped on every rank alike
+        assert r["no_sync"] < TOL, r["no_sync"]
+        assert r["join"] is not None and r["join"].startswith("a step inside join(): join() with "), r["join"]
+        assert "is not supported yet" in r["join"] and "DistributedSampler(drop_last=True)" in r["join"], r["join"]
 
 
 def test_the_drift_check_ignores_each_ranks_own_shard_and_names_a_parameter_moved_on_one_rank(tmp_path_factory):
@@ -768,8 +896,23 @@ def test_lbfgs_cannot_be_sharded_and_says_why():
     model = nn.Linear(2, 2)
     with pytest.raises(TypeError, match="shard_state=True cannot shard LBFGS"):
         DistributedOptimizer(torch.optim.LBFGS(model.parameters()), shard_state=True)
-    with pytest.raises(TypeError, match="shard_state must be True or False"):
+    with pytest.raises(TypeError, match="shard_state must be True, False or 'gradients'"):
         DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), shard_state="yes")
+
+
+def test_sharded_gradients_refuse_what_they_do_not_support_yet_naming_the_fix():
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"gradients=True\) \(the gradients reduce-scattered .* cannot be compressed"):
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), mode=distopt.ShardedState(gradients=True),
+                             compression="bf16")
+    with pytest.raises(ValueError, match=r"backward_passes_per_step=2 is not supported yet; pass "
+                                         r"backward_passes_per_step=1"):
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), shard_state="gradients",
+                             backward_passes_per_step=2)
+    with pytest.raises(TypeError, match=r"ShardedState\(gradients='yes'\): gradients must be True or False"):
+        distopt.ShardedState(gradients="yes")
+    assert repr(distopt.ShardedState(gradients=True)) == "ShardedState(gradients=True)"
+    assert distopt.ShardedState(gradients=True).settings()["shard_state"] == "gradients"
 
 
 def test_the_share_is_in_step_or_background_and_says_so():
