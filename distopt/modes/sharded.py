@@ -186,6 +186,9 @@ class ShardedState(Synchronous):
         for p, rank in zip(params, owners):
             self.base_owner[id(p)] = self.owner_of[id(p)] = rank
         self._drop_foreign_state(ctx)
+        if self.gradients and ctx.engine.owner_of is not None:  # parameters added later: re-planned by owner
+            self._check_every_rank_owns_a_gradient(ctx)
+            ctx.engine.scatter_to(ctx.engine.owner_of)
 
     def attach(self, ctx: ModeContext) -> None:
         if self.gradients:
@@ -204,9 +207,13 @@ class ShardedState(Synchronous):
 
         ctx.engine.call_when_settled(follow_joins)
         if self.gradients:
+            self._check_every_rank_owns_a_gradient(ctx)
+
             def owner(p: Tensor) -> int:
+                # A parameter the engine takes on before this mode does (add_param_group) is planned with
+                # rank 0 for owner on every rank, and re-planned once on_track has given it its owner.
                 m = mode()
-                return m.owner_of[id(p)] if m is not None else 0
+                return m.owner_of.get(id(p), 0) if m is not None else 0
 
             ctx.engine.scatter_to(owner)
 
@@ -224,6 +231,17 @@ class ShardedState(Synchronous):
                 f"{what} with backward_passes_per_step={ctx.engine.backward_passes_per_step} is not supported yet; "
                 "pass backward_passes_per_step=1 and accumulate the passes before the last inside opt.no_sync(), "
                 "or shard the optimizer state only (shard_state=True)")
+
+    def _check_every_rank_owns_a_gradient(self, ctx: ModeContext) -> None:
+        """Every rank must own a trainable parameter: ``GradScaler`` finds an inf in the gradients a rank
+        holds, and a rank holding none would neither skip nor lower its scale with the others."""
+        owning = {self.owner_of[id(p)] for p in ctx.params if p.requires_grad}
+        idle = [r for r in range(self.world_size) if r not in owning]
+        if idle:
+            raise ValueError(
+                f"{self.describe()} at world size {self.world_size}: ranks {idle} own no trainable parameter "
+                "(there are fewer trainable parameters than ranks, by bytes), so they would hold no gradient; "
+                "train on fewer ranks, or shard the optimizer state only (shard_state=True)")
 
     def _refuse_join(self, what: str) -> None:
         raise RuntimeError(

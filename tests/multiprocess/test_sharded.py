@@ -636,20 +636,23 @@ def lazy_share(world):
 
 
 def sharded_gradients(world):
-    """shard_state="gradients" against one process, SGD with momentum and Adam with two param groups, a
-    frozen and an unused parameter, 6 steps at world 2 and 3 (uneven slices): .grad is None for what
+    """shard_state="gradients" against one process, SGD with momentum and Adam with two param groups (the
+    second added after a step), a frozen and an unused parameter, 6 steps at world 2 and 3 (uneven slices): .grad is None for what
     this rank does not own, clip_grad_norm_ is the reference's, GradScaler skips on every rank where one
     rank's slice had an inf, and the bytes are plain distopt's (world 2; ring-equivalent otherwise)."""
     rank = dist.get_rank()
     out = {}
     for name in ("momentum", "adam"):
         model, ref, plain_model = Net(), Net(), Net()
-        opt = DistributedOptimizer(OPTIMIZERS[name](param_groups(model)), pack_threshold=256,
+        opt = DistributedOptimizer(OPTIMIZERS[name](param_groups(model)[1:]), pack_threshold=256,
                                    shard_state="gradients")
-        plain = DistributedOptimizer(OPTIMIZERS[name](param_groups(plain_model)), pack_threshold=256)
-        ref_opt = OPTIMIZERS[name](param_groups(ref))
+        plain = DistributedOptimizer(OPTIMIZERS[name](param_groups(plain_model)[1:]), pack_threshold=256)
+        ref_opt = OPTIMIZERS[name](param_groups(ref)[1:])
         norms, foreign_none, owned_present = [], True, True
         for step in range(6):
+            if step == 1:  # the second group arrives after the first step: planned by owner too
+                for m, o in ((model, opt), (plain_model, plain), (ref, ref_opt)):
+                    o.add_param_group(param_groups(m)[0])
             for m, o in ((model, opt), (plain_model, plain)):
                 x, y = batch(step)
                 o.zero_grad()
