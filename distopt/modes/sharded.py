@@ -34,6 +34,22 @@ Step hooks run around all of it (:mod:`distopt.modes.step_hooks`): where a step
 post-hook is registered the share is finished before it runs, so post-hooks see
 every parameter, as around an unsharded step.
 
+The gradients sharded too (ZeRO-2): ``ShardedState(gradients=True)``, shorthand
+``shard_state="gradients"``. The plan groups each pack's members by owner, so that
+each rank's part of a pack is one contiguous chunk
+(:func:`distopt.planning.packing.grouped_by_owner`), and each pack is
+reduce-scattered in place to its owners as it launches during backward, in plan
+order, its control flags in a small all-reduce of their own
+(:meth:`distopt.engine.GradientEngine.scatter_to`). Once the round is back, the
+``.grad`` of a parameter another rank owns is None; an inf or NaN in any rank's
+slice is written into every rank's first owned gradient, so that ``GradScaler``
+finds it and skips the step on every rank alike (with its scale lowered alike);
+``opt.clip_grad_norm_()`` sums the owned gradients' norms over the ranks. The
+owner steps and the parameters are shared as above: an all-reduce's bytes in all.
+Not supported yet, and refused by name: compression, ``backward_passes_per_step``
+above 1 (``no_sync()`` works), ``join()``, fault tolerance, and a world in which a
+rank owns no trainable parameter.
+
 Join: a rank that has joined owns nothing. In the round in which it joined, which
 every rank settles at the same point of its collectives, its shard is handed to
 the ranks still training (:meth:`distopt.engine.GradientEngine.call_when_settled`). From
@@ -91,6 +107,10 @@ class ShardedState(Synchronous):
     A mode object serves one wrapper.
 
     Args:
+        gradients: shard the gradients too (ZeRO-2; shorthand ``shard_state="gradients"``): each
+            pack is reduce-scattered to the owners of its members during backward instead of
+            all-reduced, so after backward ``.grad`` is None for the parameters other ranks own;
+            clip with ``opt.clip_grad_norm_()``, which sums the norms over the ranks.
         share: when the updated parameters have reached every rank. ``"in_step"`` (the default):
             before ``step()`` returns, so anything may read them right after it. ``"background"``:
             the share runs on after ``step()`` and each module's next forward waits for the
@@ -101,7 +121,11 @@ class ShardedState(Synchronous):
             other ranks own (a change raises). Every rank must pass the same.
 
     Raises:
-        ValueError: ``share`` is neither ``"in_step"`` nor ``"background"``.
+        ValueError: ``share`` is neither ``"in_step"`` nor ``"background"``; (when the wrapper is built,
+            with ``gradients=True``) compression, ``backward_passes_per_step`` above 1, or a rank owning
+            no trainable parameter.
+        TypeError: ``gradients`` is not a bool.
+        RuntimeError: (with ``gradients=True``) a step inside ``join()``.
         TypeError: (when the wrapper is built) the inner optimizer is ``LBFGS``, which keeps one
             history over all parameters together.
         ValueError: (when the wrapper is built) with ``fault_tolerance``: a replica that dies takes
