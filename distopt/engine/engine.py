@@ -594,7 +594,7 @@ class GradientEngine:
                 self._send(pack.flags, pack, index, carries_flags=True)
             elif pack.chunks is not None:  # to the owners; the flags apart, every rank reads them
                 self._send(pack.flags, pack, index, carries_flags=True)
-                self._scatter(pack, index)
+                self._scatter(pack, pack.chunks, index)
             elif pack.codec is not None:  # the flags exactly, the values as the codec sends them
                 contributing = not self.join.joined and (self.round_hooks is None or self.round_hooks.participating)
                 if not contributing:
@@ -632,10 +632,9 @@ class GradientEngine:
         self.stats.all_reduces += 1
         self.stats.bytes += tensor.numel() * tensor.element_size()
 
-    def _scatter(self, pack: Pack, index: int) -> None:
-        """Reduce-scatter ``pack``'s gradients in place: each rank's chunk arrives summed on that rank."""
-        chunks = pack.chunks
-        assert chunks is not None
+    def _scatter(self, pack: Pack, chunks: List[Tensor], index: int) -> None:
+        """Reduce-scatter ``pack``'s gradients in place: each rank's chunk (of ``chunks``, the pack's, in rank
+        order) arrives summed on that rank; ``opt.stats.all_reduces`` counts it."""
         rank = self.channel.group.rank()
         options = dist.ReduceScatterOptions()
         options.reduceOp = self.config.op
