@@ -589,6 +589,11 @@ class GradientEngine:
             if rows is not None:
                 self._gather_rows(rows, pack, index)
                 self._send(pack.flags, pack, index, carries_flags=True)
+            elif pack.direct and pack.owner is not None:  # the gradient to its owner, from where autograd left it
+                self._send(pack.flags, pack, index, carries_flags=True)
+                data = pack.data.view(-1)
+                self._scatter(pack, [data if r == pack.owner else data[:0] for r in range(self.channel.group.size())],
+                              index)
             elif pack.direct:
                 self._send(pack.data, pack, index, carries_flags=False)
                 self._send(pack.flags, pack, index, carries_flags=True)
@@ -824,7 +829,23 @@ class GradientEngine:
                         index = pack.spec.members[j]
                         self.params[index].grad = pack.views[j] if present[j] else None
                 pack.absent.clear()
+        if self.owner_of is not None and self._phase != Phase.EXCHANGE:
+            self._drop_foreign_grads()
         return totals
+
+    def _drop_foreign_grads(self) -> None:
+        """After a reduce-scatter to the owners: a parameter another rank owns has no gradient here (this
+        rank's chunk of it is its own sum, not the average), and a direct pack's gradient is let go at once."""
+        rank = self.channel.group.rank()
+        for pack in self.packs:
+            if pack.direct:
+                if pack.owner is not None and pack.owner != rank:
+                    pack.params[0].grad = None
+                    release(pack)
+            elif pack.chunks is not None:
+                for p in pack.params:
+                    if self.owner_of(p) != rank:
+                        p.grad = None
 
     def _discard_failed_round(self) -> None:
         """Fault tolerance: a collective of this round failed; its values and flags are garbage and are

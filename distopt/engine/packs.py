@@ -76,6 +76,8 @@ class Pack:
     carrier: Optional[Carrier] = None
     # Reduce-scattered to the owners (shard_state="gradients"): each rank's chunk of ``data``, in rank order.
     chunks: Optional[List[Tensor]] = None
+    # A direct pack reduced to its member's owner alone (shard_state="gradients"), or None.
+    owner: Optional[int] = None
 
 
 def sums(pack: Pack) -> List[int]:
@@ -106,8 +108,8 @@ def build_packs(params: Sequence[Tensor], names: Sequence[str], order: Sequence[
                 owners: Optional[Sequence[int]] = None, world: int = 1) -> List[Pack]:
     """Allocate the packs of the plan for ``params`` taken in ``order``, each with its codec if compressed
     (packs never mix ``groups``: see :func:`distopt.planning.packing.plan_packs`). With ``owners`` (each
-    parameter's owning rank of ``world``), every pack is buffered, its members grouped by owner, and
-    reduce-scattered to them (:attr:`Pack.chunks`)."""
+    parameter's owning rank of ``world``), every pack's members are grouped by owner, and it is
+    reduce-scattered to them (:attr:`Pack.chunks`; a direct pack to its one member's :attr:`Pack.owner`)."""
     packs = []
     specs = plan_packs(order, metas(params), threshold, groups)
     if owners is not None:
@@ -121,10 +123,10 @@ def build_packs(params: Sequence[Tensor], names: Sequence[str], order: Sequence[
             if wire_dtype is None:
                 codec = compressor.codec(layout_of(spec, params, names))
         if (len(spec.members) == 1 and spec.nbytes >= DIRECT_MIN_BYTES and first.is_contiguous()
-                and wire_dtype is None and codec is None and owners is None):
+                and wire_dtype is None and codec is None):
             flags = torch.empty(1 + CONTROL_FLAGS, dtype=dtype, device=device)
             packs.append(Pack(spec, flags, flags[:0], [], flags, [first], [names[spec.members[0]]], False, None, [],
-                              direct=True))
+                              direct=True, owner=None if owners is None else owners[spec.members[0]]))
             continue
         buffer = torch.empty(spec.numel + len(spec.members) + CONTROL_FLAGS, dtype=dtype, device=device)
         views = [buffer[off : off + n].view(params[i].shape) for i, off, n in zip(spec.members, spec.offsets, spec.numels)]

@@ -274,26 +274,15 @@ class ShardedState(Synchronous):
             "DistributedSampler(drop_last=True)), or shard the optimizer state only (shard_state=True)")
 
     def _after_scatter(self, ctx: ModeContext) -> None:
-        """A round is back (on every rank, at the same point): forget the gradients of the parameters other ranks
-        own (this rank's copy of them is its own sum, not the average), and make an inf or NaN found on any rank's
-        slice show on every rank's, so that ``GradScaler`` skips the step everywhere alike."""
-        engine = ctx.engine
-        if engine.exchange.fill is not None:
+        """A round is back (on every rank, at the same point): make an inf or NaN found in any rank's slice show
+        in every rank's, so that ``GradScaler`` skips the step everywhere alike."""
+        if ctx.engine.exchange.fill is not None:
             return
-        local = False
-        first_owned: Optional[Tensor] = None
+        # The engine has let go of the others' gradients already (GradientEngine.scatter_to).
+        owned = [p.grad for p in ctx.params if p.grad is not None and self.mine(p) and p.grad.numel()]
         with torch.no_grad():
-            for pack in engine.packs:
-                if pack.chunks is None:
-                    continue
-                mine = pack.chunks[self.rank]
-                if mine.numel() and not bool(torch.isfinite(mine).all()):
-                    local = True
-                for p in pack.params:
-                    if not self.mine(p):
-                        p.grad = None
-                    elif first_owned is None and p.grad is not None and p.grad.numel():
-                        first_owned = p.grad
+            local = bool(owned) and not bool(torch.stack([torch.isfinite(g).all() for g in owned]).all())
+            first_owned = owned[0] if owned else None
             flag = torch.tensor([float(local)], dtype=torch.float64)
             with stalls.inspected(ctx.progress, "the exchange of whether a gradient slice is not finite"):
                 collectives.all_reduce(flag, op="sum", group=ctx.group)

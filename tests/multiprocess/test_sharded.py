@@ -706,6 +706,26 @@ def sharded_gradients(world):
     opt.close()
     out["scaler"] = {"diff": max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters())),
                      "scales": stepped}
+    # A gradient of 2 MiB travels alone, reduce-scattered from where autograd left it; not owned, it is let go.
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(4, 512), nn.Tanh(), nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 2)).double()
+    ref = copy.deepcopy(model)
+    opt = DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), shard_state="gradients",
+                               pack_threshold=1 << 20)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    large, large_grad = model[2].weight, True
+    for step in range(3):
+        x, y = batch(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        large_grad = large_grad and (opt.mode.owner_of[id(large)] == rank) == (large.grad is not None)
+        opt.step()
+        ref_opt.zero_grad()
+        (sum(nn.functional.mse_loss(ref(batch(step, r)[0]), batch(step, r)[1]) for r in range(world)) / world).backward()
+        ref_opt.step()
+    out["large"] = {"diff": max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters())),
+                    "direct": any(pack.direct for pack in opt._engine.packs), "grad_where_owned": large_grad}
+    opt.close()
     # Accumulation inside no_sync(): the first half-batch stays local, the second's backward reduces both.
     model, ref = Net(), Net()
     opt = DistributedOptimizer(torch.optim.Adam(param_groups(model), lr=0.01), shard_state="gradients")
@@ -826,6 +846,7 @@ def test_sharded_gradients_train_like_one_process_with_clipping_scaler_and_grads
         assert scaler["diff"] < TOL, scaler
         assert scaler["scales"] == [16.0, 8.0, 8.0, 8.0], scaler  # step 1 skipped on every rank alike
         assert r["no_sync"] < TOL, r["no_sync"]
+        assert r["large"]["diff"] < TOL and r["large"]["direct"] and r["large"]["grad_where_owned"], r["large"]
         assert r["join"] is not None and r["join"].startswith("a step inside join(): join() with "), r["join"]
         assert "is not supported yet" in r["join"] and "DistributedSampler(drop_last=True)" in r["join"], r["join"]
 
