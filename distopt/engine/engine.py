@@ -85,8 +85,8 @@ from .state import (Announcements, EngineConfig, ExchangeState, JoinState, Round
                     World)
 from .packs import (Pack, adopt_current_grads, build_packs, gather, gather_early, gather_nothing, metas, release,
                     scratch, sums)
-from .in_flight import (Sent, broadcast_each, gather_buffer, gather_by_broadcasts, labelled,
-                     plan_gathers, sum_copies, sums_by_gather)
+from .in_flight import (SCATTER_TAG, Sent, broadcast_each, gather_buffer, gather_by_broadcasts, labelled,
+                     plan_gathers, scatter_to_owners, sum_copies, sums_by_gather)
 
 __all__ = ["GradientEngine", "RoundState", "Phase", "BACKWARD_PATIENCE", "PATIENCE_GROWTH"]
 
@@ -638,19 +638,23 @@ class GradientEngine:
         self.stats.bytes += tensor.numel() * tensor.element_size()
 
     def _scatter(self, pack: Pack, chunks: List[Tensor], index: int) -> None:
-        """Reduce-scatter ``pack``'s gradients in place: each rank's chunk (of ``chunks``, the pack's, in rank
-        order) arrives summed on that rank; ``opt.stats.all_reduces`` counts it."""
-        rank = self.channel.group.rank()
-        options = dist.ReduceScatterOptions()
-        options.reduceOp = self.config.op
-        if hasattr(options, "asyncOp"):
-            options.asyncOp = True
-        work = self.channel.group.reduce_scatter([chunks[rank]], [list(chunks)], options)
+        """Reduce-scatter ``pack``'s gradients: each rank's chunk (of ``chunks``, the pack's, in rank order)
+        arrives summed on that rank, in place, the copies added in rank order (:func:`scatter_to_owners`);
+        ``opt.stats.all_reduces`` counts it."""
+        group = self.channel.group
+        rank = group.rank()
+        mine = chunks[rank]
+        others = pack.scattered
+        if others is None or others.numel() != (group.size() - 1) * mine.numel() or others.dtype != mine.dtype:
+            others = pack.scattered = torch.empty((group.size() - 1) * mine.numel(), dtype=mine.dtype,
+                                                  device=mine.device)
+        work = scatter_to_owners(group, chunks, others, SCATTER_TAG + index)
         seq = self.progress.issue() if self.progress is not None else 0
-        self.inflight.append(Sent(work, pack, index, seq, carries_flags=False))
+        self.inflight.append(Sent(work, pack, index, seq, carries_flags=False,
+                                  copies=others if mine.numel() else None, into=mine if mine.numel() else None))
         self.stats.all_reduces += 1
-        # What leaves this rank: every other rank's chunk, once (a ring reduce-scatter's bytes).
-        self.stats.bytes += (pack.data.numel() - chunks[rank].numel()) * pack.data.element_size()
+        # What leaves this rank: every other rank's chunk, once, to its owner.
+        self.stats.bytes += (pack.data.numel() - mine.numel()) * pack.data.element_size()
 
     def _resume_codec(self, codec: Iterator[Collective], pack: Pack, index: int, after_last: bool = False,
                       first: bool = False, outcome: Optional[Outcome] = None) -> bool:

@@ -22,7 +22,7 @@ from .carrier import Carrier
 from .packs import Pack
 from ..transport.waiting import completed_failure
 
-__all__ = ["Sent", "labelled", "GATHER_SUM_MAX_BYTES", "GATHER_COPIES_BUDGET", "sums_by_gather", "plan_gathers",
+__all__ = ["SCATTER_TAG", "scatter_to_owners", "Sent", "labelled", "GATHER_SUM_MAX_BYTES", "GATHER_COPIES_BUDGET", "sums_by_gather", "plan_gathers",
            "gather_buffer", "gather_by_broadcasts", "broadcast_each", "Broadcasts", "sum_copies"]
 
 #: Bytes every rank may receive (the other ranks' copies) for a CPU sum to be done as one
@@ -167,6 +167,37 @@ def gather_by_broadcasts(group: Any, others: Tensor, tensor: Tensor, world: int)
     parts = list(others.view(world - 1, -1))
     parts.insert(rank, tensor.view(-1))
     return broadcast_each(group, parts)
+
+
+#: Tags of the point-to-point transfers of a reduce-scatter (:func:`scatter_to_owners`), above those of the
+#: parameter share that may still be in flight on the same group.
+SCATTER_TAG = 1 << 24
+
+
+def scatter_to_owners(group: Any, chunks: Sequence[Tensor], others: Tensor, tag: int) -> Broadcasts:
+    """A reduce-scatter in point-to-point transfers: rank ``q``'s chunk of this rank's tensor goes to ``q``,
+    and the other ranks' copies of this rank's chunk arrive in ``others`` (in rank order), to be added with
+    :func:`sum_copies`. Each rank sends (N-1)/N of the tensor, each part once, to its owner: gloo's
+    reduce-scatter sends an all-reduce's bytes and stages a flat copy of its input.
+
+    Args:
+        group: the process group.
+        chunks: one contiguous chunk per rank of ``group`` (empty where a rank owns nothing).
+        others: room for ``world - 1`` copies of this rank's chunk.
+        tag: the transfers' tag, the same on every rank for this tensor.
+    """
+    rank, world = group.rank(), group.size()
+    mine = chunks[rank].numel()
+    parts = list(others.view(world - 1, -1)) if mine else []
+    works = []
+    for q in range(world):
+        if q == rank:
+            continue
+        if chunks[q].numel():
+            works.append(group.send([chunks[q]], q, tag))
+        if mine:
+            works.append(group.recv([parts[q if q < rank else q - 1]], q, tag))
+    return Broadcasts(works)
 
 
 def sum_copies(others: Tensor, into: Tensor, rank: int, world: int) -> None:

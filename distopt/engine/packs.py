@@ -78,6 +78,8 @@ class Pack:
     chunks: Optional[List[Tensor]] = None
     # A direct pack reduced to its member's owner alone (shard_state="gradients"), or None.
     owner: Optional[int] = None
+    # Room for the other ranks' copies of this rank's chunk of a reduce-scatter, kept from round to round.
+    scattered: Optional[Tensor] = None
 
 
 def sums(pack: Pack) -> List[int]:
