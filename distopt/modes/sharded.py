@@ -285,7 +285,7 @@ class ShardedState(Synchronous):
             first_owned = owned[0] if owned else None
             flag = torch.tensor([float(local)], dtype=torch.float64)
             with stalls.inspected(ctx.progress, "the exchange of whether a gradient slice is not finite"):
-                collectives.all_reduce(flag, op="sum", group=ctx.group)
+                collectives.all_reduce(flag, op="sum", group=ctx.engine.channel.group)
             if flag.item() and not local and first_owned is not None:
                 first_owned.view(-1)[0] = float("inf")
 
@@ -299,14 +299,14 @@ class ShardedState(Synchronous):
                 local = max((g.detach().abs().max().double() for g in grads), default=torch.zeros((), dtype=torch.float64))
                 total = local.reshape(1).clone()
                 with stalls.inspected(ctx.progress, "the sum of the gradients' norms (clip_grad_norm_)"):
-                    collectives.all_reduce(total, op="max", group=ctx.group)
+                    collectives.all_reduce(total, op="max", group=ctx.engine.channel.group)
                 total_norm = total[0]
             else:
                 norms = [torch.linalg.vector_norm(g.detach(), norm_type).double() for g in grads]
                 local = sum((n ** norm_type for n in norms), torch.zeros((), dtype=torch.float64))
                 total = local.reshape(1).clone()
                 with stalls.inspected(ctx.progress, "the sum of the gradients' norms (clip_grad_norm_)"):
-                    collectives.all_reduce(total, op="sum", group=ctx.group)
+                    collectives.all_reduce(total, op="sum", group=ctx.engine.channel.group)
                 total_norm = total[0] ** (1.0 / norm_type)
             coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
             for g in grads:
