@@ -10,28 +10,29 @@ from distopt._testing import assert_no_children, live_children
 # order. The slowest files go first, longest first, so that none starts near the end while the
 # other worker runs out of files (xdist's own order, by number of tests, started two of the
 # slowest files last). Seconds under the full suite on a 2-core host, as a guide when adding to this list:
-SLOWEST_FIRST = [  # seconds per file, summed over its tests, in one idle run of the whole suite
-    # ("est.": that idle run's seconds scaled by runs of the file before and after its jobs went side by side)
-    "launching/test_launcher.py",  # ~74, before its timeout waits went side by side, its torchrun checks one job
-    "multiprocess/test_peer_gone.py",  # ~53 est. (one thread per process; 5 torchrun jobs, then 4 jobs by hand)
-    "fault_tolerance/test_launch.py",  # ~38: the kill across two namespaced hosts, the example on one
-    "fronts/test_benchmark.py",  # ~38 est., nearly all of it CPU, its three runs in one process
-    "horovod/test_horovod.py",  # ~35 est.: four torchrun jobs side by side, one world
-    "fronts/test_examples.py",  # ~34 est.: six runs, three at a time, then the killed one
-    "fault_tolerance/test_fault_tolerance_modes.py",  # ~34
-    "launching/test_two_hosts.py",  # ~31
-    "fault_tolerance/test_fault_tolerance.py",  # ~21
-    "multiprocess/test_agreement.py",  # ~17 est.: its two worlds side by side
-    "multiprocess/test_stalls.py",  # ~16 est.: its four worlds side by side
-    "fronts/test_lightning.py",  # ~16: one launch of Lightning's, short fits
-    "fault_tolerance/test_fault_tolerance_settings.py",  # ~16
-    "multiprocess/test_sharded.py",  # ~14
-    "multiprocess/test_compression.py",  # ~11
-    "launching/test_clean_exit.py",  # ~11
+SLOWEST_FIRST = [  # seconds per file, summed over its tests, in one run of the whole suite (2 workers, idle machine)
+    "launching/test_launcher.py",  # ~95
+    "fault_tolerance/test_launch.py",  # ~63
+    "fronts/test_benchmark.py",  # ~61
+    "multiprocess/test_peer_gone.py",  # ~56
+    "fronts/test_examples.py",  # ~35
+    "fault_tolerance/test_fault_tolerance_modes.py",  # ~33
+    "fault_tolerance/test_fault_tolerance.py",  # ~30
+    "launching/test_two_hosts.py",  # ~29
+    "horovod/test_horovod.py",  # ~28
+    "fronts/test_benchmark_islands.py",  # ~20
+    "fault_tolerance/test_fault_tolerance_settings.py",  # ~19
+    "multiprocess/test_sharded.py",  # ~19
+    "multiprocess/test_agreement.py",  # ~18
+    "launching/test_clean_exit.py",  # ~15
+    "multiprocess/test_islands.py",  # ~15
+    "multiprocess/test_compression.py",  # ~12
+    "fronts/test_lightning.py",  # ~12
     "multiprocess/test_join.py",  # ~10
-    "multiprocess/test_optimizer_dist.py",  # ~10
-    "fronts/test_benchmark_link.py",  # ~9
-    "multiprocess/test_sparse_rows.py",  # ~8
+    "multiprocess/test_sparse_rows.py",  # ~9
+    "multiprocess/test_stalls.py",  # ~9
+    "multiprocess/test_optimizer_dist.py",  # ~9
+    "fronts/test_benchmark_link.py",  # ~8
 ]
 
 

@@ -80,7 +80,8 @@ def check_arguments(manager: Any, *, bcast_period: int, process_group_size: int,
             f"with fault_tolerance each replica is one process: the gradients are averaged across replicas through "
             f"the torchft Manager, but this process is in a group of {process_group_size}. Start one process per "
             "replica (python -m distopt.fault_tolerance.launch --replicas N), or leave process_group unset in a "
-            "job without a default group of more than one"
+            "job without a default group of more than one; for replicas of several processes each, pass "
+            "mode=distopt.Islands(across=...) (one island per replica: launch with --nproc-per-node K)"
         )
     if reduce_op not in ("mean", "sum"):
         raise ValueError(f"reduce_op must be 'mean' or 'sum', got {reduce_op!r}")

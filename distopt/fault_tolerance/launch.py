@@ -4,10 +4,17 @@
 
 One torchrun agent restarts *all* of its workers when one fails, so survivors live on only
 with one agent per replica; the lighthouse (torchft's) coordinates them. Each agent runs
-``torchrun --standalone --nproc-per-node 1 --max-restarts N`` with ``REPLICA_GROUP_ID``,
+``torchrun --standalone --nproc-per-node K --max-restarts N`` (``K`` is ``--nproc-per-node``,
+default 1: a replica of several processes is an island of :class:`distopt.Islands`, whose
+ranks are that agent's workers and heal together) with ``REPLICA_GROUP_ID``,
 ``NUM_REPLICA_GROUPS``, ``TORCHFT_LIGHTHOUSE`` and ``DISTOPT_FT_HOSTNAME`` set, so that the
 script's :func:`distopt.fault_tolerance.manager.make_manager` needs no argument. A worker
-that dies is restarted by its agent and heals from a live peer. The launcher exits with the
+that dies is restarted by its agent (with the other workers of its replica) and heals from a
+live peer.
+
+The lighthouse binds the interface of ``--hostname`` (the loopback one for ``localhost``), not
+every interface; torchft's manager and checkpoint servers bind every interface whatever it is
+given, so the replicas' network must be private (docs/fault-tolerance.md, "Trust boundary"). The launcher exits with the
 first non-zero agent's code, or 0; Ctrl-C stops everything.
 
 **Several hosts.** One host starts the lighthouse and its share of the replicas; the
@@ -34,34 +41,70 @@ import time
 from typing import List, Optional, Sequence
 from urllib.parse import urlsplit
 
-from ..launching.interface import is_loopback
+from ..launching.interface import is_loopback, owning_interface
 
-__all__ = ["main", "lighthouse_command", "agent_command", "replica_ids"]
+__all__ = ["main", "lighthouse_command", "agent_command", "replica_ids", "bind_address", "processes_per_replica"]
 
 
 def lighthouse_command(port: int, *, min_replicas: int, heartbeat_timeout_ms: int, join_timeout_ms: int,
-                       quorum_tick_ms: int) -> List[str]:
-    """The ``torchft_lighthouse`` command line."""
+                       quorum_tick_ms: int, bind: str = "::") -> List[str]:
+    """The ``torchft_lighthouse`` command line.
+
+    Args:
+        port: the port it listens on.
+        min_replicas, heartbeat_timeout_ms, join_timeout_ms, quorum_tick_ms: torchft's flags.
+        bind: the address it listens on (default ``"::"``: every interface; see :func:`bind_address`).
+    """
     binary = shutil.which("torchft_lighthouse") or os.path.join(os.path.dirname(sys.executable), "torchft_lighthouse")
-    return [binary, "--bind", f"[::]:{port}", "--min_replicas", str(min_replicas), "--heartbeat_timeout_ms",
+    host = f"[{bind}]" if ":" in bind else bind
+    return [binary, "--bind", f"{host}:{port}", "--min_replicas", str(min_replicas), "--heartbeat_timeout_ms",
             str(heartbeat_timeout_ms), "--join_timeout_ms", str(join_timeout_ms), "--quorum_tick_ms",
             str(quorum_tick_ms)]
 
 
-def agent_command(script: str, args: Sequence[str], max_restarts: int, local_addr: Optional[str] = None) -> List[str]:
-    """One replica's torchrun agent (one process, its own rendezvous).
+def agent_command(script: str, args: Sequence[str], max_restarts: int, local_addr: Optional[str] = None,
+                  nproc_per_node: int = 1) -> List[str]:
+    """One replica's torchrun agent (its own rendezvous and store: one replica group).
 
     Args:
         script: the training script.
         args: its arguments.
-        max_restarts: torchrun's restarts of the worker.
+        max_restarts: torchrun's restarts of the workers (all of them, when one fails).
         local_addr: the address torchrun advertises for this node instead of looking up the
-            host's name (which need not resolve), and so its worker's ``MASTER_ADDR``
+            host's name (which need not resolve), and so its workers' ``MASTER_ADDR``
             (default: None, the host's name).
+        nproc_per_node: the replica's processes (default 1; more: an island of ``distopt.Islands``).
     """
     where = ["--local-addr", local_addr] if local_addr else []
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", "1",
-            *where, "--max-restarts", str(max_restarts), script, *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node",
+            str(nproc_per_node), *where, "--max-restarts", str(max_restarts), script, *args]
+
+
+def bind_address(hostname: str) -> str:
+    """Where the lighthouse listens: the loopback address for a loopback ``hostname`` (one host), the
+    address of the interface that holds ``hostname``'s, else every interface (``"::"``: a name that
+    resolves to no interface of this host, e.g. behind a NAT)."""
+    if is_loopback(hostname):
+        return "127.0.0.1" if hostname == "localhost" else hostname
+    owned = owning_interface(hostname)
+    return owned[1] if owned is not None else "::"
+
+
+def processes_per_replica(value: str) -> int:
+    """``--nproc-per-node``: a positive number of processes.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else, with the fix.
+    """
+    try:
+        count = int(value)
+    except ValueError:
+        count = 0
+    if count < 1:
+        raise argparse.ArgumentTypeError(
+            f"takes the number of processes of each replica, a whole number of at least 1 (1: one process per "
+            f"replica; k > 1: islands of k ranks, mode=distopt.Islands(...)), got {value!r}")
+    return count
 
 
 def replica_ids(text: Optional[str], replicas: int) -> List[int]:
@@ -94,7 +137,10 @@ def _is_local_url(url: str) -> bool:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m distopt.fault_tolerance.launch",
                                      description="A torchft lighthouse and one torchrun agent per replica.")
-    parser.add_argument("--replicas", type=int, required=True, help="replicas in the job, on all hosts (one process each)")
+    parser.add_argument("--replicas", type=int, required=True, help="replicas in the job, on all hosts")
+    parser.add_argument("--nproc-per-node", type=processes_per_replica, default=1, metavar="K",
+                        help="processes per replica (default 1); K > 1: each replica is an island of K ranks "
+                             "(mode=distopt.Islands), one torchrun agent of K workers")
     parser.add_argument("--replica-ids", metavar="I,J", help="the replicas this host starts (default: all)")
     parser.add_argument("--lighthouse", metavar="URL",
                         help="a lighthouse another host started (http://HOST:PORT); none is started here")
@@ -131,10 +177,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     address = options.lighthouse
     if address is None:
         port = options.port or _free_port()
+        bind = bind_address(options.hostname)
         lighthouse = subprocess.Popen(lighthouse_command(
             port, min_replicas=options.min_replicas, heartbeat_timeout_ms=options.heartbeat_timeout_ms,
-            join_timeout_ms=options.join_timeout_ms, quorum_tick_ms=options.quorum_tick_ms))
-        address = f"http://{'[%s]' % options.hostname if ':' in options.hostname else options.hostname}:{port}"
+            join_timeout_ms=options.join_timeout_ms, quorum_tick_ms=options.quorum_tick_ms, bind=bind))
+        # one host: the loopback address it listens on, not a name that may resolve to another (::1)
+        reached = bind if is_loopback(options.hostname) else options.hostname
+        address = f"http://{'[%s]' % reached if ':' in reached else reached}:{port}"
         print(f"distopt.fault_tolerance.launch: lighthouse at {address}", file=sys.stderr, flush=True)
     agents: List[subprocess.Popen] = []
     code = 0
@@ -144,8 +193,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                        TORCHFT_LIGHTHOUSE=address, DISTOPT_FT_HOSTNAME=options.hostname)
             env.setdefault("RUST_LOG", "warn")
             local_addr = None if options.hostname == "localhost" else options.hostname
-            agents.append(subprocess.Popen(agent_command(options.script, options.args, options.max_restarts, local_addr),
-                                           env=env))
+            agents.append(subprocess.Popen(agent_command(options.script, options.args, options.max_restarts, local_addr,
+                                                         options.nproc_per_node), env=env))
         while any(a.poll() is None for a in agents):
             if lighthouse is not None and lighthouse.poll() is not None:
                 print("distopt.fault_tolerance.launch: the lighthouse exited", file=sys.stderr)

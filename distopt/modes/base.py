@@ -111,12 +111,16 @@ class ModeContext:
         reduce_for_step: reduces what backward did not, as ``step()`` must, and waits (the
             wrapper's, so that a subclass such as the Horovod front's can extend it).
         synchronize: the wrapper's ``synchronize()``.
+        open_managed: opens an engine over the wrapper's torchft Manager with a compressor (or None),
+            where the mode runs fault tolerance on a level of its own (:attr:`Mode.fault_tolerance_above`);
+            else None (default).
     """
 
     def __init__(self, *, optimizer: Optimizer, engine: GradientEngine, params: List[Tensor], names: Dict[int, str],
                  process_group: Optional[ProcessGroup], rank: int, root_rank: int, reduce_op: str,
                  stall_warning: Optional[float], stall_timeout: Optional[float],
-                 reduce_for_step: Callable[[], None], synchronize: Callable[[], None]) -> None:
+                 reduce_for_step: Callable[[], None], synchronize: Callable[[], None],
+                 open_managed: Optional[Callable[[Optional[Compressor]], GradientEngine]] = None) -> None:
         self.optimizer = optimizer
         self.engine = engine
         self.params = params
@@ -129,6 +133,7 @@ class ModeContext:
         self.stall_timeout = stall_timeout
         self._reduce_for_step = reduce_for_step
         self._synchronize = synchronize
+        self._open_managed = open_managed
         #: ``GradScaler``'s verdict for the step being taken (set by the wrapper's ``step()`` when the
         #: mode :attr:`Mode.handles_amp_scaling`): ``found_inf`` and the ``grad_scale`` the gradients
         #: still carry; both None without a ``GradScaler``.
@@ -199,6 +204,29 @@ class ModeContext:
         engine.keep_gradients_local(True)
         return engine
 
+    def open_managed_engine(self, compressor: Optional[Compressor] = None) -> GradientEngine:
+        """Open the engine over the wrapper's torchft Manager (``fault_tolerance=``), for a mode that runs
+        fault tolerance on a level of its own (:attr:`Mode.fault_tolerance_above`): its rounds are the
+        quorum's, its sums travel on the manager's group, scaled by 1/participants, and it is the one
+        the manager's commit vote follows. Like :meth:`open_engine`'s, it reduces no gradient during
+        backward; the mode owns it.
+
+        Args:
+            compressor: how its packs travel, or None: as they are.
+
+        Returns:
+            The engine, with no parameter tracked yet (its world: the last quorum's participants).
+
+        Raises:
+            RuntimeError: the wrapper has no manager, or the mode does not run fault tolerance itself.
+        """
+        if self._open_managed is None:
+            raise RuntimeError("open_managed_engine() needs a wrapper built with fault_tolerance= and a mode whose "
+                               "fault_tolerance_above is True")
+        engine = self._open_managed(compressor)
+        engine.keep_gradients_local(True)
+        return engine
+
     def name_of(self, p: Tensor, group: int, index: int) -> str:
         """The user's name for ``p``, else its place in the param groups."""
         return self.names.get(id(p), f"param_groups[{group}][{index}]")
@@ -215,6 +243,15 @@ class Mode:
     #: Whether the mode takes ``GradScaler``'s verdict itself (torch's ``_step_supports_amp_scaling``):
     #: ``GradScaler.step`` then always calls ``step()``, with ``found_inf`` set.
     handles_amp_scaling: bool = False
+    #: Whether the mode trains DTensor parameters (FSDP2's ``fully_shard``): the wrapper refuses them otherwise.
+    takes_dtensors: bool = False
+
+    #: Whether, under fault tolerance, the mode runs the torchft Manager on a level of its own, above the
+    #: wrapper's engine: it opens the engine over the manager itself (:meth:`ModeContext.open_managed_engine`),
+    #: while the wrapper's engine averages over :meth:`engine_group` as without fault tolerance (a group
+    #: that fails, restarts and heals as one replica: :class:`distopt.Islands`' island). The wrapper still
+    #: takes the quorum and the commit vote (per step, or per sync through :meth:`fault_tolerant`).
+    fault_tolerance_above: bool = False
 
     #: How the user asked for this mode, for error messages: ``mode=<its repr>`` unless the keyword
     #: shorthands built it (:mod:`distopt.modes.shorthands` then names the keywords).
@@ -384,6 +421,14 @@ class Mode:
         ``broadcast_parameters()`` and ``close()``. The default has nothing in flight.
         """
 
+    def joins_alone(self, ctx: ModeContext) -> bool:
+        """Whether a rank that runs out of data must follow this wrapper's rounds alone, so that the wrapper
+        cannot join in one block with other optimizers (``distopt.join(a, b)``): its :meth:`leaving` runs
+        a loop of rounds of its own, while the other optimizers' rounds would wait for that rank.
+        ``join()`` refuses such a block at once, on every rank. False by default.
+        """
+        return False
+
     def leaving(self, ctx: ModeContext) -> Optional[Callable[[], None]]:
         """A rank joins (runs out of data): launch its last contributing round, if it owes one.
 
@@ -401,6 +446,21 @@ class Mode:
             ctx: the wrapper, as the mode sees it.
             src: rank, in the wrapper's group, whose state every rank takes.
         """
+
+    def synchronize(self, ctx: ModeContext) -> None:
+        """The user's ``opt.synchronize()``, after the engine finished its round: reduce now what the mode
+        reduces beyond it before ``step()`` (default: nothing; :class:`distopt.Islands` over FSDP2: the
+        gradients' sum across the islands, so that clipping sees the global mean)."""
+
+    def agree_on_drift(self, ctx: ModeContext, report: drift.DriftReport) -> drift.DriftReport:
+        """The drift check's report for every rank, where :meth:`whole_context` holds only some of the ranks
+        that must act on it alike (default: the report as it is; every rank was compared).
+
+        Args:
+            ctx: the wrapper, as the mode sees it.
+            report: what the check over :meth:`whole_context` found on this rank.
+        """
+        return report
 
     def extra_state_bytes(self, ctx: ModeContext) -> int:
         """Bytes the mode holds besides the model and the inner optimizer (for ``stats``)."""

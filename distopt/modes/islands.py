@@ -35,10 +35,25 @@ the whole pseudo-gradient on its own link; the islands stay identical inside).
 and a rank that has joined takes part in the sums across until no rank of any island contributes
 (:meth:`Islands.leaving`).
 
+**FSDP2 inside** (:mod:`distopt.modes.island_shards`): where the optimizer's parameters are DTensors
+sharded by FSDP2 over each rank's island, FSDP2 averages inside, the wrapper's engine runs over this rank
+alone, and the across level syncs each rank's local shard over its across group (rank ``j`` of every
+island holds the same shard): synchronous across in ``step()``, local SGD / DiLoCo on the shards.
+
+**Fault tolerance by island** (``fault_tolerance=manager``, :attr:`fault_tolerance_above`): each island is a
+torchft replica group, the wrapper's ``process_group`` (one torchrun agent's workers); the manager's
+group joins rank ``j`` of every island, so the across engine is the engine over the manager
+(:meth:`~distopt.modes.base.ModeContext.open_managed_engine`), and the quorum and commit vote come per
+step (synchronous across: the wrapper's) or per sync (local SGD / DiLoCo across, through the
+:class:`~distopt.modes.base.SyncVote` the across mode takes). A rank that dies takes its island out;
+its ranks restart together and rank ``j`` heals from rank ``j`` of a live island.
+
 What is not supported yet raises at construction or at the call, naming what to do:
-``join()`` with local SGD or DiLoCo across, fault tolerance, a closure, the
+``join()`` with local SGD or DiLoCo across, under fault tolerance ``islands=``, ``compression=`` and
+``join()``, a closure, the
 across modes ``ShardedState`` and local SGD's ``warmup``, a frozen parameter made trainable after the
-first cross-island sum (synchronous across; ``add_param_group()`` works), and FSDP2 inside.
+first cross-island sum (synchronous across; ``add_param_group()`` works); with FSDP2 inside, ``join()``,
+``add_param_group()`` and ``broadcast_optimizer_state()``.
 
 The drift check compares every rank of every island, and ``broadcast_parameters()`` (``bcast_period``)
 and ``broadcast_optimizer_state()`` reach every rank of every island from island 0's root
@@ -70,8 +85,10 @@ from ..planning import topology as topologies
 from ..planning.stats import StepStats
 from ..planning.topology import Topology
 from ..transport import private_groups, stalls
-from .base import Mode, ModeContext
+from . import island_shards
+from .base import Mode, ModeContext, SyncVote
 from .diloco import LocalSGD
+from .island_shards import LocalShards
 from .island_slices import SliceGroup, Slices
 from .sharded import ShardedState
 from .shorthands import settings_of
@@ -89,7 +106,10 @@ class Islands(Mode):
     """Synchronous training inside each island (host), and ``across`` between the islands.
 
     Inside an island the ranks are plain replicas: every step's gradients are averaged over the
-    island during backward, uncompressed, as :class:`distopt.Synchronous` does on a group. Between
+    island during backward, uncompressed, as :class:`distopt.Synchronous` does on a group; or, where
+    the parameters are DTensors of FSDP2 sharded over the island (``fully_shard(model,
+    mesh=mesh["shard"])``, ``islands=mesh``), FSDP2 averages inside and the across mode syncs each
+    rank's local shard with the same shard on the other islands. Between
     the islands runs ``across``: synchronous training (hierarchical: each rank of an island carries
     ``1/k`` of the gradient bytes across), or local SGD / DiLoCo / streaming DiLoCo, which sync the
     islands every ``every`` steps. ``compression`` compresses the cross-island level only. See
@@ -115,7 +135,8 @@ class Islands(Mode):
             a list of rank lists; when the wrapper is built, an island of the wrong form.
         ValueError: an unknown ``compression``; ``across`` a mode not supported across islands yet;
             when the wrapper is built, islands that overlap, differ in size, do not cover the group, or
-            differ between ranks (on every rank alike, before any group is built).
+            differ between ranks (on every rank alike, before any group is built); DTensor parameters over
+            a 2-D mesh (HSDP), over other ranks than the island, or mixed with plain ones.
 
     Example::
 
@@ -131,6 +152,7 @@ class Islands(Mode):
     """
 
     reduces_in_backward = True
+    fault_tolerance_above = True  # under fault tolerance a replica is an island; the manager joins them
 
     def __init__(self, across: Optional[Mode] = None, *, islands: Any = None,
                  compression: Union[str, Compressor, None] = None) -> None:
@@ -170,8 +192,21 @@ class Islands(Mode):
         self._extra_bytes = 0  # the last sum across: its exact sums beside the slices (presence, contributors)
         self._contributors: Optional[int] = None  # in a join block: the last round's contributors, every island's
         self._steps_after_join: Optional[int] = None  # the step count every rank takes after a join block
+        self._meshes: Optional[List[Tuple[int, ...]]] = None  # FSDP2 inside: the ranks its parameters shard over
+        self._shards: Optional[LocalShards] = None  # FSDP2 inside: the local shards the across level syncs
+        self._shards_crossed_at = -1  # FSDP2 inside: the step whose gradients were summed across last
+        self._fault_tolerant = False  # fault_tolerance=: the island is a replica group, the manager joins them
+        self._vote: Optional[SyncVote] = None  # the wrapper's torchft controller, under fault tolerance
+        self._started_alike = False  # under fault tolerance: the island took its root's state after step 0
 
     # ------------------------------------------------------------------ the public object
+
+    @property
+    def _sums_gradients(self) -> bool:
+        """Whether the across mode averages every step's gradients (synchronous training across), asked of the
+        mode itself; otherwise it steps locally and syncs parameters on its own schedule (local SGD, DiLoCo)."""
+        return self.across.reduces_in_backward
+
 
     def __repr__(self) -> str:
         shown = [f"across={self.across!r}"]
@@ -187,6 +222,11 @@ class Islands(Mode):
         return self.across.handles_amp_scaling
 
     @property
+    def takes_dtensors(self) -> bool:  # type: ignore[override]
+        """Whether FSDP2 shards the model inside the islands (the optimizer's parameters are DTensors)."""
+        return self._meshes is not None
+
+    @property
     def across_stats(self) -> StepStats:
         """What the last step put on the cross-island link, per rank: the across engine's last round
         (``bytes``, ``packs``, ``all_reduces``), plus the exact presence sum when one ran."""
@@ -200,16 +240,65 @@ class Islands(Mode):
             "islands": None if self.topology is None else self.topology.describe(),
             "islands_across": {**settings_of(self.across)},
             "islands_compression": None if self.compressor is None else self.compressor.settings(),
+            "islands_inside": "fsdp2" if self._meshes is not None else "replicas",
         }
 
     def check_compatible(self, *, optimizer: Optimizer, reduce_op: str, bcast_period: int,
                          fault_tolerant: bool) -> None:
         if fault_tolerant:
-            raise ValueError(f"fault_tolerance {_NOT_YET}: a replica group of several ranks per island is not "
-                             "built yet; use fault tolerance with one process per replica, without Islands")
+            self._check_fault_tolerant()
         self._bcast_period = bcast_period
+        self._meshes = island_shards.mesh_ranks_of(optimizer, {})  # before any collective: every rank alike
+        if fault_tolerant and self._meshes is not None:
+            raise ValueError(
+                f"fault_tolerance with FSDP2 inside the islands {_NOT_YET}: train FSDP2 islands without "
+                "fault_tolerance, or plain replicas inside (no fully_shard) under fault_tolerance")
         self.across.check_compatible(optimizer=optimizer, reduce_op=reduce_op, bcast_period=bcast_period,
-                                     fault_tolerant=False)
+                                     fault_tolerant=fault_tolerant)
+
+    # ------------------------------------------------------------------ fault tolerance: an island per replica
+
+    def _check_fault_tolerant(self) -> None:
+        """Under ``fault_tolerance=`` an island is a torchft replica group: the wrapper's ``process_group``
+        (the ranks of one torchrun agent), and the manager joins the islands.
+
+        Raises:
+            ValueError: ``islands=`` given (the replica groups are the islands), or ``compression=`` across.
+        """
+        if self.islands is not None:
+            raise ValueError(
+                "islands= cannot be combined with fault_tolerance: there each island is a torchft replica group, the "
+                "processes of one torchrun agent (python -m distopt.fault_tolerance.launch --replicas N "
+                "--nproc-per-node K), and the manager joins the islands; leave islands unset")
+        if self.compressor is not None:
+            raise ValueError(
+                f"compression={self.compression!r} across the islands {_NOT_YET} under fault_tolerance; leave "
+                "compression unset on Islands")
+        self._fault_tolerant = True
+
+    def _same_start(self, ctx: ModeContext) -> None:
+        """Under fault tolerance, after this process's first step (or sync), if its quorum was the job's
+        first (step 0): give the island its rank 0's parameters, optimizer state and across state.
+
+        At step 0 torchft heals rank ``j`` of every island but one from rank ``j`` of a primary island that
+        it picks by ``j`` (``init_sync``): with different initialisations the ranks of one island would then
+        hold different islands' states. Rank 0's primary gives every island the same. Later heals need
+        nothing: every live island is the same on all its ranks, and rank ``j`` heals from rank ``j``.
+        """
+        if self._vote is None or self._started_alike:
+            return
+        self._started_alike = True
+        if self._vote.quorum_step != 0 or ctx.world_size == 1:
+            return
+        with torch.no_grad(), stalls.inspected(ctx.progress, "the island's broadcast after the first step"):
+            collectives.broadcast_parameters(ctx.params, src=0, group=ctx.group)
+        self.broadcast_optimizer_state(ctx, 0)  # the island's root's, and the across mode's state
+
+    def fault_tolerant(self, vote: SyncVote) -> bool:
+        """The manager serves the across level: a quorum and a commit vote per step with synchronous training
+        across (the wrapper takes them), per sync with local SGD or DiLoCo across (the across mode does)."""
+        self._vote = vote
+        return self.across.fault_tolerant(vote)
 
     def bind(self, owner: object) -> None:
         super().bind(owner)
@@ -228,6 +317,10 @@ class Islands(Mode):
         if not collectives.is_distributed():
             self.topology = Topology(((0,),))
             return process_group
+        if self._fault_tolerant:  # the island is the whole group; the manager joins the islands
+            self.topology = Topology((tuple(range(collectives.get_world_size(process_group))),))
+            self._whole = process_group
+            return process_group
         group = process_group if process_group is not None else dist.group.WORLD
         ranks = dist.get_process_group_ranks(group)
         mine: Any
@@ -236,12 +329,13 @@ class Islands(Mode):
         except (TypeError, ValueError) as exc:
             mine = (type(exc).__name__, str(exc))
         with stalls.inspected(None, "the comparison of the islands"):
-            everyone = collectives.all_gather_object((mine, placement.this_process()), group=process_group)
+            everyone = collectives.all_gather_object((mine, placement.this_process(), self._meshes),
+                                                     group=process_group)
         views: List[Any] = []
-        for view, _ in everyone:
+        for view, _, _ in everyone:
             if view == "hosts":
                 try:
-                    view = topologies.from_hosts([place for _, place in everyone], ranks)
+                    view = topologies.from_hosts([place for _, place, _ in everyone], ranks)
                 except ValueError as exc:
                     view = ("ValueError", str(exc))
             views.append(view)
@@ -255,6 +349,9 @@ class Islands(Mode):
         if why is not None:
             raise ValueError(why)
         topology = views[0]
+        why = island_shards.mesh_disagreement([meshes for _, _, meshes in everyone], ranks, topology.islands)
+        if why is not None:
+            raise ValueError(why)
         me = dist.get_rank()
         place = topology.place_of(me)
         island = topology.islands[topology.island_of(me)]
@@ -263,6 +360,8 @@ class Islands(Mode):
         self._across_source = sorted(across).index(topology.islands[0][place])
         self._whole = process_group
         self.topology = topology
+        if self._meshes is not None:  # FSDP2 averages inside the island: the wrapper's engine has this rank alone
+            return _alone(me, ranks, group)
         return self._island_group if self._island_group is not group else process_group
 
     def _own_view(self, ranks: List[int]) -> Any:
@@ -282,35 +381,56 @@ class Islands(Mode):
                 "the wrapper's compression= would compress inside the islands, which stay uncompressed; pass it to "
                 "the mode instead: mode=distopt.Islands(across=..., compression=...) compresses the cross-island level")
         topology = self.topology
-        if (isinstance(self.across, Synchronous) and topology is not None and topology.size == 1
+        if (self._sums_gradients and topology is not None and topology.size == 1
                 and topology.count > 1):
             raise ValueError(
                 f"islands={topology.describe()} are of one rank each, and across=Synchronous() then is flat "
                 "synchronous training: use mode=distopt.Synchronous() (or islands of several ranks)")
-        self._engine = ctx.open_engine(self._across_group, self.compressor)
+        if self._fault_tolerant:
+            self._engine = ctx.open_managed_engine(self.compressor)
+        else:
+            self._engine = ctx.open_engine(self._across_group, self.compressor)
         engine = self._engine
         weakref.finalize(self, engine.close)  # the mode owns it: closed when the mode (with its wrapper) goes
-        across_rank = collectives.get_rank(self._across_group)
+        across_rank = 0 if self._fault_tolerant else collectives.get_rank(self._across_group)
+        if self._meshes is not None:
+            self._shards = LocalShards(ctx.params)
         self._ctx = ModeContext(
-            optimizer=ctx.optimizer, engine=engine, params=ctx.params, names=ctx.names,
+            optimizer=ctx.optimizer, engine=engine, params=self._across_params(ctx), names=ctx.names,
             process_group=self._across_group, rank=across_rank, root_rank=self._across_source,
             reduce_op=ctx.reduce_op, stall_warning=ctx.stall_warning, stall_timeout=ctx.stall_timeout,
             reduce_for_step=_weakly(self, lambda mode: mode._reduce_across(ctx)),
             synchronize=_weakly(self, lambda mode: mode._reduce_across(ctx)))
-        if topology is not None and topology.size > 1:
+        if topology is not None and topology.size > 1 and self._shards is None and not self._fault_tolerant:
             self._world = self._open_world(ctx)
+        # Under fault tolerance the across world is 1 until a quorum, so this compares nothing: a rank that
+        # heals compares its settings with its live peer's instead, as without islands.
         self._agree_across(ctx)
         if self._bcast_period != -1 and engine.world_size > 1 and ctx.params:
             with torch.no_grad(), stalls.inspected(engine.progress, "the broadcast of island 0's parameters"):
-                collectives.broadcast_parameters(ctx.params, src=self._across_source, group=self._ctx.group)
-        if isinstance(self.across, Synchronous):
+                collectives.broadcast_parameters(self._ctx.params, src=self._across_source, group=self._ctx.group)
+        if self._shards is not None:
+            self._track_across(ctx)  # synchronous too: the local gradients travel as they are, no slices
+        elif self._sums_gradients:
             self._warn_if_flat_slices_gain_nothing(ctx)
-            if engine.world_size > 1:
+            if engine.world_size > 1 or self._fault_tolerant:
                 ctx.engine.call_when_settled(_weakly(self, lambda mode: mode._cross_after_round(ctx)))
         else:
             self._track_across(ctx)
         self._ctx.set_steps(ctx.steps)
         self.across.attach(self._ctx)
+
+    def _across_params(self, ctx: ModeContext) -> List[Tensor]:
+        """What the across level syncs: the wrapper's parameters, or with FSDP2 inside their local shards'
+        aliases (:class:`~distopt.modes.island_shards.LocalShards`), pointed at the shards as they are now."""
+        if self._shards is None:
+            return ctx.params
+        if len(ctx.params) != len(self._shards.params):
+            raise RuntimeError(
+                f"add_param_group() with FSDP2 inside the islands {_NOT_YET}: the parameters added would not be "
+                "synced across the islands; give the optimizer every parameter group before building the "
+                "DistributedOptimizer")
+        return self._shards.refresh()
 
     def _open_world(self, ctx: ModeContext) -> ModeContext:
         """A context over every rank of every island, rooted at island 0's root (an engine of its own, which
@@ -387,10 +507,12 @@ class Islands(Mode):
 
     def _track_across(self, ctx: ModeContext) -> List[Tensor]:
         """The across engine takes on the wrapper's parameters it lacks (local SGD exchanges them)."""
-        new = ctx.params[self._tracked:]
+        params = self._ctx.params
+        new = params[self._tracked:]
         if new:
-            self._engine.track(new, [ctx.names.get(id(p), f"parameter {self._tracked + i}") for i, p in enumerate(new)])
-            self._tracked = len(ctx.params)
+            self._engine.track(new, [ctx.names.get(id(p), f"parameter {self._tracked + i}")
+                                     for i, p in enumerate(ctx.params[self._tracked:])])
+            self._tracked = len(params)
         return new
 
     def on_track(self, ctx: ModeContext, params: List[Tensor]) -> None:
@@ -399,7 +521,7 @@ class Islands(Mode):
         if self._engine is None:  # at construction: attach() takes them on
             return
         self._agree_across(ctx)
-        if isinstance(self.across, Synchronous):
+        if self._sums_gradients:
             if self._slices is not None:
                 self._lay_out(ctx, [i for i, p in enumerate(ctx.params) if p.requires_grad
                                     and i not in self._slices.members])
@@ -416,21 +538,33 @@ class Islands(Mode):
         if closure is not None:
             raise RuntimeError(f"step(closure) {_NOT_YET}; call step() after backward()")
         ctx.reduce_for_step()  # the island's round, if it was left pending
+        self._across_params(ctx)
         across = self._ctx
         across.set_steps(ctx.steps)
         across.found_inf, across.grad_scale = ctx.found_inf, ctx.grad_scale
         try:
-            return self.across.step(across, None)
+            loss = self.across.step(across, None)
         finally:
             across.found_inf = across.grad_scale = None
             self._engine.after_step()  # as the wrapper does for its own engine: the next round starts
+        self._same_start(ctx)
+        return loss
 
     def sync_now(self, ctx: ModeContext) -> None:
+        self._across_params(ctx)
         self._ctx.set_steps(ctx.steps)
         self.across.sync_now(self._ctx)
 
     def _refuse_join(self, ctx: ModeContext, what: str) -> None:
-        if ctx.engine.join.in_block and not isinstance(self.across, Synchronous):
+        if ctx.engine.join.in_block and self._shards is not None:
+            raise RuntimeError(
+                f"{what}: join() with FSDP2 inside the islands {_NOT_YET}; give every rank the same number of "
+                "batches (e.g. drop the last, uneven ones with DistributedSampler(drop_last=True))")
+        if ctx.engine.join.in_block and self._fault_tolerant:
+            raise RuntimeError(
+                f"{what}: join() {_NOT_YET} under fault_tolerance; give every rank the same number of batches (e.g. "
+                "drop the last, uneven ones with DistributedSampler(drop_last=True))")
+        if ctx.engine.join.in_block and not self._sums_gradients:
             raise RuntimeError(
                 f"{what}: join() {_NOT_YET}(across={self.across!r}), only with across=Synchronous(); give every "
                 "rank the same number of batches (e.g. drop the last, uneven ones with "
@@ -449,6 +583,10 @@ class Islands(Mode):
         if self._engine is None or self._engine.world_size == 1:
             return None  # one island: the wrapper's join is the whole story
         return _weakly(self, lambda mode: mode._shadow_until_every_island_joined(ctx))
+
+    def joins_alone(self, ctx: ModeContext) -> bool:
+        """A rank that has joined follows the islands' rounds in a loop of its own (:meth:`leaving`)."""
+        return self._engine is not None and self._engine.world_size > 1
 
     def _shadow_until_every_island_joined(self, ctx: ModeContext) -> None:
         engine = ctx.engine
@@ -501,7 +639,9 @@ class Islands(Mode):
     def _reduce_across(self, ctx: ModeContext) -> None:
         """What the across mode's ``reduce_for_step`` means here: the island's round, then its sum across."""
         ctx.reduce_for_step()
-        if isinstance(self.across, Synchronous) and self._crossed_at != ctx.engine.rounds:
+        if self._sums_gradients and self._shards is not None:
+            self._cross_shards(ctx)
+        elif self._sums_gradients and self._crossed_at != ctx.engine.rounds:
             self._cross(ctx)
 
     def _cross_after_round(self, ctx: ModeContext) -> None:
@@ -520,7 +660,9 @@ class Islands(Mode):
         self._extra_bytes = 0
         self._steps_from_join(ctx)
         engine = self._engine
-        if engine.world_size == 1:
+        if self._vote is not None:
+            self._vote.enter_round()  # the quorum: how many islands take part (the mean's scale)
+        elif engine.world_size == 1:
             return
         scale = self._island_weight(ctx)
         if self._contributors == 0:  # inside join(): no rank of any island contributed; nothing to sum
@@ -556,10 +698,59 @@ class Islands(Mode):
                     group = slices.groups[slices.of_slot[id(pack.params[j])]]
                     complete = flags[j] * (count if averaged else 1) > count - 0.5
                     results.append((group, view, complete))
+            failed = self._vote is not None and self._vote.round_failed()  # garbage back: the step is discarded
             for group, view, complete in results:
-                whole = group.gather(view, k, ctx.group, ctx.progress)
+                complete = complete or failed
+                whole = group.gather(view, k, ctx.group, ctx.progress)  # every rank of the island, always
                 present = None if complete else self._presence(ctx, group)
                 group.write_back(ctx.params, whole, present)
+
+    def synchronize(self, ctx: ModeContext) -> None:
+        """``opt.synchronize()``: with FSDP2 inside and synchronous training across, the sum across now
+        (FSDP2 set the gradients at the end of backward), so that clipping sees the global mean."""
+        if self._shards is not None and self._sums_gradients:
+            self._cross_shards(ctx)
+
+    def _cross_shards(self, ctx: ModeContext) -> None:
+        """FSDP2 inside: each rank's local shard of the island's mean gradient, averaged over its across group
+        (the same shard on every island), once per step. FSDP2 sets the gradients at the end of backward, so
+        this runs in ``step()`` (or ``opt.synchronize()``). A parameter without a gradient on some island is
+        averaged with its zeros; one without a gradient anywhere keeps ``grad=None``."""
+        self._refuse_join(ctx, "opt.synchronize()")
+        if self._shards_crossed_at == ctx.steps or self._engine.world_size == 1:
+            return
+        self._shards_crossed_at = ctx.steps
+        shards, engine = self._shards, self._engine
+        index = {id(alias): i for i, alias in enumerate(shards.refresh())}
+        grads = [shards.local_grad(i) for i in range(len(shards.params))]
+
+        def fill(pack: Pack) -> None:
+            scale = engine.scale
+            pack.absent.clear()
+            for j, view in enumerate(pack.views):
+                grad = grads[index[id(pack.params[j])]]
+                if grad is None:
+                    view.zero_()
+                    pack.absent.append(j)
+                    continue
+                view.copy_(grad)
+                if scale is not None:
+                    view.mul_(scale)
+
+        with torch.no_grad():
+            if engine.progress is not None:
+                engine.progress.phase = "inside step() (islands: the local shards' gradients across the islands)"
+            engine.reset_round()
+            engine.launch_exchange(fill)
+            engine.finish_exchange()
+            for pack in engine.packs:
+                flags = pack.flags[: len(pack.params)].tolist()
+                for j, view in enumerate(pack.views):
+                    i = index[id(pack.params[j])]
+                    if grads[i] is not None:
+                        grads[i].copy_(view)
+                    elif flags[j] > 0:  # some island has a gradient: this one takes the mean with its zeros
+                        shards.set_grad(i, view.clone())
 
     def _island_weight(self, ctx: ModeContext) -> Optional[float]:
         """What this island's mean counts for in the sum across: ``1/islands`` (or nothing, for a sum).
@@ -586,6 +777,12 @@ class Islands(Mode):
     def _presence(self, ctx: ModeContext, group: "SliceGroup") -> List[bool]:
         """Which of ``group``'s parameters have a gradient on some island: an exact sum of their presence."""
         mine = torch.tensor([ctx.params[i].grad is not None for i in group.members], dtype=torch.int32)
+        if self._vote is not None:  # on the manager's group, in its commit protocol (a healing island sends 0)
+            options = dist.AllreduceOptions()
+            options.reduceOp = dist.ReduceOp.SUM
+            self._ctx.group.allreduce([mine], options).wait()
+            self._extra_bytes += mine.numel() * mine.element_size()
+            return [bool(v) for v in mine.tolist()]
         with stalls.inspected(self._engine.progress, "the sum of the gradients' presence across the islands"):
             collectives.all_reduce(mine, op="sum", group=self._ctx.group)
         self._extra_bytes += mine.numel() * mine.element_size()
@@ -620,6 +817,7 @@ class Islands(Mode):
 
     def state_dict(self, ctx: ModeContext) -> Dict[str, Any]:
         self._steps_from_join(ctx)
+        self._across_params(ctx)
         self._ctx.set_steps(ctx.steps)
         state = self.across.state_dict(self._ctx)
         if self.compressor is not None:
@@ -630,6 +828,7 @@ class Islands(Mode):
     def load_state_dict(self, ctx: ModeContext, state_dict: Dict[str, Any]) -> None:
         mine = state_dict.get(STATE_KEY)
         rest = {k: v for k, v in state_dict.items() if k != STATE_KEY}
+        self._across_params(ctx)
         self._ctx.set_steps(ctx.steps)
         self.across.load_state_dict(self._ctx, rest)
         ctx.set_steps(self._ctx.steps)  # local SGD's checkpoint holds the step count
@@ -642,10 +841,15 @@ class Islands(Mode):
         whole = self.whole_context(ctx)
         if whole.world_size == 1:
             return
+        if self._shards is not None:
+            raise RuntimeError(
+                f"broadcast_optimizer_state() with FSDP2 inside the islands {_NOT_YET}: the optimizer state is "
+                "sharded (DTensors); load the checkpoint on every rank instead, e.g. with torch.distributed.checkpoint "
+                "(dcp.load, then set_optimizer_state_dict(model, opt, ...)), which gives each rank its own shard")
         root = self._whole_rank(src) if whole is not ctx else src
         with stalls.inspected(whole.progress, "the optimizer-state broadcast"):
             collectives.broadcast_optimizer_state(ctx.optimizer, src=root, group=whole.group)
-        if not isinstance(self.across, Synchronous):
+        if not self._sums_gradients:
             self.across.broadcast_state(whole, root)  # the across engine's phase follows the step count
             ctx.set_steps(whole.steps)
 
@@ -671,10 +875,22 @@ class Islands(Mode):
         synchronous training keeps it); with local SGD or DiLoCo across, what they keep alike (the
         parameters right after a sync, the last-sync copies and the outer optimizer between two)."""
         self._steps_from_join(ctx)
-        if isinstance(self.across, Synchronous):
+        if self._sums_gradients and self._shards is not None:
+            return self._shards.kept_identical(ctx.optimizer, ctx.steps)
+        if self._sums_gradients:
             return super().kept_identical(ctx, scheduled)
+        self._across_params(ctx)
         self._ctx.set_steps(ctx.steps)
         return self.across.kept_identical(self._ctx, scheduled)
+
+    def agree_on_drift(self, ctx: ModeContext, report: drift.DriftReport) -> drift.DriftReport:
+        """FSDP2 inside: each across group compared its own shard, so the ranks of an island take the report
+        of the first of them that found a drift; then every rank of every island acts alike."""
+        if self._shards is None or self.topology is None or self.topology.size == 1:
+            return report
+        with stalls.inspected(None, "the exchange of the drift check's reports inside the island"):
+            reports = collectives.all_gather_object(report, group=self._island_group)
+        return next((r for r in reports if r.drifted), report)
 
     def extra_state_bytes(self, ctx: ModeContext) -> int:
         held = 0 if self._slices is None else self._slices.nbytes()
@@ -719,6 +935,18 @@ def _subgroups(topology: Topology, island: Tuple[int, ...], across: Tuple[int, .
         else:
             built[members] = private_groups.build_by_members(sorted(members), options["backend"], options["timeout"])
     return built[island], built[across]
+
+
+def _alone(me: int, ranks: List[int], parent: ProcessGroup) -> ProcessGroup:
+    """A group of this rank alone (FSDP2 inside: the wrapper's engine averages nothing), built as
+    :func:`_subgroups` builds its groups: over the default group every rank builds every rank's."""
+    if len(ranks) == 1:
+        return parent
+    options = {"backend": dist.get_backend(parent), "timeout": private_groups.timeout_of(parent)}
+    if len(ranks) == dist.get_world_size():
+        built = {rank: dist.new_group(ranks=[rank], **options) for rank in sorted(ranks)}
+        return built[me]
+    return private_groups.build_by_members([me], options["backend"], options["timeout"])
 
 
 def _nothing() -> None:

@@ -199,7 +199,9 @@ def no_dtensors(optimizer: Optimizer, names: Dict[int, str], first_group: int = 
                     "fully_shard or distribute_tensor): DistributedOptimizer does not support FSDP2/DTensor "
                     "parameters yet. Build the wrapper over the plain, unsharded model (shard_state=True shards "
                     "the optimizer state, ZeRO-1), or train the FSDP2 model with its plain torch.optim optimizer, "
-                    "without DistributedOptimizer"
+                    "without DistributedOptimizer; or, FSDP2 inside each host and distopt between the hosts, shard "
+                    "over the island dimension of a 2-D mesh and pass mode=distopt.Islands(islands=mesh) "
+                    "(docs/islands.md)"
                 )
 
 

@@ -240,7 +240,8 @@ def join(*optimizers: Any, divide_by_world: bool = False) -> Iterator[None]:
 
     Raises:
         TypeError: an argument is not a DistributedOptimizer.
-        RuntimeError: a block is nested in another block of this process.
+        RuntimeError: a block is nested in another block of this process; or one of several optimizers
+            joins alone (:meth:`distopt.modes.Mode.joins_alone`: ``distopt.Islands``), on every rank at once.
 
     Example::
 
@@ -262,6 +263,15 @@ def join(*optimizers: Any, divide_by_world: bool = False) -> Iterator[None]:
     for party in parties:
         if party.fault_tolerance is not None:
             party.check_fault_tolerant(len(parties), divide_by_world)
+    alone = next((party for party in parties if len(parties) > 1 and party.mode.joins_alone(party.context)), None)
+    if alone is not None:  # before any collective: every rank raises here alike
+        raise RuntimeError(
+            f"{alone.mode.describe()} cannot join in one block with other optimizers: a rank that runs out of data "
+            "follows its rounds in a loop of their own (Islands: until every island has run out), and the other "
+            "optimizers' rounds would wait for that rank. Give every rank the same number of batches for a loop that steps several optimizers "
+            "(e.g. DistributedSampler(drop_last=True)), or step this optimizer in a loop of its own inside "
+            "`with opt.join():`"
+        )
     previous = [party.enter(divide_by_world) for party in parties]
     _in_blocks.update(id(party) for party in parties)
     try:

@@ -156,7 +156,9 @@ class DistributedOptimizer(InnerOptimizerSurface):
             the packs are all-reduced across the replicas through the manager, a step whose
             collectives fail when a replica dies is discarded, the survivors go on, and a
             replacement heals from a live peer. ``opt.fault_tolerance`` then says who trains
-            (docs/fault-tolerance.md). None: a fixed world (default: None).
+            (docs/fault-tolerance.md). With ``mode=distopt.Islands(...)`` a replica is an island
+            of several processes (the process group), and the manager joins the islands.
+            None: a fixed world (default: None).
 
     Raises:
         TypeError: if ``optimizer`` is not a ``torch.optim.Optimizer``, or a parameter is a DTensor
@@ -245,8 +247,9 @@ class DistributedOptimizer(InnerOptimizerSurface):
         # ---- fault tolerance (distopt.fault_tolerance): the replicas' world is the manager's, per step.
         self.fault_tolerance: Optional[ft.FaultTolerance] = None
         if fault_tolerance is not None:
-            ft.check_arguments(fault_tolerance, bcast_period=self.bcast_period, process_group_size=self.world_size,
-                               reduce_op=reduce_op)
+            # A mode that runs the manager above its own engine (islands) makes a replica of the whole group.
+            ft.check_arguments(fault_tolerance, bcast_period=self.bcast_period, reduce_op=reduce_op,
+                               process_group_size=1 if self._mode.fault_tolerance_above else self.world_size)
             self.check_every = 0  # the drift check's all-gather has no place in the manager's all-reduces
             self._drift = DriftCheck(0, self.drift_atol, self.drift_rtol, self.on_drift)
             self.fault_tolerance = ft.FaultTolerance(
@@ -260,7 +263,8 @@ class DistributedOptimizer(InnerOptimizerSurface):
             )
         self.root_rank = root_rank
         self._names_by_id = checks.names_by_id(named_parameters, optimizer)
-        checks.no_dtensors(optimizer, self._names_by_id)  # before the engine's first collective
+        if not self._mode.takes_dtensors:  # before the engine's first collective
+            checks.no_dtensors(optimizer, self._names_by_id)
         self._engine = self._build_engine(backward_passes_per_step=int(backward_passes_per_step))
         self._retired_by: Optional[str] = None  # why this wrapper no longer reduces
         self._params: List[Tensor] = []  # every parameter this wrapper broadcasts, in tracking order
@@ -269,6 +273,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
             process_group=self._engine_group, rank=self.rank, root_rank=root_rank,
             reduce_op=reduce_op, stall_warning=self.stall_warning, stall_timeout=self.stall_timeout,
             reduce_for_step=_weakly(self._reduce_for_step), synchronize=_weakly(self.synchronize),
+            open_managed=self._managed_engines(),
         )
         if self.fault_tolerance is not None:
             self.fault_tolerance.params = self._params
@@ -359,7 +364,8 @@ class DistributedOptimizer(InnerOptimizerSurface):
             )
         self.optimizer.add_param_group(param_group)
         try:
-            checks.no_dtensors(self.optimizer, self._names_by_id, first_group=len(self.optimizer.param_groups) - 1)
+            if not self._mode.takes_dtensors:
+                checks.no_dtensors(self.optimizer, self._names_by_id, first_group=len(self.optimizer.param_groups) - 1)
         except TypeError:
             self.optimizer.param_groups.pop()
             raise
@@ -460,10 +466,11 @@ class DistributedOptimizer(InnerOptimizerSurface):
                 "check_drift() was called inside a join block after a rank ran out of data: that rank cannot take "
                 "part; call it after the block, where every rank holds the same state again"
             )
-        kept = None if self.world_size == 1 else self._mode.kept_identical(ctx, scheduled=False)
+        kept = None if self._compared_size() == 1 else self._mode.kept_identical(ctx, scheduled=False)
         if kept is None:
             return DriftReport(step=engine.steps)
-        report = self._drift.run(self._mode.whole_context(ctx), kept, self._param_names())
+        report = self._mode.agree_on_drift(ctx, self._drift.run(self._mode.whole_context(ctx), kept,
+                                                                self._param_names()))
         self._drift.act(report, when=f"called as opt.check_drift() after step {engine.steps}", root=self.root_rank,
                         bcast_period=self.bcast_period, stacklevel=2)
         return report
@@ -471,8 +478,13 @@ class DistributedOptimizer(InnerOptimizerSurface):
     def _drift_due(self, rebroadcast: bool) -> bool:
         """Whether a drift check is due at this step; with ``bcast_period``, only right before a
         re-broadcast, when the drift since the last one is largest and the check can say what it corrects."""
-        return (self.world_size > 1 and self._drift.due(self._engine.steps)
-                and (self.bcast_period <= 0 or rebroadcast))
+        return (self._drift.due(self._engine.steps) and (self.bcast_period <= 0 or rebroadcast)
+                and self._compared_size() > 1)
+
+    def _compared_size(self) -> int:
+        """Ranks the drift check compares: the mode's whole context's, which may hold more than the engine's
+        (islands: every island; with FSDP2 inside, the wrapper's own world is this rank alone)."""
+        return self._mode.whole_context(self._context).world_size
 
     def _scheduled_drift_check(self, rebroadcast: bool) -> Optional[DriftReport]:
         """Run the drift check if one is due at this step (:meth:`_drift_due`)."""
@@ -481,7 +493,8 @@ class DistributedOptimizer(InnerOptimizerSurface):
         kept = self._mode.kept_identical(self._context, scheduled=True)
         if kept is None:  # e.g. local SGD between two syncs: the next step tries again
             return None
-        report = self._drift.run(self._mode.whole_context(self._context), kept, self._param_names())
+        report = self._mode.agree_on_drift(
+            self._context, self._drift.run(self._mode.whole_context(self._context), kept, self._param_names()))
         if rebroadcast:
             report.corrected = report.parameter_drift
         return report
@@ -524,6 +537,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
         self._mode.finish_step(self._context)
         if self._reduces and self._mode.reduces_in_backward:  # local SGD keeps gradients local
             self._engine.synchronize(explicit=True)
+        self._mode.synchronize(self._context)
 
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
         """Clip the averaged gradients of the parameters this optimizer steps by their total norm, as
@@ -712,9 +726,9 @@ class DistributedOptimizer(InnerOptimizerSurface):
         self._check_not_retired("broadcast_parameters()")
         self._mode.finish_step(self._context)
         whole = self._mode.whole_context(self._context)  # every rank, where the engine averages over part
-        if whole.world_size > 1 and self._params:
+        if whole.world_size > 1 and whole.params:  # the whole context's: islands over FSDP2 hold local shards there
             with torch.no_grad(), stalls.inspected(whole.progress, "the parameter broadcast"):
-                collectives.broadcast_parameters(self._params, src=whole.root_rank, group=whole.group)
+                collectives.broadcast_parameters(whole.params, src=whole.root_rank, group=whole.group)
 
     def broadcast_optimizer_state(self) -> None:
         """Give every rank the root's optimizer state, e.g. when only the root loaded a checkpoint.
@@ -736,7 +750,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
         """The gradient engine, over a private group of its own (none in a group of one), or over the
         torchft Manager under fault tolerance; it shares the wrapper's :class:`World`."""
         pack_threshold = DEFAULT_PACK_THRESHOLD if self.pack_threshold == "auto" else int(self.pack_threshold)
-        if self.fault_tolerance is not None:
+        if self._engine_over_manager:
             return wiring.open_engine(
                 self.fault_tolerance, world=self._world, reduce_op=self.reduce_op, pack_threshold=pack_threshold,
                 compressor=self.compressor, sparse_as_dense=self.sparse_as_dense,
@@ -746,6 +760,28 @@ class DistributedOptimizer(InnerOptimizerSurface):
             sparse_as_dense=self.sparse_as_dense, backward_passes_per_step=backward_passes_per_step,
             root_rank=self.root_rank, stall_warning=self.stall_warning, stall_timeout=self.stall_timeout,
             world=self._world)
+
+    @property
+    def _engine_over_manager(self) -> bool:
+        """Whether this wrapper's engine runs over the torchft Manager: under fault tolerance, unless the
+        mode runs the manager on a level of its own (:attr:`~distopt.modes.Mode.fault_tolerance_above`)."""
+        return self.fault_tolerance is not None and not self._mode.fault_tolerance_above
+
+    def _managed_engines(self) -> Optional[Callable[[Optional[Compressor]], GradientEngine]]:
+        """What opens an engine over the torchft Manager for a mode that runs it above this wrapper's engine
+        (:meth:`~distopt.modes.ModeContext.open_managed_engine`), or None."""
+        fault_tolerance = self.fault_tolerance
+        if fault_tolerance is None or not self._mode.fault_tolerance_above:
+            return None
+        reduce_op, sparse_as_dense = self.reduce_op, self.sparse_as_dense
+        pack_threshold = self._engine.config.pack_threshold
+
+        def open_managed(compressor: Optional[Compressor]) -> GradientEngine:
+            return wiring.open_engine(fault_tolerance, world=World(1), reduce_op=reduce_op,
+                                      pack_threshold=pack_threshold, compressor=compressor,
+                                      sparse_as_dense=sparse_as_dense, backward_passes_per_step=1)
+
+        return open_managed
 
     @property
     def _reduces(self) -> bool:
@@ -799,7 +835,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
                 previous._retire()
         self._params.extend(new)
         engine = self._engine
-        if self.fault_tolerance is not None and new:
+        if self._engine_over_manager and new:
             # No check across replicas and no broadcast: the replicas come and go, and torchft heals a
             # replica that joins (at step 0 too: init_sync) with a live peer's parameters.
             engine.track(new, names)  # in registration order: no root to broadcast another (EngineConfig.fixed_plan)

@@ -32,6 +32,7 @@ from _hosts import HostsUnavailable, network_hosts, start_on  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "_scripts" / "ft_launched.py"
+ISLANDS = ROOT / "tests" / "_scripts" / "ft_islands.py"
 EXAMPLE = ROOT / "examples" / "train_ft.py"
 # docs/fault-tolerance.md's example, in streaming DiLoCo: 8 committed fragment syncs, one every 2 local steps
 EXAMPLE_ARGS = ["--steps", "8", "--sync-every", "4", "--fragments", "2", "--overlap", "1"]
@@ -42,18 +43,19 @@ DEADLINE = 90  # seconds for the whole launch; it takes ~10-20 s
 
 
 def _logs(out: Path) -> Dict[str, List[Dict[str, Any]]]:
-    """``replica<R>-<pid>`` -> its lines, for every worker process that has started."""
+    """``replica<R>-<pid>`` (``island<R>-rank<J>-<pid>``) -> its lines, for every worker process that has started."""
     return {path.stem: [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
-            for path in sorted(out.glob("replica*.jsonl"))}
+            for path in sorted(out.glob("*.jsonl"))}
 
 
 def _steps(lines: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     return [line for line in lines if "digest" in line]
 
 
-def _launch_and_kill(launchers: List[subprocess.Popen], out: Path,
-                     replicas: int) -> Tuple[Any, float, List[str], List[Any]]:
-    """Wait for the launch(es) to end, SIGKILLing the last replica's worker once all replicas trained together.
+def _launch_and_kill(launchers: List[subprocess.Popen], out: Path, replicas: int,
+                     victim_log: str = "") -> Tuple[Any, float, List[str], List[Any]]:
+    """Wait for the launch(es) to end, SIGKILLing the last replica's worker once all replicas trained together
+    (the worker whose log starts with ``victim_log``: default, the last replica's).
 
     Returns ``(victim, killed_at, outputs, processes)``: the killed process (None if never), when,
     each launcher's output, and every process the launchers started.
@@ -75,11 +77,13 @@ def _launch_and_kill(launchers: List[subprocess.Popen], out: Path,
             look()
             if victim is None:
                 logs = _logs(out)
-                mine = next((lines for name, lines in logs.items() if name.startswith(f"replica{replicas - 1}-")), [])
+                mine = next((lines for name, lines in logs.items()
+                             if name.startswith(victim_log or f"replica{replicas - 1}-")), [])
                 # all in the step: a kill that lands before the others joined would test nothing
                 if sum(1 for line in _steps(mine) if line["world"] == replicas) >= 3:
                     victim = psutil.Process(mine[0]["pid"])
-                    assert str(SCRIPT) in " ".join(victim.cmdline()), victim.cmdline()
+                    command = " ".join(victim.cmdline())
+                    assert str(SCRIPT) in command or str(ISLANDS) in command, command
                     (out / "killed").touch()  # the survivors' drop in world from now on is the kill's
                     victim.send_signal(signal.SIGKILL)
                     killed_at = time.time()
@@ -155,6 +159,30 @@ def _check_killed_and_healed(launch: Launch) -> None:
     assert not left, left
 
 
+#: Islands: 2 replicas of 2 ranks each (--nproc-per-node 2); rank 1 of island 1 is killed.
+ISLAND_STEPS = 10
+#: The lighthouse drops the dead island this long after its last heartbeat: below 1 s, and long enough that a
+#: loaded host does not drop the survivor while the replacement asks for its first quorum (a split brain).
+ISLAND_HEARTBEAT_TIMEOUT_MS = 500
+#: Seconds from the kill to the survivor island's first commit without the dead one: the goal is 1 s (0.45 s
+#: measured with 300 ms heartbeats, docs/fault-tolerance.md); the suite's load gets some slack.
+ISLAND_RECOVERY_LIMIT = 1.5
+
+
+def _islands(out: Path) -> List[subprocess.Popen]:
+    """The launcher as docs/fault-tolerance.md runs islands: one torchrun agent of 2 workers per island."""
+    command = [sys.executable, *_launch_args(2), "--nproc-per-node", "2", "--heartbeat-timeout-ms",
+               str(ISLAND_HEARTBEAT_TIMEOUT_MS), str(ISLANDS), str(out), str(ISLAND_STEPS)]
+    return [subprocess.Popen(command, cwd=out.parent, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, start_new_session=True)]
+
+
+def _launched_islands(out: Path) -> Launch:
+    out.mkdir()
+    launchers = _islands(out)
+    return launchers, out, 2, _launch_and_kill(launchers, out, 2, victim_log="island1-rank1-")
+
+
 def _launch_args(replicas: int) -> List[str]:
     return ["-m", "distopt.fault_tolerance.launch", "--replicas", str(replicas), "--max-restarts", "1"]
 
@@ -225,6 +253,57 @@ def launches(tmp_path_factory: Any) -> Dict[str, Any]:
 @pytest.mark.timeout(DEADLINE + 30)
 def test_the_launcher_restarts_a_killed_worker_which_heals_while_the_others_go_on(launches: Dict[str, Any]) -> None:
     _check_killed_and_healed(launches["kill"])
+
+
+@pytest.mark.timeout(DEADLINE + 30)
+def test_a_killed_rank_takes_its_island_out_which_restarts_and_heals_while_the_other_island_commits_on(
+        tmp_path: Path) -> None:
+    """``--replicas 2 --nproc-per-node 2`` with ``mode=distopt.Islands()``: rank 1 of island 1 is SIGKILLed.
+
+    Island 0 commits its next step without island 1 within the recovery limit and is never
+    restarted; island 1's agent restarts both of its workers, each heals from the live island, and
+    every rank of both islands is bitwise equal at every step, the healed island from its first.
+    """
+    # A launch of its own, not beside the others: its 8 fresh interpreters with theirs overran their deadline.
+    launchers, out, _, (victim, killed_at, outputs, processes) = _launched_islands(tmp_path / "islands")
+    logs = _logs(out)
+    summary = f"launcher output:\n{outputs[0][-3000:]}\nlogs: {json.dumps({n: l[-2:] for n, l in logs.items()})}"
+    assert victim is not None, f"island 1 never trained with island 0\n{summary}"
+    assert launchers[0].returncode == 0, summary
+    by_rank: Dict[Tuple[int, int], List[str]] = {}
+    for name in logs:
+        island, rank, _ = name.split("-")
+        by_rank.setdefault((int(island[len("island"):]), int(rank[len("rank"):])), []).append(name)
+    assert sorted(by_rank) == [(0, 0), (0, 1), (1, 0), (1, 1)], sorted(by_rank)
+    for name, lines in logs.items():
+        assert not any(line.get("gave_up") for line in lines), (name, lines[-3:])
+    # island 0: one process per rank, never restarted, committing on through the death, soon without island 1
+    for rank in (0, 1):
+        (name,) = by_rank[(0, rank)]
+        lines = logs[name]
+        assert lines[0]["restart"] == 0 and lines[-1].get("done"), (name, lines[-3:])
+        steps = [line["step"] for line in _steps(lines)]
+        assert steps == sorted(steps) and sorted(set(steps)) == list(range(steps[0], steps[-1] + 1)), (name, steps)
+        alone = next(line for line in _steps(lines) if line["t"] > killed_at and line["world"] == 1)
+        assert alone["t"] - killed_at < ISLAND_RECOVERY_LIMIT, (name, alone, killed_at)
+    # island 1: its agent restarted both workers (the one killed and the one it stopped), and both healed
+    for rank in (0, 1):
+        first, again = sorted(by_rank[(1, rank)], key=lambda n: logs[n][0]["restart"])
+        assert not logs[first][-1].get("done") and logs[again][0]["restart"] == 1, (logs[first][-2:], logs[again][0])
+        assert logs[again][-1].get("done") and logs[again][-1]["heals"] >= 1, logs[again][-1]
+    assert logs[sorted(by_rank[(1, 1)], key=lambda n: logs[n][0]["restart"])[0]][0]["pid"] == victim.pid
+    # bitwise equal everywhere at every step (the ranks of an island too), the healed island from its first step
+    digests: Dict[int, set] = {}
+    for lines in logs.values():
+        for line in _steps(lines):
+            digests.setdefault(line["step"], set()).add(line["digest"])
+    assert all(len(d) == 1 for d in digests.values()), {s: d for s, d in digests.items() if len(d) > 1}
+    healed = [n for (island, _), names in by_rank.items() if island == 1 for n in names if logs[n][0]["restart"] == 1]
+    first_step = _steps(logs[healed[0]])[0]["step"]
+    assert len([n for n in logs if any(line["step"] == first_step for line in _steps(logs[n]))]) == 4
+    assert len({logs[n][-1]["step"] for n in logs if logs[n][-1].get("done")}) == 1, {n: logs[n][-1] for n in logs}
+    left = [p.pid for p in processes if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, left
 
 
 @pytest.mark.timeout(DEADLINE + 30)

@@ -54,6 +54,11 @@ ALLOWED_PRIVATE_READS: Dict[Tuple[str, str], str] = {
         "must restart it (a server that preloaded torch keeps the environment it started under)",
     ("horovod/optimizer.py", "opt._retired_by"):
         "the Horovod front's optimizer is a DistributedOptimizer subclass; hvd.join() skips retired ones",
+    ("fault_tolerance/manager.py", "transport._server"):
+        "torchft 0.2.0's checkpoint server binds every interface, with no argument to choose one: distopt moves "
+        "it to the advertised interface (the trust boundary, docs/fault-tolerance.md)",
+    ("fault_tolerance/manager.py", "transport._thread"): "likewise: the thread that serves it",
+    ("fault_tolerance/manager.py", "transport._serve"): "likewise: what that thread runs",
 }
 MAX_PRIVATE_READS = 20
 

@@ -239,3 +239,59 @@ def test_a_replica_whose_live_peer_has_other_settings_stops_before_its_first_col
         else:
             model(torch.ones(1, 2)).sum().backward()
             assert manager.calls[:1] == ["allreduce"]
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two"])
+def test_the_launchers_processes_per_replica_must_be_a_positive_number(value: str, capsys: Any) -> None:
+    from distopt.fault_tolerance.launch import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--replicas", "2", "--nproc-per-node", value, "train.py"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--nproc-per-node: takes the number of processes of each replica" in err and repr(value) in err, err
+
+
+def test_the_launcher_starts_an_agent_of_k_workers_per_island_and_a_lighthouse_on_the_advertised_interface(
+        monkeypatch: Any) -> None:
+    from distopt.fault_tolerance import launch
+
+    agent = launch.agent_command("train.py", ["--steps", "3"], 1, None, nproc_per_node=4)
+    assert agent[agent.index("--nproc-per-node") + 1] == "4" and agent[-3:] == ["train.py", "--steps", "3"]
+    assert launch.bind_address("localhost") == "127.0.0.1"  # one host: the loopback interface only
+    assert launch.bind_address("192.0.2.77") == "::"  # no interface of this host holds it: every one
+    monkeypatch.setattr(launch, "owning_interface", lambda host: ("eth1", "10.0.0.7") if host == "hostA" else None)
+    assert launch.bind_address("hostA") == "10.0.0.7"
+    command = launch.lighthouse_command(29510, min_replicas=1, heartbeat_timeout_ms=300, join_timeout_ms=200,
+                                        quorum_tick_ms=10, bind="fd00::2")
+    assert command[command.index("--bind") + 1] == "[fd00::2]:29510"
+
+
+def test_islands_take_fault_tolerance_across_per_step_or_per_sync_and_refuse_what_they_cannot_do() -> None:
+    opt = distopt.DistributedOptimizer(_opt(), mode=distopt.Islands(), fault_tolerance=RecordingManager())
+    assert opt.fault_tolerance.per_step is True  # synchronous across: the wrapper's quorum and vote, every step
+    diloco = distopt.Islands(across=distopt.DiLoCo(every=4, outer=lambda ps: torch.optim.SGD(ps, lr=0.7)))
+    opt = distopt.DistributedOptimizer(_opt(), mode=diloco, fault_tolerance=RecordingManager())
+    assert opt.fault_tolerance.per_step is False  # DiLoCo across: each sync's
+    with pytest.raises(ValueError, match=r"islands= cannot be combined with fault_tolerance: there each island is a "
+                                         r"torchft replica group.* --nproc-per-node K\)"):
+        distopt.DistributedOptimizer(_opt(), mode=distopt.Islands(islands=[[0]]), fault_tolerance=RecordingManager())
+    with pytest.raises(ValueError, match=r"compression='int8' across the islands is not supported yet with "
+                                         r"distopt.Islands under fault_tolerance"):
+        distopt.DistributedOptimizer(_opt(), mode=distopt.Islands(compression="int8"),
+                                     fault_tolerance=RecordingManager())
+
+
+def test_the_checkpoint_server_listens_on_the_advertised_interface_only() -> None:
+    pytest.importorskip("torchft")
+    from datetime import timedelta
+
+    from distopt.fault_tolerance.manager import _http_transport, listening_address
+
+    assert listening_address("localhost") == "127.0.0.1" and listening_address("192.0.2.77") is None
+    transport = _http_transport("localhost", timedelta(seconds=5))
+    try:
+        host, port = transport._server.socket.getsockname()[:2]
+        assert host == "127.0.0.1" and transport.address() == f"http://localhost:{port}/checkpoint/"
+    finally:
+        transport.shutdown()

@@ -75,7 +75,8 @@ def test_the_shorthands_build_the_mode_objects_and_name_the_same_settings() -> N
 
 def test_a_mode_declares_its_settings_by_the_keywords_a_user_writes() -> None:
     assert distopt.Synchronous().settings() == {}
-    assert distopt.ShardedState().settings() == {"shard_state": True}
+    assert distopt.ShardedState().settings() == {"shard_state": True, "shard_state_share": "in_step"}
+    assert distopt.ShardedState(share="background").settings()["shard_state_share"] == "background"
     assert distopt.LocalSGD(8, warmup=2).settings() == {"sync_every": 8, "local_warmup": 2, "outer_optimizer": False}
     assert distopt.DiLoCo(8, OUTER, fragments=4, overlap=2, mixing=0.5).settings() == {
         "sync_every": 8, "local_warmup": 0, "outer_optimizer": True, "sync_fragments": 4, "sync_overlap": 2,

@@ -6,8 +6,11 @@ own core, gloo over the veth addresses), checks what the link carries with a TCP
 transfer, and then, task by task, runs every contender side by side: local training
 without communication, DDP plain and with its comm hooks (fp16, PowerSGD,
 PostLocalSGD), and distopt with each compressor alone and with local SGD, and
-DiLoCo. Each contender has a pair of processes of its own, forked from one
-long-lived host process per rank, so one that aborts (DDP's PowerSGD hook does, on
+DiLoCo. With ``--ranks-per-host K`` each namespace holds ``K`` ranks (loopback between
+them, the shaped link between the namespaces) and the contenders are the two-level
+ones: each island alone, HSDP, and ``distopt.Islands`` with each mode across, beside
+flat DDP and distopt. Each contender has a process per rank of its own, forked from
+one long-lived host process per rank, so one that aborts (DDP's PowerSGD hook does, on
 gloo over a shaped link) is reported with its reason while the others go on; the
 contenders still take turns in interleaved rounds, so that machine noise hits all
 alike. Everything it built is removed afterwards, also on an error or Ctrl-C.

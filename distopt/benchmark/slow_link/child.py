@@ -8,7 +8,12 @@ then serves its host's commands until told to stop:
   training steps; replies ``("steps", [(seconds, loss, tx_bytes, distopt_bytes), ...])``
   (an empty list when ``record`` is false: warm-up steps). ``tx_bytes`` is what this
   namespace's interfaces sent during the step, headers included
-  (``/proc/net/dev``), the same measure for DDP and distopt.
+  (``/proc/net/dev``), the same measure for DDP and distopt. With several ranks in a
+  namespace (``--ranks-per-host``), which share its counter, it is this rank's share
+  of what the namespace sent over the ``n`` steps, from the barrier before them to a
+  barrier after them: that count over ``n`` and over the ranks per host. Per step, the
+  ranks of one namespace need not be in step (local SGD's are not between two syncs),
+  so one rank's step would count another's bytes or miss its own.
 * ``("eval",)``: replies ``("eval", loss)``, the mean loss over the task's validation
   batches, of this rank's replica.
 * ``("stop",)``: replies ``("stopped",)`` and exits.
@@ -100,6 +105,7 @@ def _redirect_output(path: str) -> None:
 def _steps(job: Job, state: "_State", n: int) -> List[Tuple[float, float, int, Optional[int]]]:
     task, built = TASKS[job.task], state.built
     out = []
+    first = interface_tx_bytes()
     for _ in range(n):
         # The batch is ready before the clock starts: a data loader would have it prefetched.
         x, y = task.batch(job.rank, job.world, state.step, job.seed)
@@ -111,9 +117,14 @@ def _steps(job: Job, state: "_State", n: int) -> List[Tuple[float, float, int, O
         built.optimizer.zero_grad(set_to_none=True)
         seconds = time.perf_counter() - start
         sent = interface_tx_bytes() - sent
-        distopt_bytes = None if built.distopt is None else int(built.distopt.stats.bytes)
+        distopt_bytes = (None if built.distopt is None else
+                         int(built.distopt.stats.bytes) if built.library_bytes is None else built.library_bytes())
         out.append((seconds, float(loss.item()), sent, distopt_bytes))
         state.step += 1
+    if job.options.ranks_per_host > 1:
+        dist.barrier()  # every rank of the namespace has sent all it sends in these steps
+        share = (interface_tx_bytes() - first) // (job.options.ranks_per_host * n)
+        out = [(seconds, loss, share, distopt_bytes) for seconds, loss, _, distopt_bytes in out]
     return out
 
 

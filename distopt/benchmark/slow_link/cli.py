@@ -25,7 +25,8 @@ __all__ = ["add_link_arguments", "LINK_ONLY", "run_link"]
 
 #: The destinations of the flags that only ``--link`` takes, with their flag names.
 LINK_ONLY = {"tasks": "--tasks", "contenders": "--contenders", "powersgd_rank": "--powersgd-rank",
-             "quick": "--quick", "link_rounds": "--link-rounds", "plots": "--plots"}
+             "quick": "--quick", "link_rounds": "--link-rounds", "plots": "--plots",
+             "ranks_per_host": "--ranks-per-host"}
 
 
 def add_link_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,8 +37,8 @@ def add_link_arguments(parser: argparse.ArgumentParser) -> None:
     """
     group = parser.add_argument_group(
         "slow link (--link)",
-        "two network namespaces joined by a veth pair shaped with tc tbf, one rank in each, pinned to its own core; "
-        "needs root")
+        "two network namespaces joined by a veth pair shaped with tc tbf, one rank in each (or --ranks-per-host), "
+        "each pinned to a core; needs root")
     group.add_argument("--link", metavar="RATE",
                        help="run the slow-link benchmark over a link of RATE each way: e.g. 100mbit, 200mbit, 1gbit "
                             "(units kbit, mbit, gbit)")
@@ -52,6 +53,11 @@ def add_link_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--link-rounds", type=int, metavar="N",
                        help="interleaved rounds per task instead of its schedule's (3 of 8 steps for the 12 MiB "
                             "models, 8 of 16 for charlm): more rounds, a steadier mean step")
+    group.add_argument("--ranks-per-host", type=int, metavar="K",
+                       help="K ranks in each namespace, loopback between them and the shaped link between the two "
+                            "hosts (default 1); with 2 or more the default contenders are the flat ones to beat and "
+                            "the two-level ones: island-alone, hsdp, islands, islands-int8, islands-diloco16, "
+                            "islands-stream16")
     group.add_argument("--plots", metavar="DIR",
                        help="write loss-against-time and bytes-per-step PNGs per task into DIR (needs matplotlib)")
 
@@ -66,6 +72,8 @@ def _config(args: argparse.Namespace) -> LinkConfig:
         kwargs["tasks"] = _names(args.tasks)
     if args.contenders is not None:
         kwargs["contenders"] = _names(args.contenders)
+    if args.ranks_per_host is not None:
+        kwargs["ranks_per_host"] = args.ranks_per_host
     options = ContenderOptions() if args.powersgd_rank is None else ContenderOptions(powersgd_rank=args.powersgd_rank)
     return LinkConfig(rate_bps=parse_rate(args.link), options=options, quick=args.quick, seed=args.seed,
                       rounds=args.link_rounds, **kwargs)

@@ -20,23 +20,30 @@ per rank, :mod:`.worker`), so one that aborts cannot take another down.
   the gradients reduce-scattered to their owners, ZeRO-2), ``zero`` (torch's
   ``ZeroRedundancyOptimizer`` under DDP) and ``zero-overlap`` (with ``overlap_with_ddp=True``
   and ``hook_with_zero_step``; torch refuses it on gloo, so it is reported unavailable there).
+* Two levels, for ``--ranks-per-host 2`` and more (:data:`ISLAND_CONTENDERS`; the islands
+  are the ranks of one namespace): ``island-alone``, synchronous distopt over each island
+  alone, no cross-host traffic (the floor of the two-level contenders); ``hsdp``, torch's
+  ``fully_shard`` over a 2-D mesh (shard inside a host, replicate across); and
+  ``distopt.Islands`` with synchronous training across (``islands``, ``islands-int8``),
+  DiLoCo and streaming DiLoCo across (``islands-diloco16``, ``islands-stream16``).
 
 A contender whose construction raises (an argument this distopt does not have yet, a
 compressor that refuses the model) is reported as unavailable, with the reason.
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
-from ...modes.sharded import ShardedState
+from ...modes import DiLoCo, Islands, ShardedState, Synchronous
 from ...wrapper.optimizer import DistributedOptimizer
 
 __all__ = ["PERIOD", "STREAM_PERIOD", "ContenderOptions", "Built", "Contender", "Factory", "DistoptSpec", "DISTOPT_SPECS",
-           "CONTENDERS"]
+           "CONTENDERS", "ISLAND_CONTENDERS", "host_islands", "rebuilt"]
 
 #: H of every periodic contender: distopt's local SGD and DiLoCo, and DDP's PostLocalSGD.
 PERIOD = 4
@@ -53,10 +60,12 @@ class ContenderOptions:
         powersgd_start: steps both PowerSGDs send uncompressed first: DDP's hook needs
             at least 2 (``start_powerSGD_iter``) with error feedback or warm start, and
             distopt's starts at the same step so that they are compared alike.
+        ranks_per_host: ranks in each namespace (``--ranks-per-host``): the size of an island.
     """
 
     powersgd_rank: int = 4
     powersgd_start: int = 2
+    ranks_per_host: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.powersgd_rank, bool) or not isinstance(self.powersgd_rank, int) or self.powersgd_rank < 1:
@@ -64,6 +73,8 @@ class ContenderOptions:
         if self.powersgd_start < 2:
             raise ValueError(f"powersgd_start={self.powersgd_start!r} must be at least 2: DDP's PowerSGD hook "
                              "refuses start_powerSGD_iter < 2 with error feedback or warm start")
+        if isinstance(self.ranks_per_host, bool) or not isinstance(self.ranks_per_host, int) or self.ranks_per_host < 1:
+            raise ValueError(f"--ranks-per-host={self.ranks_per_host!r} must be an integer of at least 1, e.g. 2")
 
 
 @dataclass
@@ -74,11 +85,14 @@ class Built:
         module: what the forward pass calls (the replica, or DDP around it).
         optimizer: what ``step()`` and ``zero_grad()`` are called on.
         distopt: the distopt optimizer, whose ``stats`` the report reads; None for the others.
+        library_bytes: what distopt says the last step sent, where that is not ``distopt.stats.bytes``
+            (``Islands``: its cross-host level's, ``mode.across_stats.bytes``); None: ``stats.bytes``.
     """
 
     module: nn.Module
     optimizer: Any
     distopt: Optional[DistributedOptimizer] = None
+    library_bytes: Optional[Callable[[], int]] = None
 
 
 #: ``build(replica, inner optimizer, options)``: the replica and its optimizer, wrapped.
@@ -333,6 +347,99 @@ DISTOPT_SPECS: Tuple[DistoptSpec, ...] = (
                 more=(("sync_fragments", 4), ("sync_overlap", 2), ("sync_mixing", 0.5))),
 )
 
+
+def host_islands(world: int, ranks_per_host: int) -> List[List[int]]:
+    """The islands of the benchmark's topology: the ranks of one namespace, numbered one host after the other.
+
+    Args:
+        world: every rank.
+        ranks_per_host: ranks in each namespace.
+
+    Returns:
+        ``[[0, ..., k - 1], [k, ..., 2k - 1], ...]``.
+
+    Raises:
+        ValueError: ``ranks_per_host`` is below 2 (an island of one rank is flat training) or does
+            not divide ``world``.
+    """
+    if ranks_per_host < 2 or world % ranks_per_host:
+        raise ValueError(f"the two-level contenders need --ranks-per-host 2 or more, dividing the {world} ranks; "
+                         f"got {ranks_per_host}: run them with --ranks-per-host 2")
+    return [list(range(h, h + ranks_per_host)) for h in range(0, world, ranks_per_host)]
+
+
+def _islands(options: ContenderOptions) -> List[List[int]]:
+    import torch.distributed as dist
+
+    return host_islands(dist.get_world_size(), options.ranks_per_host)
+
+
+def _island_alone(model: nn.Module, inner: torch.optim.Optimizer, options: ContenderOptions) -> Built:
+    # Synchronous distopt over this rank's island only: what each host trains at without the other.
+    import torch.distributed as dist
+
+    mine, _ = dist.new_subgroups_by_enumeration(_islands(options))
+    opt = DistributedOptimizer(inner, process_group=mine)
+    return Built(model, opt, opt)
+
+
+def _hsdp(model: nn.Module, inner: torch.optim.Optimizer, options: ContenderOptions) -> Built:
+    """torch's own HSDP: ``fully_shard`` over a (hosts, ranks per host) mesh, the whole model one unit.
+
+    Inside a host the gradients are reduce-scattered and the parameters all-gathered; across, each
+    rank all-reduces its shard. One unit, since a model may read a child's weight outside the child's
+    forward (charlm's position table), which a unit of its own would hand it sharded. The inner
+    optimizer is rebuilt over the sharded parameters, with its settings.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    islands = _islands(options)
+    mesh = init_device_mesh("cpu", (len(islands), options.ranks_per_host), mesh_dim_names=("replicate", "shard"))
+    fully_shard(model, mesh=mesh)
+    return Built(model, rebuilt(inner, model.parameters()))
+
+
+def rebuilt(inner: torch.optim.Optimizer, params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """An optimizer of ``inner``'s class and settings over ``params`` (FSDP2's sharded parameters).
+
+    Only the settings its constructor takes: ``defaults`` also holds derived ones, such as
+    AdamW's ``decoupled_weight_decay``, which ``AdamW()`` refuses.
+    """
+    takes = inspect.signature(type(inner).__init__).parameters
+    return type(inner)(params, **{k: v for k, v in inner.defaults.items() if k in takes})
+
+
+def _island_contender(across: Callable[[], Any], compression: Optional[str] = None) -> Build:
+    def build(model: nn.Module, inner: torch.optim.Optimizer, options: ContenderOptions) -> Built:
+        mode = Islands(across(), islands=_islands(options), compression=compression)
+        opt = DistributedOptimizer(inner, mode=mode)
+        return Built(model, opt, opt, lambda: int(mode.across_stats.bytes))
+
+    return build
+
+
+def _diloco(**streaming: Any) -> Callable[[], Any]:
+    return lambda: DiLoCo(every=STREAM_PERIOD, outer=_nesterov, **streaming)
+
+
+#: The two-level contenders (``--ranks-per-host 2`` and more), in run order.
+ISLAND_CONTENDERS: Tuple[Contender, ...] = (
+    Contender("island-alone", "synchronous distopt over each host's ranks alone, nothing across", _island_alone),
+    Contender("hsdp", "fully_shard over a (hosts, ranks per host) mesh, the model one unit: HSDP", _hsdp),
+    Contender("islands", "Islands(across=Synchronous()): hierarchical, each rank sends 1/k across",
+              _island_contender(Synchronous)),
+    Contender("islands-int8", "Islands(across=Synchronous(), compression='int8')",
+              _island_contender(Synchronous, "int8"), baseline="islands"),
+    Contender(f"islands-diloco{STREAM_PERIOD}", f"Islands(across=DiLoCo(every={STREAM_PERIOD}, Nesterov lr 0.7))",
+              _island_contender(_diloco())),
+    Contender(f"islands-stream{STREAM_PERIOD}",
+              f"Islands(across=DiLoCo(every={STREAM_PERIOD}, fragments=4, overlap=2, mixing=0.5))",
+              _island_contender(_diloco(fragments=4, overlap=2, mixing=0.5)),
+              baseline=f"islands-diloco{STREAM_PERIOD}"),
+)
+
+
 #: Every contender, by name, in run order.
 CONTENDERS: Dict[str, Contender] = {
     c.name: c
@@ -353,5 +460,6 @@ CONTENDERS: Dict[str, Contender] = {
         Contender("zero", "torch ZeroRedundancyOptimizer under DDP", _zero),
         Contender("zero-overlap", "torch ZeroRedundancyOptimizer(overlap_with_ddp=True) + hook_with_zero_step",
                   _zero_overlap),
+        *ISLAND_CONTENDERS,
     )
 }

@@ -7,14 +7,16 @@ rank's interface sent per step. For the real task also: the target loss and how 
 was chosen, the steps and training seconds each contender needed to reach it, that
 time against its floor (the steps it needed at ``local``'s mean step time), and the
 loss at the fixed step count, against the uncompressed contender of the same kind.
-A contender that did not finish says why, in a note under its table.
+With ``island-alone`` in the run (``--ranks-per-host``), every table also gives each
+contender's step against it, paired by round (``x alone``). A contender that did not
+finish says why, in a note under its table.
 """
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence
 
 from .rates import format_rate
-from .results import ContenderRun, TaskResult, smoothed
+from .results import ALONE, ContenderRun, TaskResult, smoothed
 
 __all__ = ["format_link_report", "link_report_to_json"]
 
@@ -50,13 +52,17 @@ def _spread(run: ContenderRun) -> str:
 def _step_table(task: TaskResult) -> List[str]:
     local = task.local_median_ms()
     notes: List[str] = []
+    alone = ALONE in task.runs
     lines = [f"  {'contender':<22}{'median ms':>11}{'p25-p75 ms':>13}{'mean ms':>10}{'x local':>9}{'paired':>8}"
-             f"{'MiB sent/step':>15}  status"]
+             f"{'x alone' if alone else '':>9}{'MiB sent/step':>15}  status"]
     for run in task.runs.values():
         lines.append(f"  {run.name:<22}{_fmt(run.median_ms, '.1f'):>11}{_spread(run):>13}"
                      f"{_fmt(run.mean_ms, '.1f'):>10}{_fmt(_ratio(run.median_ms, local), '.2f'):>9}"
                      f"{_fmt(task.paired_ratio(run.name), '.2f'):>8}"
+                     f"{_fmt(task.paired_ratio(run.name, ALONE), '.2f') if alone else '':>9}"
                      f"{_fmt(run.sent_mib, '.2f'):>15}  {_status(run, notes)}")
+    if alone:
+        lines.append(f"  x alone: the mean step over {ALONE}'s (each island training alone), paired by round")
     return lines + notes
 
 
@@ -69,7 +75,9 @@ def _real_table(task: TaskResult) -> List[str]:
     notes: List[str] = []
     lines = [f"  {target.describe()}" if target is not None
              else "  no target loss: neither ddp, distopt nor local ran every step"]
-    lines.append(f"  {'contender':<22}{'mean ms':>9}{'x local':>9}{'MiB/step':>10}{'steps to':>10}{'s to':>8}"
+    alone = ALONE in task.runs
+    lines.append(f"  {'contender':<22}{'mean ms':>9}{'x local':>9}{'x alone' if alone else '':>9}{'MiB/step':>10}"
+                 f"{'steps to':>10}{'s to':>8}"
                  f"{'x floor':>9}{'final loss':>12}{'val loss':>10}{'vs uncompr.':>13}  status")
     for name, run in task.runs.items():
         steps = target.steps_to(run) if target is not None and run.ok else None
@@ -79,7 +87,8 @@ def _real_table(task: TaskResult) -> List[str]:
         delta = None if base is None or finals[name] is None else 100 * (finals[name] - base) / base
         lines.append(
             f"  {name:<22}{_fmt(run.mean_ms, '.1f'):>9}{_fmt(_ratio(run.mean_ms, local), '.2f'):>9}"
-            f"{_fmt(run.sent_mib, '.2f'):>10}{_fmt(steps, 'd') if run.ok else '-':>10}{_fmt(seconds, '.1f'):>8}"
+            f"{_fmt(task.paired_ratio(name, ALONE), '.2f') if alone else '':>9}{_fmt(run.sent_mib, '.2f'):>10}"
+            f"{_fmt(steps, 'd') if run.ok else '-':>10}{_fmt(seconds, '.1f'):>8}"
             f"{_fmt(_ratio(seconds, floor), '.2f'):>9}{_fmt(_final_loss(run, window), '.4f'):>12}"
             f"{_fmt(run.final_val(), '.4f'):>10}{_fmt(delta, '+.2f') + ('%' if delta is not None else ''):>13}"
             f"  {_status(run, notes)}")
@@ -119,14 +128,19 @@ def format_link_report(report: Dict[str, Any]) -> str:
     """
     cfg, env, link = report["config"], report["environment"], report["link"]
     cores: Sequence[int] = env["cores"]
+    per_host = cfg.get("ranks_per_host", 1)
+    ranks = (f"2 ranks, one per namespace, pinned to cores {cores[0]} and {cores[1]}" if per_host == 1 else
+             f"{2 * per_host} ranks, {per_host} per namespace (loopback inside, the shaped link between), pinned to "
+             f"cores {', '.join(map(str, cores))} ({2 * per_host} processes on {len(set(cores))} cores)")
     lines = [
         f"distopt slow-link benchmark: {format_rate(cfg['rate_bps'])} each way between two network namespaces "
         f"(veth pair; {link['tbf_text']} on both ends){'; --quick' if cfg['quick'] else ''}",
-        f"2 ranks, one per namespace, pinned to cores {cores[0]} and {cores[1]}; gloo; torch {env['torch']}, Python "
+        f"{ranks}; gloo; torch {env['torch']}, Python "
         f"{env['python']}, {env['cpu']}, kernel {env['kernel']}; load average {env['load_before'][0]:.1f} before, "
         f"{env['load_after'][0]:.1f} after; {env['seconds']:.0f} s",
         _probe_line(link),
-        "ms = the slowest rank's step; MiB sent = what one rank's veth sent per step, headers included; "
+        "ms = the slowest rank's step; MiB sent = what one rank's veth sent per step, headers included"
+        f"{'' if per_host == 1 else f' (a namespace sends for its {per_host} ranks: the count over {per_host})'}; "
         f"PowerSGD rank {cfg['powersgd_rank']}",
     ]
     for task in report["tasks"]:

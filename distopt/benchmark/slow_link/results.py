@@ -20,11 +20,13 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-__all__ = ["ContenderRun", "Target", "TaskResult", "REFERENCES", "TARGET_FRACTION", "smoothed", "choose_target",
-           "merge_ranks"]
+__all__ = ["ContenderRun", "Target", "TaskResult", "REFERENCES", "ALONE", "TARGET_FRACTION", "smoothed",
+           "choose_target", "merge_ranks"]
 
 #: The contenders whose loss sets the target, in order of preference.
 REFERENCES = ("ddp", "distopt", "local")
+#: The floor of the two-level contenders: each island alone, no cross-host traffic (``--ranks-per-host``).
+ALONE = "island-alone"
 #: The share of the steps at which the reference's loss becomes the target.
 TARGET_FRACTION = 0.8
 
@@ -250,16 +252,16 @@ class TaskResult:
         run = self.runs.get("local")
         return run.median_ms if run is not None and run.ok else None
 
-    def paired_ratio(self, name: str) -> Optional[float]:
-        """Contender ``name``'s step time over ``local``'s, paired by round: the median over the rounds of
-        its chunk's mean step over ``local``'s chunk's in the same round.
+    def paired_ratio(self, name: str, reference: str = "local") -> Optional[float]:
+        """Contender ``name``'s step time over ``reference``'s (``local``), paired by round: the median over
+        the rounds of its chunk's mean step over ``reference``'s chunk's in the same round.
 
         Each round runs every contender's chunk one after the other, so a pair shares the
         machine's state of that moment; a host whose speed drifts by tens of per cent from one
         round to the next (shared machines do) moves both alike, and the median of the pairs
-        keeps what the contender itself costs. None without ``local`` or a whole round.
+        keeps what the contender itself costs. None without ``reference`` or a whole round.
         """
-        local, run, chunk = self.runs.get("local"), self.runs.get(name), int(self.schedule.get("chunk", 0))
+        local, run, chunk = self.runs.get(reference), self.runs.get(name), int(self.schedule.get("chunk", 0))
         if local is None or run is None or not local.ok or chunk < 1:
             return None
         rounds = min(len(local.step_ms), len(run.step_ms)) // chunk
@@ -277,6 +279,8 @@ class TaskResult:
             "real": self.real,
             "schedule": self.schedule,
             "paired_x_local": {name: self.paired_ratio(name) for name in self.runs},
+            **({"paired_x_alone": {name: self.paired_ratio(name, ALONE) for name in self.runs}}
+               if ALONE in self.runs else {}),
             "target": None if self.target is None else asdict(self.target),
             "runs": {name: run.to_json() for name, run in self.runs.items()},
         }

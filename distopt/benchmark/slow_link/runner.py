@@ -55,10 +55,12 @@ def _exit_on_signals() -> Iterator[None]:
             signal.signal(sig, old)
 
 
-def pick_cores() -> List[int]:
-    """One core per rank: the first two this process may run on (the same one twice on a single core)."""
+def pick_cores(ranks_per_host: int = 1) -> List[int]:
+    """The core of each rank of two hosts of ``ranks_per_host``: a core of its own among those this process
+    may run on, round them where there are fewer (the same one twice on a single core; on two cores, 2 x 2
+    ranks put one rank of each host on each core)."""
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    return [cores[0], cores[1 % len(cores)]]
+    return [cores[rank % len(cores)] for rank in range(2 * ranks_per_host)]
 
 
 def failure_of(replies: Sequence[Tuple[Any, ...]]) -> Tuple[str, str]:
@@ -101,9 +103,10 @@ def _start(sup: Supervisor, task: LinkTask, cfg: LinkConfig, index: int, log_dir
            runs: Dict[str, ContenderRun]) -> List[str]:
     live = []
     master = sup.link.hosts[0].address
+    options = dataclasses.replace(cfg.options, ranks_per_host=cfg.ranks_per_host)
     for i, name in enumerate(cfg.contenders):
         key = f"{task.name}/{name}"
-        jobs = [Job(task.name, name, rank, sup.world, master, cfg.base_port + 100 * index + i, cfg.seed, cfg.options,
+        jobs = [Job(task.name, name, rank, sup.world, master, cfg.base_port + 100 * index + i, cfg.seed, options,
                     cfg.collective_timeout_s(), str(log_dir / f"{task.name}-{name}-rank{rank}.log"))
                 for rank in range(sup.world)]
         replies = sup.start_contender(key, jobs, cfg.step_deadline_s(1) + 60)
@@ -218,18 +221,19 @@ def run_link_benchmark(cfg: LinkConfig, log: Log = lambda line: None) -> Dict[st
     swept = sweep_stale()
     if swept:
         log(f"removed namespaces left by killed runs: {', '.join(swept)}")
-    cores = pick_cores()
+    cores = pick_cores(cfg.ranks_per_host)
     environment = {"torch": torch.__version__, "python": platform.python_version(), "kernel": platform.release(),
                    "cpu": _cpu_model(), "cores": cores, "load_before": os.getloadavg()}
     started = time.perf_counter()
     with _exit_on_signals(), ShapedLink(cfg.rate_bps) as link, \
             tempfile.TemporaryDirectory(prefix="distopt-link-") as tmp, \
-            Supervisor(link, cores, Path(tmp)) as sup:
+            Supervisor(link, cores, Path(tmp), cfg.ranks_per_host) as sup:
         log(f"link built: {link.tbf.describe()} on {link.hosts[0].interface} and {link.hosts[1].interface}; "
             f"ranks pinned to cores {cores}")
-        # Both directions, one after the other, on ports below the contenders'.
-        probe = [sup.probe(1, 0, cfg.base_port - 2, cfg.probe_bytes),
-                 sup.probe(0, 1, cfg.base_port - 1, cfg.probe_bytes)]
+        # Both directions, one after the other, on ports below the contenders': rank 0 and the other host's first.
+        other = cfg.ranks_per_host
+        probe = [sup.probe(other, 0, cfg.base_port - 2, cfg.probe_bytes),
+                 sup.probe(0, other, cfg.base_port - 1, cfg.probe_bytes)]
         log(f"link check: {probe[0]['mbit_s']:.1f} and {probe[1]['mbit_s']:.1f} Mbit/s of TCP payload")
         tasks = [run_task(sup, TASKS[name], cfg, i, Path(tmp), log) for i, name in enumerate(cfg.tasks)]
         link_info = {"rate_bps": cfg.rate_bps, "tbf": link.tbf.tc_args(), "tbf_text": link.tbf.describe(),
@@ -238,5 +242,6 @@ def run_link_benchmark(cfg: LinkConfig, log: Log = lambda line: None) -> Dict[st
     environment["load_after"] = os.getloadavg()
     environment["seconds"] = time.perf_counter() - started
     return {"config": {"rate_bps": cfg.rate_bps, "tasks": list(cfg.tasks), "contenders": list(cfg.contenders),
-                       "powersgd_rank": cfg.options.powersgd_rank, "quick": cfg.quick, "seed": cfg.seed},
+                       "powersgd_rank": cfg.options.powersgd_rank, "quick": cfg.quick, "seed": cfg.seed,
+                       "ranks_per_host": cfg.ranks_per_host},
             "environment": environment, "link": link_info, "tasks": tasks}

@@ -1,13 +1,14 @@
-"""The launching side: the two rank hosts in their namespaces, and one request at a time to a contender.
+"""The launching side: the rank hosts in their namespaces, and one request at a time to a contender.
 
-:class:`Supervisor` starts one :mod:`.host` per namespace (``ip netns exec``), each in
+:class:`Supervisor` starts one :mod:`.host` per rank (``ip netns exec``), ``ranks_per_host`` of
+them in each namespace (ranks ``0 .. k - 1`` in the first, ``k .. 2k - 1`` in the second), each in
 a session of its own, and ends them (and through them every contender's process) on
 leaving its ``with`` block, also on an exception or Ctrl-C: first by asking, then by
 ``SIGKILL`` to the session. The hosts and the contenders also die with their parent
 (``PR_SET_PDEATHSIG``), so even a killed benchmark leaves no process behind.
 
-A contender lives on both hosts under one key. :meth:`Supervisor.request` sends a
-command to both of its processes and waits for one reply from each. When one side
+A contender lives on every host under one key. :meth:`Supervisor.request` sends a
+command to all of its processes and waits for one reply from each. When one side
 fails (it died, raised, or its construction raised), the other is probably waiting in
 a collective for it, so it is killed rather than left to time out; when neither
 answers within the deadline, both are. The caller gets both replies and decides.
@@ -24,7 +25,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from .child import Job
-from .namespaces import ShapedLink
+from .namespaces import Host, ShapedLink
 
 __all__ = ["Supervisor", "HostError", "FAILURES", "describe_failure"]
 
@@ -72,19 +73,26 @@ def describe_failure(reply: Tuple[Any, ...]) -> str:
 
 
 class Supervisor:
-    """The two rank hosts, one in each namespace of ``link``, pinned to ``cores``.
+    """The rank hosts, ``ranks_per_host`` in each namespace of ``link``, pinned to ``cores``.
 
     Args:
         link: the built link.
         cores: the core of each rank.
         log_dir: where the hosts' and contenders' logs go.
+        ranks_per_host: ranks in each namespace; they reach each other over its loopback.
+
+    Raises:
+        ValueError: ``cores`` does not give one core per rank.
     """
 
-    def __init__(self, link: ShapedLink, cores: Sequence[int], log_dir: Path) -> None:
+    def __init__(self, link: ShapedLink, cores: Sequence[int], log_dir: Path, ranks_per_host: int = 1) -> None:
         self.link = link
         self.cores = list(cores)
         self.log_dir = log_dir
-        self.world = len(link.hosts)
+        self.ranks_per_host = ranks_per_host
+        self.world = len(link.hosts) * ranks_per_host
+        if len(self.cores) != self.world:
+            raise ValueError(f"cores={self.cores!r} must give one core per rank: {self.world} of them")
         self._procs: List[subprocess.Popen] = []
         self._to: List[Connection] = []
         self._from: List[Connection] = []
@@ -108,7 +116,8 @@ class Supervisor:
         Raises:
             HostError: a host did not start.
         """
-        for rank, host in enumerate(self.link.hosts):
+        for rank in range(self.world):
+            host = self.host_of(rank)
             env = dict(os.environ)
             env["PYTHONPATH"] = os.pathsep.join(filter(None, [_package_root(), env.get("PYTHONPATH")]))
             env["GLOO_SOCKET_IFNAME"] = host.interface  # gloo would otherwise look up the host name
@@ -128,6 +137,10 @@ class Supervisor:
             self._from.append(Connection(from_host[0], writable=False))
         for rank in range(self.world):
             self._host_reply(rank, "hello", _HELLO_TIMEOUT_S)
+
+    def host_of(self, rank: int) -> Host:
+        """The namespace end ``rank`` runs in: ranks are numbered one namespace after the other."""
+        return self.link.hosts[rank // self.ranks_per_host]
 
     def _log(self, rank: int) -> str:
         try:
@@ -178,13 +191,13 @@ class Supervisor:
         Returns:
             The receiver's payload rate (``mbit_s``) and the sender's round-trip time (``rtt_ms``).
         """
-        address = self.link.hosts[receiver].address
+        address = self.host_of(receiver).address
         self._send(receiver, ("probe", "serve", address, port, nbytes))
         self._send(sender, ("probe", "send", address, port, nbytes))
         return {**self._host_reply(receiver, "probe", 300)[1], **self._host_reply(sender, "probe", 300)[1]}
 
     def start_contender(self, key: str, jobs: Sequence[Job], timeout: float) -> List[Tuple[Any, ...]]:
-        """Fork contender ``key`` on every host (``jobs[rank]``) and wait for each to be ready or fail."""
+        """Fork contender ``key`` on every rank's host (``jobs[rank]``) and wait for each to be ready or fail."""
         for rank, job in enumerate(jobs):
             self._send(rank, ("start", key, job))
         return self._collect(key, timeout)
