@@ -96,22 +96,29 @@ def gather_buffer(pack: Pack, tensor: Tensor, world: int) -> Tensor:
 
 
 class Broadcasts:
-    """The broadcasts of one gather, waited for as one collective's work.
+    """The broadcasts of one gather, or the transfers of one reduce-scatter, waited for as one collective's work.
+
+    It may be waited for again once it is done (the engine waits again for everything in flight when
+    a round goes on, e.g. after a rows overflow or a wait that gave up), and each work is waited for
+    once only: a gloo send or receive counts its completions, and a second wait on one that is done
+    waits for a transfer that never comes.
 
     Args:
-        works: one broadcast's work per rank.
+        works: one broadcast's (or transfer's) work per rank.
     """
 
-    __slots__ = ("works", "failed")
+    __slots__ = ("works", "failed", "waited")
 
     def __init__(self, works: List[Any]) -> None:
         self.works = works
         self.failed = False
+        self.waited = 0  # the works waited for to the end, in order
 
     def wait(self, timeout: Optional[timedelta] = None) -> bool:
-        """Wait for every broadcast; raises ``RuntimeError`` as a work does (timeout or failure)."""
+        """Wait for every broadcast not yet waited for; raises ``RuntimeError`` as a work does (timeout or failure)."""
         deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
-        for work in self.works:
+        while self.waited < len(self.works):
+            work = self.works[self.waited]
             try:
                 if deadline is None:
                     work.wait()
@@ -124,6 +131,7 @@ class Broadcasts:
                 if failure is not None:
                     self.failed = True  # a peer left, or the group timed out
                     raise failure from None
+            self.waited += 1
         return True
 
     def is_completed(self) -> bool:

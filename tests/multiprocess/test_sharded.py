@@ -707,24 +707,35 @@ def sharded_gradients(world):
     out["scaler"] = {"diff": max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters())),
                      "scales": stepped}
     # A gradient of 2 MiB travels alone, reduce-scattered from where autograd left it; not owned, it is let go.
+    # The first layer's (1 MiB, 1024 rows) is tried as rows, which overflow (it is dense) and go dense: the round
+    # waits again for what it had waited for. At step 1 the last rank pauses in the middle of its backward,
+    # longer than the others wait at the end of theirs: their round stays pending, and step() waits again.
     torch.manual_seed(1)
-    model = nn.Sequential(nn.Linear(4, 512), nn.Tanh(), nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 2)).double()
+    model = nn.Sequential(nn.Linear(128, 1024), nn.Tanh(), nn.Linear(1024, 256), nn.Tanh(), nn.Linear(256, 2)).double()
     ref = copy.deepcopy(model)
     opt = DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), shard_state="gradients",
-                               pack_threshold=1 << 20)
+                               pack_threshold=1 << 16)
+    opt._engine.backward_patience, opt._engine.patience_growth = 0.2, 0.0
     ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
     large, large_grad = model[2].weight, True
     for step in range(3):
         x, y = batch(step)
+        x = x.repeat(1, 32)
         opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
+        hidden = model[3](model[2](model[1](model[0](x))))
+        if step == 1 and rank == world - 1:  # after the last layer's pack has left, before the others
+            hidden.register_hook(lambda g: time.sleep(1.0))
+        nn.functional.mse_loss(model[4](hidden), y).backward()
+        opt.synchronize()  # a round left pending at the end of backward (step 1) settles here
         large_grad = large_grad and (opt.mode.owner_of[id(large)] == rank) == (large.grad is not None)
         opt.step()
         ref_opt.zero_grad()
-        (sum(nn.functional.mse_loss(ref(batch(step, r)[0]), batch(step, r)[1]) for r in range(world)) / world).backward()
+        (sum(nn.functional.mse_loss(ref(batch(step, r)[0].repeat(1, 32)), batch(step, r)[1])
+             for r in range(world)) / world).backward()
         ref_opt.step()
     out["large"] = {"diff": max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters())),
-                    "direct": any(pack.direct for pack in opt._engine.packs), "grad_where_owned": large_grad}
+                    "direct": any(pack.direct for pack in opt._engine.packs), "grad_where_owned": large_grad,
+                    "rows": any(pack.rows is not None for pack in opt._engine.packs)}
     opt.close()
     # Accumulation inside no_sync(): the first half-batch stays local, the second's backward reduces both.
     model, ref = Net(), Net()
@@ -847,6 +858,7 @@ def test_sharded_gradients_train_like_one_process_with_clipping_scaler_and_grads
         assert scaler["scales"] == [16.0, 8.0, 8.0, 8.0], scaler  # step 1 skipped on every rank alike
         assert r["no_sync"] < TOL, r["no_sync"]
         assert r["large"]["diff"] < TOL and r["large"]["direct"] and r["large"]["grad_where_owned"], r["large"]
+        assert r["large"]["rows"], r["large"]
         assert r["join"] is not None and r["join"].startswith("a step inside join(): join() with "), r["join"]
         assert "is not supported yet" in r["join"] and "DistributedSampler(drop_last=True)" in r["join"], r["join"]
 
