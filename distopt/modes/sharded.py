@@ -281,7 +281,10 @@ class ShardedState(Synchronous):
         # The engine has let go of the others' gradients already (GradientEngine.scatter_to).
         owned = [p.grad for p in ctx.params if p.grad is not None and self.mine(p) and p.grad.numel()]
         with torch.no_grad():
-            local = bool(owned) and not bool(torch.stack([torch.isfinite(g).all() for g in owned]).all())
+            # The largest magnitude is inf or NaN exactly where a value is: a reduction, where isfinite(g)
+            # would make temporaries the size of the gradient (47 MiB at a 64 MiB gradient).
+            largest = [torch.linalg.vector_norm(g, float("inf")) for g in owned]
+            local = bool(owned) and not bool(torch.isfinite(torch.stack(largest)).all())
             first_owned = owned[0] if owned else None
             flag = torch.tensor([float(local)], dtype=torch.float64)
             with stalls.inspected(ctx.progress, "the exchange of whether a gradient slice is not finite"):
