@@ -46,9 +46,15 @@ slice is written into every rank's first owned gradient, so that ``GradScaler``
 finds it and skips the step on every rank alike (with its scale lowered alike);
 ``opt.clip_grad_norm_()`` sums the owned gradients' norms over the ranks. The
 owner steps and the parameters are shared as above: an all-reduce's bytes in all.
-Not supported yet, and refused by name: compression, ``backward_passes_per_step``
-above 1 (``no_sync()`` works), ``join()``, fault tolerance, and a world in which a
-rank owns no trainable parameter.
+``backward_passes_per_step`` and ``no_sync()`` accumulate locally as without
+sharding. In a ``join()`` block, the round in which a rank joined was
+reduce-scattered to the owners it started with: the gradients of the parameters
+whose owner changes go to their new owners with their state (below), and the packs
+are grouped by the new owners from the next round on. Not supported, and refused
+by name: compression (a codec's collectives assume the whole pack on every rank),
+fault tolerance, ``opt.clip_grad_norm_()`` once a rank has joined (the joined rank
+takes no part in the norm's sum), and a world in which a rank owns no trainable
+parameter.
 
 Join: a rank that has joined owns nothing. In the round in which it joined, which
 every rank settles at the same point of its collectives, its shard is handed to
@@ -122,10 +128,9 @@ class ShardedState(Synchronous):
 
     Raises:
         ValueError: ``share`` is neither ``"in_step"`` nor ``"background"``; (when the wrapper is built,
-            with ``gradients=True``) compression, ``backward_passes_per_step`` above 1, or a rank owning
-            no trainable parameter.
+            with ``gradients=True``) compression, or a rank owning no trainable parameter.
         TypeError: ``gradients`` is not a bool.
-        RuntimeError: (with ``gradients=True``) a step inside ``join()``.
+        RuntimeError: (with ``gradients=True``) ``opt.clip_grad_norm_()`` after a rank joined.
         TypeError: (when the wrapper is built) the inner optimizer is ``LBFGS``, which keeps one
             history over all parameters together.
         ValueError: (when the wrapper is built) with ``fault_tolerance``: a replica that dies takes
@@ -250,11 +255,6 @@ class ShardedState(Synchronous):
             raise ValueError(
                 f"{what} cannot be compressed yet: a codec's collectives assume the whole pack on every rank; "
                 "drop compression=, or shard the optimizer state only (shard_state=True)")
-        if ctx.engine.backward_passes_per_step != 1:
-            raise ValueError(
-                f"{what} with backward_passes_per_step={ctx.engine.backward_passes_per_step} is not supported yet; "
-                "pass backward_passes_per_step=1 and accumulate the passes before the last inside opt.no_sync(), "
-                "or shard the optimizer state only (shard_state=True)")
 
     def _check_every_rank_owns_a_gradient(self, ctx: ModeContext) -> None:
         """Every rank must own a trainable parameter: ``GradScaler`` finds an inf in the gradients a rank
@@ -266,12 +266,6 @@ class ShardedState(Synchronous):
                 f"{self.describe()} at world size {self.world_size}: ranks {idle} own no trainable parameter "
                 "(there are fewer trainable parameters than ranks, by bytes), so they would hold no gradient; "
                 "train on fewer ranks, or shard the optimizer state only (shard_state=True)")
-
-    def _refuse_join(self, what: str) -> None:
-        raise RuntimeError(
-            f"{what}: join() with {self.describe()} is not supported yet (a rank that joins would hand its "
-            "gradients' owners over mid-round); give every rank the same number of batches (e.g. "
-            "DistributedSampler(drop_last=True)), or shard the optimizer state only (shard_state=True)")
 
     def _after_scatter(self, ctx: ModeContext) -> None:
         """A round is back (on every rank, at the same point): make an inf or NaN found in any rank's slice show
@@ -295,6 +289,12 @@ class ShardedState(Synchronous):
     def clip_grad_norm_(self, ctx: ModeContext, max_norm: float, norm_type: float) -> Tensor:
         if not self.gradients or ctx.world_size == 1:
             return super().clip_grad_norm_(ctx, max_norm, norm_type)
+        if len(self.active) < self.world_size:
+            raise RuntimeError(
+                f"opt.clip_grad_norm_() with {self.describe()} after a rank joined: the norm is summed over every "
+                f"rank's gradients and the ranks that have joined ({sorted(set(range(self.world_size)) - set(self.active))}) "
+                "take no part; clip before any rank runs out of data (give every rank the same number of batches, "
+                "e.g. DistributedSampler(drop_last=True)), or shard the optimizer state only (shard_state=True)")
         grads = [p.grad for group in ctx.optimizer.param_groups for p in group["params"]
                  if p.grad is not None and self.mine(p)]
         with torch.no_grad():
@@ -317,8 +317,6 @@ class ShardedState(Synchronous):
         return total_norm
 
     def step(self, ctx: ModeContext, closure: Optional[Callable[[], Any]]) -> Any:
-        if self.gradients and ctx.engine.join.in_block and ctx.world_size > 1:
-            self._refuse_join("a step inside join()")
         if ctx.world_size == 1:  # nothing to divide
             return super().step(ctx, closure)
         self._finish_share()  # the last step's: this one changes the parameters it sent
@@ -341,8 +339,6 @@ class ShardedState(Synchronous):
         return step_with_hooks(ctx.optimizer, closure, body)
 
     def leaving(self, ctx: ModeContext) -> Optional[Callable[[], None]]:
-        if self.gradients and ctx.world_size > 1:
-            self._refuse_join("a rank out of data inside join()")
         self._finish_share()  # before this rank's shadow rounds: it sends nothing more
         return None
 
@@ -402,21 +398,37 @@ class ShardedState(Synchronous):
             for p, k in zip(orphans, owners):
                 new_owner[id(p)] = active[k]
         self._move_state(ctx, new_owner)
+        if self.gradients:  # the packs grouped by the new owners, from the next round on
+            ctx.engine.scatter_to(ctx.engine.owner_of)
 
     def _move_state(self, ctx: ModeContext, new_owner: Dict[int, int]) -> None:
-        """Send the state of every parameter whose owner changes to its new owner (one gather)."""
+        """Send the state of every parameter whose owner changes to its new owner (one gather).
+
+        With the gradients sharded, this round's averaged gradient of such a parameter is on its old
+        owner alone (the round was reduce-scattered to the owners it started with): it travels too.
+        """
         optimizer = ctx.optimizer
         index = {id(p): i for i, p in enumerate(ctx.params)}
-        outgoing = {index[id(p)]: cpu_copy(optimizer.state[p]) for p in ctx.params
-                    if self.owner_of[id(p)] == self.rank != new_owner[id(p)] and p in optimizer.state}
+        moving = [p for p in ctx.params if self.owner_of[id(p)] == self.rank != new_owner[id(p)]]
+        outgoing = {index[id(p)]: cpu_copy(optimizer.state[p]) for p in moving if p in optimizer.state}
+        grads = {}
+        if self.gradients:
+            grads = {index[id(p)]: p.grad.detach().cpu().clone() for p in moving if p.grad is not None}
         with stalls.inspected(ctx.progress, "the hand-over of optimizer state between ranks"):
-            everyone = collectives.all_gather_object(outgoing, group=ctx.group)
+            everyone = collectives.all_gather_object((outgoing, grads), group=ctx.group)
         self.owner_of = new_owner
-        for part in everyone:
+        for part, part_grads in everyone:
             for i, state in part.items():
                 p = ctx.params[i]
                 if self.mine(p):
                     optimizer.state[p] = {k: v.to(p.device) if isinstance(v, Tensor) else v for k, v in state.items()}
+            for i, grad in part_grads.items():
+                p = ctx.params[i]
+                if self.mine(p):
+                    p.grad = grad.to(device=p.device, dtype=p.dtype)
+        for p in moving:  # another rank's now
+            if self.gradients:
+                p.grad = None
         self._drop_foreign_state(ctx)
 
     # ------------------------------------------------------------------ the step

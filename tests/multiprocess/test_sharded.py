@@ -344,13 +344,16 @@ def join_sharded_closure(counts):
     return {"diff": diff, "identical": identical, "loss_diff": max(abs(a - b) for a, b in zip(*losses))}
 
 
-def join_sharded_scaler(counts, infs):
+def join_sharded_scaler(counts, infs, shard_state=True):
     """GradScaler inside join(): an inf in every training rank's loss at each step in ``infs`` (before and after
-    ranks joined) skips that step. Against one process that averages the ranks present and skips those steps."""
+    ranks joined) skips that step. Against one process that averages the ranks present and skips those steps.
+    With ``shard_state="gradients"`` a joined rank owns nothing: the gradients it received, reduce-scattered in
+    the round in which it joined, go to their new owners, and the packs are grouped by the new owners."""
     rank = dist.get_rank()
     model = Net()
-    opt = DistributedOptimizer(torch.optim.Adam(param_groups(model), lr=0.01), pack_threshold=256, shard_state=True,
-                               stall_timeout=30)  # ranks out of step fail in time
+    opt = DistributedOptimizer(torch.optim.Adam(param_groups(model), lr=0.01), pack_threshold=256,
+                               shard_state=shard_state, stall_timeout=30)  # ranks out of step fail in time
+    owned_after_join = clip_error = None
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
     stepped = []
     with opt.join():
@@ -361,10 +364,17 @@ def join_sharded_scaler(counts, infs):
             if step in infs:
                 loss = loss * float("inf")  # every rank still training: averaged gradients are inf everywhere
             scaler.scale(loss).backward()
+            if shard_state == "gradients" and step == counts[rank] - 1 == max(counts) - 1:
+                try:  # the others have joined: their norms cannot be summed
+                    opt.clip_grad_norm_(1.0)
+                except RuntimeError as exc:
+                    clip_error = str(exc)
             scale = scaler.get_scale()
             scaler.step(opt)
             scaler.update()
             stepped.append(scaler.get_scale() == scale)
+            if shard_state == "gradients":  # who owns a parameter now: the ranks still training
+                owned_after_join = sorted(set(opt.mode.owner_of.values()))
     params = [p.detach().clone() for p in model.parameters()]
     state = opt.state_dict()
     identical = all(all(torch.equal(a, b) for a, b in zip(params, o)) for o in distopt.all_gather_object(params))
@@ -380,7 +390,7 @@ def join_sharded_scaler(counts, infs):
          / len(present)).backward()
         ref.step()
     ref_state = ref.state_dict()
-    return {"identical": identical, "stepped": stepped,
+    return {"identical": identical, "stepped": stepped, "owners": owned_after_join, "clip_error": clip_error,
             "diff": max((a - b).abs().max().item() for a, b in zip(params, ref_model.parameters())),
             "state_diff": max((a - b).abs().max().item() for (_, _, a), (_, _, b) in
                               zip(tensors_of(state), tensors_of(ref_state))),
@@ -755,17 +765,28 @@ def sharded_gradients(world):
         ref_opt.step()
     opt.close()
     out["no_sync"] = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
-    opt = DistributedOptimizer(torch.optim.SGD(param_groups(model), lr=0.01), shard_state="gradients")
-    try:
-        with opt.join():
-            x, y = batch(0)
-            opt.zero_grad()
-            nn.functional.mse_loss(model(x), y).backward()
-            opt.step()
-        out["join"] = None
-    except RuntimeError as exc:
-        out["join"] = str(exc)
+    # backward_passes_per_step=2: the first pass stays local, the second reduces both to their owners.
+    model, ref = Net(), Net()
+    opt = DistributedOptimizer(torch.optim.Adam(param_groups(model), lr=0.01), shard_state="gradients",
+                               backward_passes_per_step=2, pack_threshold=256)
+    ref_opt = torch.optim.Adam(param_groups(ref), lr=0.01)
+    foreign_none = True
+    for step in range(3):
+        x, y = batch(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x[:3]), y[:3]).backward()
+        nn.functional.mse_loss(model(x[3:]), y[3:]).backward()
+        foreign_none = foreign_none and all(p.grad is None for p in model.parameters()
+                                            if p.requires_grad and id(p) in opt.mode.owner_of and not opt.mode.mine(p))
+        opt.step()
+        ref_opt.zero_grad()
+        whole = sum(nn.functional.mse_loss(ref(batch(step, r)[0][:3]), batch(step, r)[1][:3])
+                    + nn.functional.mse_loss(ref(batch(step, r)[0][3:]), batch(step, r)[1][3:]) for r in range(world))
+        (whole / world).backward()
+        ref_opt.step()
     opt.close()
+    out["passes"] = {"diff": max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters())),
+                     "foreign_none": foreign_none}
     return out
 
 
@@ -782,6 +803,8 @@ CASES["join"] = (3, join_sharded, ([5, 2, 4],))
 CASES["join, closure twice per step"] = (3, join_sharded_closure, ([5, 2, 4],))
 CASES["join, scaler skips, world 2"] = (2, join_sharded_scaler, ([6, 3], {1, 4}))
 CASES["join, scaler skips, world 3"] = (3, join_sharded_scaler, ([6, 2, 4], {1, 3, 5}))
+CASES["join, scaler skips, world 2, gradients"] = (2, join_sharded_scaler, ([6, 3], {1, 4}, "gradients"))
+CASES["join, scaler skips, world 3, gradients"] = (3, join_sharded_scaler, ([6, 2, 4], {1, 3, 5}, "gradients"))
 CASES["shard loads"] = (2, shard_loads, ())
 CASES["own shard after add_param_group"] = (2, own_shard_after_add_param_group, ())
 CASES["step hooks"] = (2, step_hooks, ())
@@ -857,10 +880,9 @@ def test_sharded_gradients_train_like_one_process_with_clipping_scaler_and_grads
         assert scaler["diff"] < TOL, scaler
         assert scaler["scales"] == [16.0, 8.0, 8.0, 8.0], scaler  # step 1 skipped on every rank alike
         assert r["no_sync"] < TOL, r["no_sync"]
+        assert r["passes"]["diff"] < TOL and r["passes"]["foreign_none"], r["passes"]
         assert r["large"]["diff"] < TOL and r["large"]["direct"] and r["large"]["grad_where_owned"], r["large"]
         assert r["large"]["rows"], r["large"]
-        assert r["join"] is not None and r["join"].startswith("a step inside join(): join() with "), r["join"]
-        assert "is not supported yet" in r["join"] and "DistributedSampler(drop_last=True)" in r["join"], r["join"]
 
 
 def test_the_drift_check_ignores_each_ranks_own_shard_and_names_a_parameter_moved_on_one_rank(tmp_path_factory):
@@ -913,13 +935,19 @@ def test_join_with_uneven_batches_and_a_scheduler_trains_like_the_unsharded_wrap
         assert r["diff"] < TOL and r["identical"], r
 
 
+@pytest.mark.parametrize("shard", ["", ", gradients"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_a_step_gradscaler_skips_after_a_rank_joined_trains_like_one_process_skipping_it(world, tmp_path_factory):
-    counts, infs = CASES[f"join, scaler skips, world {world}"][2]
-    for rank, r in enumerate(results(f"join, scaler skips, world {world}", tmp_path_factory)):
+def test_a_step_gradscaler_skips_after_a_rank_joined_trains_like_one_process_skipping_it(world, shard,
+                                                                                         tmp_path_factory):
+    counts, infs = CASES[f"join, scaler skips, world {world}{shard}"][2][:2]
+    for rank, r in enumerate(results(f"join, scaler skips, world {world}{shard}", tmp_path_factory)):
         assert r["stepped"] == [step not in infs for step in range(counts[rank])], r  # the scaler did skip them
         assert r["identical"] and r["same_layout"], r
         assert r["diff"] < TOL and r["state_diff"] < TOL, r
+        if shard and rank == 0:  # at its last step every other rank had joined: it owns everything
+            assert r["owners"] == [0], r
+            assert re.match(r"opt.clip_grad_norm_\(\) with .*gradients.* after a rank joined: the norm is summed over "
+                            r"every rank's gradients and the ranks that have joined \(\[1", r["clip_error"]), r
 
 
 def test_a_closure_evaluated_twice_per_step_after_a_rank_joined_trains_like_the_unsharded_wrapper(
@@ -941,10 +969,6 @@ def test_sharded_gradients_refuse_what_they_do_not_support_yet_naming_the_fix():
     with pytest.raises(ValueError, match=r"gradients=True\) \(the gradients reduce-scattered .* cannot be compressed"):
         DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), mode=distopt.ShardedState(gradients=True),
                              compression="bf16")
-    with pytest.raises(ValueError, match=r"backward_passes_per_step=2 is not supported yet; pass "
-                                         r"backward_passes_per_step=1"):
-        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), shard_state="gradients",
-                             backward_passes_per_step=2)
     with pytest.raises(TypeError, match=r"ShardedState\(gradients='yes'\): gradients must be True or False"):
         distopt.ShardedState(gradients="yes")
     assert repr(distopt.ShardedState(gradients=True)) == "ShardedState(gradients=True)"
