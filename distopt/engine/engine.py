@@ -363,7 +363,9 @@ class GradientEngine:
         packs = build_packs(self.params, self.names, order, self.config.pack_threshold, self.config.compressor, groups,
                             owners, self.channel.group.size() if self.channel is not None else 1)
         for pack in packs:
-            if pack.direct and self.config.rows and self.channel is not None:
+            # Not a gradient reduce-scattered to its owner: its rows would reach every rank, and a round
+            # whose rows overflow would all-reduce it, where the owner alone needs it.
+            if pack.direct and pack.owner is None and self.config.rows and self.channel is not None:
                 pack.rows = sparse_rows.plan_rows(pack.params[0], self.world_size, self.channel.group.rank())
         planned = [(pack, nbytes) for pack in packs for nbytes in sums(pack)]
         for (pack, nbytes), gathers in zip(planned, plan_gathers([(n, p.spec.key[0]) for p, n in planned],
