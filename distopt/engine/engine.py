@@ -85,8 +85,8 @@ from .state import (Announcements, EngineConfig, ExchangeState, JoinState, Round
                     World)
 from .packs import (Pack, adopt_current_grads, build_packs, gather, gather_early, gather_nothing, metas, release,
                     scratch, sums)
-from .in_flight import (SCATTER_TAG, Sent, broadcast_each, gather_buffer, gather_by_broadcasts, labelled,
-                     plan_gathers, scatter_to_owners, sum_copies, sums_by_gather)
+from .in_flight import (SCATTER_PARTS, SCATTER_TAG, Sent, broadcast_each, gather_buffer, gather_by_broadcasts,
+                        labelled, plan_gathers, scatter_room, scatter_to_owners, sum_copies, sums_by_gather)
 
 __all__ = ["GradientEngine", "RoundState", "Phase", "BACKWARD_PATIENCE", "PATIENCE_GROWTH"]
 
@@ -641,19 +641,18 @@ class GradientEngine:
 
     def _scatter(self, pack: Pack, chunks: List[Tensor], index: int) -> None:
         """Reduce-scatter ``pack``'s gradients: each rank's chunk (of ``chunks``, the pack's, in rank order)
-        arrives summed on that rank, in place, the copies added in rank order (:func:`scatter_to_owners`);
-        ``opt.stats.all_reduces`` counts it."""
+        arrives summed on that rank, in place, the copies added in rank order as they arrive, part by part
+        (:func:`scatter_to_owners`); ``opt.stats.all_reduces`` counts it."""
         group = self.channel.group
         rank = group.rank()
         mine = chunks[rank]
-        others = pack.scattered
-        if others is None or others.numel() != (group.size() - 1) * mine.numel() or others.dtype != mine.dtype:
-            others = pack.scattered = torch.empty((group.size() - 1) * mine.numel(), dtype=mine.dtype,
-                                                  device=mine.device)
-        work = scatter_to_owners(group, chunks, others, SCATTER_TAG + index)
+        room = pack.scattered
+        size = scatter_room(mine, group.size())
+        if room is None or room.numel() != size or room.dtype != mine.dtype:
+            room = pack.scattered = torch.empty(size, dtype=mine.dtype, device=mine.device)
+        work = scatter_to_owners(group, chunks, room, SCATTER_TAG + index * SCATTER_PARTS)
         seq = self.progress.issue() if self.progress is not None else 0
-        self.inflight.append(Sent(work, pack, index, seq, carries_flags=False,
-                                  copies=others if mine.numel() else None, into=mine if mine.numel() else None))
+        self.inflight.append(Sent(work, pack, index, seq, carries_flags=False))
         self.stats.all_reduces += 1
         # What leaves this rank: every other rank's chunk, once, to its owner.
         self.stats.bytes += (pack.data.numel() - mine.numel()) * pack.data.element_size()

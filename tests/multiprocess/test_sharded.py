@@ -19,6 +19,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 import distopt
 from distopt import DistributedOptimizer
 from distopt._testing import run_world
+from distopt.engine import in_flight
 from distopt.planning.ownership import assign_owners
 
 from _worlds import Worlds
@@ -726,6 +727,8 @@ def sharded_gradients(world):
     torch.manual_seed(1)
     model = nn.Sequential(nn.Linear(128, 1024), nn.Tanh(), nn.Linear(1024, 256), nn.Tanh(), nn.Linear(256, 64)).double()
     ref = copy.deepcopy(model)
+    # Received in parts of 256 KiB, each added as it arrives, into room for one part from each other rank.
+    saved_part, in_flight.SCATTER_PART_BYTES = in_flight.SCATTER_PART_BYTES, 1 << 18
     opt = DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), shard_state="gradients",
                                pack_threshold=1 << 16)
     opt._engine.backward_patience, opt._engine.patience_growth = 0.2, 0.0
@@ -748,7 +751,9 @@ def sharded_gradients(world):
         ref_opt.step()
     out["large"] = {"diff": max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters())),
                     "direct": any(pack.direct for pack in opt._engine.packs), "grad_where_owned": large_grad,
-                    "rows": any(pack.rows is not None for pack in opt._engine.packs)}
+                    "rows": any(pack.rows is not None for pack in opt._engine.packs),
+                    "rooms": [pack.scattered.numel() for pack in opt._engine.packs if pack.direct and pack.owner == rank]}
+    in_flight.SCATTER_PART_BYTES = saved_part
     opt.close()
     # Accumulation inside no_sync(): the first half-batch stays local, the second's backward reduces both.
     model, ref = Net(), Net()
@@ -886,6 +891,8 @@ def test_sharded_gradients_train_like_one_process_with_clipping_scaler_and_grads
         assert r["passes"]["diff"] < TOL and r["passes"]["foreign_none"], r["passes"]
         assert r["large"]["diff"] < TOL and r["large"]["direct"] and r["large"]["grad_where_owned"], r["large"]
         assert not r["large"]["rows"], r["large"]
+        assert all(room == (world - 1) * (1 << 15) for room in r["large"]["rooms"]), r["large"]
+    assert any(r["large"]["rooms"] for r in ranks), ranks  # some rank owns a gradient of 1 MiB or more
 
 
 def test_the_drift_check_ignores_each_ranks_own_shard_and_names_a_parameter_moved_on_one_rank(tmp_path_factory):
