@@ -107,6 +107,16 @@ def _distopt_sharded_background(model: nn.Module, sgd: torch.optim.Optimizer, de
     return model, DistributedOptimizer(sgd, mode=ShardedState(share="background"))
 
 
+def _distopt_sharded_gradients(model: nn.Module, sgd: torch.optim.Optimizer, device: torch.device,
+                               variant: Optional[int]) -> Tuple[nn.Module, Any]:
+    return model, DistributedOptimizer(sgd, shard_state="gradients")
+
+
+def _distopt_sharded_gradients_background(model: nn.Module, sgd: torch.optim.Optimizer, device: torch.device,
+                                          variant: Optional[int]) -> Tuple[nn.Module, Any]:
+    return model, DistributedOptimizer(sgd, mode=ShardedState(share="background", gradients=True))
+
+
 def _zero(model: nn.Module, sgd: torch.optim.Optimizer, device: torch.device,
           variant: Optional[int]) -> Tuple[nn.Module, Any]:
     """torch's ZeroRedundancyOptimizer (the SGD's class and settings) under DDP: ZeRO-1 as torch ships it."""
@@ -168,6 +178,11 @@ MODES: Dict[str, ModeSpec] = {
     "distopt+shard": ModeSpec(_distopt_sharded, distributed_only=True, optional=True),
     # The same, the parameter share overlapping the next forward (ShardedState(share="background")).
     "distopt+shard-background": ModeSpec(_distopt_sharded_background, distributed_only=True, optional=True),
+    # distopt with shard_state="gradients": the gradients reduce-scattered to their owners too (ZeRO-2).
+    "distopt+shard-gradients": ModeSpec(_distopt_sharded_gradients, distributed_only=True, optional=True),
+    # The same, the parameter share overlapping the next forward.
+    "distopt+shard-gradients-background": ModeSpec(_distopt_sharded_gradients_background, distributed_only=True,
+                                                   optional=True),
     # torch.distributed.optim.ZeroRedundancyOptimizer under DDP.
     "zero": ModeSpec(_zero, distributed_only=True, optional=True),
     # distopt with the stall inspector off: what the inspector costs.

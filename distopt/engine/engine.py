@@ -85,8 +85,8 @@ from .state import (Announcements, EngineConfig, ExchangeState, JoinState, Round
                     World)
 from .packs import (Pack, adopt_current_grads, build_packs, gather, gather_early, gather_nothing, metas, probe_copy,
                     release, scratch, sums)
-from .in_flight import (Sent, broadcast_each, gather_buffer, gather_by_broadcasts, labelled,
-                     plan_gathers, sum_copies, sums_by_gather)
+from .in_flight import (SCATTER_PARTS, SCATTER_TAG, Sent, broadcast_each, gather_buffer, gather_by_broadcasts,
+                        labelled, plan_gathers, scatter_room, scatter_to_owners, sum_copies, sums_by_gather)
 
 __all__ = ["GradientEngine", "RoundState", "Phase", "BACKWARD_PATIENCE", "PATIENCE_GROWTH"]
 
@@ -178,6 +178,9 @@ class GradientEngine:
         self._hooked: List[int] = []  # the parameters hooked, by index (trainable when tracked)
         self._hooks_on = True
         self.packs: List[Pack] = []
+        # shard_state="gradients": each parameter's owning rank in the channel (scatter_to), or None: all-reduced.
+        self.owner_of: Optional[Callable[[Tensor], int]] = None
+        self._order: List[int] = []  # the order the packs were last planned in
         self.pack_of: List[int] = []  # parameter index -> pack index
         self.slot_of: List[int] = []  # parameter index -> its place in its pack
         self.launch_order = LaunchOrder([])
@@ -345,11 +348,27 @@ class GradientEngine:
         if self.channel is not None:
             self.channel.destroy()
 
+    def scatter_to(self, owner_of: Callable[[Tensor], int]) -> None:
+        """Reduce-scatter every pack to the owners of its members (``owner_of``: a parameter's rank in the
+        channel, the same on every rank) instead of all-reducing it; re-plans at once, in the plan's order.
+        Each pack's members are grouped by owner, and its flags travel in an all-reduce of their own. After
+        a round a gradient is the average only on its owner (the others' chunks hold their own sums)."""
+        self.owner_of = owner_of
+        if self.params:
+            self.build_packs(self._order)
+
     def build_packs(self, order: Sequence[int]) -> None:
         groups = self._fragment_groups()
-        packs = build_packs(self.params, self.names, order, self.config.pack_threshold, self.config.compressor, groups)
+        self._order = list(order)
+        owners = None
+        if self.owner_of is not None and self.channel is not None:
+            owners = [self.owner_of(p) for p in self.params]
+        packs = build_packs(self.params, self.names, order, self.config.pack_threshold, self.config.compressor, groups,
+                            owners, self.channel.group.size() if self.channel is not None else 1)
         for pack in packs:
-            if pack.direct and self.config.rows and self.channel is not None:
+            # Not a gradient reduce-scattered to its owner: its rows would reach every rank, and a round
+            # whose rows overflow would all-reduce it, where the owner alone needs it.
+            if pack.direct and pack.owner is None and self.config.rows and self.channel is not None:
                 pack.rows = sparse_rows.plan_rows(pack.params[0], self.world_size, self.channel.group.rank())
         planned = [(pack, nbytes) for pack in packs for nbytes in sums(pack)]
         for (pack, nbytes), gathers in zip(planned, plan_gathers([(n, p.spec.key[0]) for p, n in planned],
@@ -579,9 +598,17 @@ class GradientEngine:
             if rows is not None:
                 self._gather_rows(rows, pack, index)
                 self._send(pack.flags, pack, index, carries_flags=True)
+            elif pack.direct and pack.owner is not None:  # the gradient to its owner, from where autograd left it
+                self._send(pack.flags, pack, index, carries_flags=True)
+                data = pack.data.view(-1)
+                self._scatter(pack, [data if r == pack.owner else data[:0] for r in range(self.channel.group.size())],
+                              index)
             elif pack.direct:
                 self._send(pack.data, pack, index, carries_flags=False)
                 self._send(pack.flags, pack, index, carries_flags=True)
+            elif pack.chunks is not None:  # to the owners; the flags apart, every rank reads them
+                self._send(pack.flags, pack, index, carries_flags=True)
+                self._scatter(pack, pack.chunks, index)
             elif pack.codec is not None:  # the flags exactly, the values as the codec sends them
                 contributing = (not self.join.joined and not self._probing
                                 and (self.round_hooks is None or self.round_hooks.participating))
@@ -619,6 +646,24 @@ class GradientEngine:
                                   into=None if copies is None else flat))
         self.stats.all_reduces += 1
         self.stats.bytes += tensor.numel() * tensor.element_size()
+
+    def _scatter(self, pack: Pack, chunks: List[Tensor], index: int) -> None:
+        """Reduce-scatter ``pack``'s gradients: each rank's chunk (of ``chunks``, the pack's, in rank order)
+        arrives summed on that rank, in place, the copies added in rank order as they arrive, part by part
+        (:func:`scatter_to_owners`); ``opt.stats.all_reduces`` counts it."""
+        group = self.channel.group
+        rank = group.rank()
+        mine = chunks[rank]
+        room = pack.scattered
+        size = scatter_room(mine, group.size())
+        if room is None or room.numel() != size or room.dtype != mine.dtype:
+            room = pack.scattered = torch.empty(size, dtype=mine.dtype, device=mine.device)
+        work = scatter_to_owners(group, chunks, room, SCATTER_TAG + index * SCATTER_PARTS)
+        seq = self.progress.issue() if self.progress is not None else 0
+        self.inflight.append(Sent(work, pack, index, seq, carries_flags=False))
+        self.stats.all_reduces += 1
+        # What leaves this rank: every other rank's chunk, once, to its owner.
+        self.stats.bytes += (pack.data.numel() - mine.numel()) * pack.data.element_size()
 
     def _resume_codec(self, codec: Iterator[Collective], pack: Pack, index: int, after_last: bool = False,
                       first: bool = False, outcome: Optional[Outcome] = None) -> bool:
@@ -801,7 +846,23 @@ class GradientEngine:
                         index = pack.spec.members[j]
                         self.params[index].grad = pack.views[j] if present[j] else None
                 pack.absent.clear()
+        if self.owner_of is not None and self._phase != Phase.EXCHANGE:
+            self._drop_foreign_grads()
         return totals
+
+    def _drop_foreign_grads(self) -> None:
+        """After a reduce-scatter to the owners: a parameter another rank owns has no gradient here (this
+        rank's chunk of it is its own sum, not the average), and a direct pack's gradient is let go at once."""
+        rank = self.channel.group.rank()
+        for pack in self.packs:
+            if pack.direct:
+                if pack.owner is not None and pack.owner != rank:
+                    pack.params[0].grad = None
+                    release(pack)
+            elif pack.chunks is not None:
+                for p in pack.params:
+                    if self.owner_of(p) != rank:
+                        p.grad = None
 
     def _discard_failed_round(self) -> None:
         """Fault tolerance: a collective of this round failed; its values and flags are garbage and are

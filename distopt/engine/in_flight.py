@@ -22,7 +22,8 @@ from .carrier import Carrier
 from .packs import Pack
 from ..transport.waiting import completed_failure
 
-__all__ = ["Sent", "labelled", "GATHER_SUM_MAX_BYTES", "GATHER_COPIES_BUDGET", "sums_by_gather", "plan_gathers",
+__all__ = ["SCATTER_TAG", "SCATTER_PARTS", "SCATTER_PART_BYTES", "scatter_part", "scatter_room", "ScatterInParts",
+           "scatter_to_owners", "Sent", "labelled", "GATHER_SUM_MAX_BYTES", "GATHER_COPIES_BUDGET", "sums_by_gather", "plan_gathers",
            "gather_buffer", "gather_by_broadcasts", "broadcast_each", "Broadcasts", "sum_copies"]
 
 #: Bytes every rank may receive (the other ranks' copies) for a CPU sum to be done as one
@@ -172,6 +173,127 @@ def gather_by_broadcasts(group: Any, others: Tensor, tensor: Tensor, world: int)
     parts = list(others.view(world - 1, -1))
     parts.insert(rank, tensor.view(-1))
     return broadcast_each(group, parts)
+
+
+#: Tags of the point-to-point transfers of a reduce-scatter (:func:`scatter_to_owners`), above those of the
+#: parameter share that may still be in flight on the same group: pack ``k``'s part ``j`` travels under
+#: ``SCATTER_TAG + k * SCATTER_PARTS + j``.
+SCATTER_TAG = 1 << 24
+
+#: The most parts a chunk of a reduce-scatter is received in.
+SCATTER_PARTS = 1 << 10
+
+#: Bytes of a chunk of a reduce-scatter received at once from each other rank: a larger chunk arrives
+#: in parts of this size, one after the other, into room for one part per other rank, each part added
+#: as it arrives. The room, not the chunk, is what the owner holds besides its gradients (a whole
+#: 64 MiB copy for a 64 MiB gradient owned at two ranks, otherwise).
+SCATTER_PART_BYTES = 8 << 20
+
+
+def scatter_part(numel: int, element_size: int) -> int:
+    """Elements of each part a chunk of ``numel`` elements is received in (the last may be shorter; pure)."""
+    part = max(1, SCATTER_PART_BYTES // element_size, -(-numel // SCATTER_PARTS))
+    return min(part, max(numel, 1))
+
+
+class ScatterInParts:
+    """A reduce-scatter in point-to-point transfers, waited for as one collective's work (:func:`scatter_to_owners`).
+
+    Every part this rank sends is posted at once; this rank's own chunk is received part after part:
+    part ``j + 1``'s receives are posted once part ``j``'s copies have arrived and been added into the
+    chunk, in rank order (:func:`sum_copies`). So only the first part arrives while backward runs; the
+    others cross during the wait at its end. Each transfer is waited for once (a gloo send or receive
+    counts its completions: a second wait on one that is done waits forever), and the whole may be
+    waited for again, or again after a wait that gave up.
+    """
+
+    __slots__ = ("group", "rank", "world", "tag", "mine", "room", "part", "parts", "done", "receives", "sends",
+                 "failed")
+
+    def __init__(self, group: Any, chunks: Sequence[Tensor], room: Tensor, tag: int) -> None:
+        self.group, self.rank, self.world, self.tag = group, group.rank(), group.size(), tag
+        # Written through ``.data``, which has a version counter of its own: the engine tells a gradient changed
+        # while a round was pending by its version, and the parts added here are the round's own doing.
+        self.mine = chunks[self.rank].data.view(-1)
+        self.part = scatter_part(self.mine.numel(), self.mine.element_size())
+        self.parts = -(-self.mine.numel() // self.part) if self.mine.numel() else 0
+        self.room = room
+        self.done = 0  # parts received and added
+        self.failed = False
+        self.sends: List[Any] = []
+        for q in range(self.world):
+            theirs = chunks[q].view(-1)
+            if q == self.rank or not theirs.numel():
+                continue
+            step = scatter_part(theirs.numel(), theirs.element_size())
+            for j, start in enumerate(range(0, theirs.numel(), step)):
+                self.sends.append(group.send([theirs[start:start + step]], q, tag + j))
+        self.receives: List[Any] = self._receive(0)
+
+    def _receive(self, j: int) -> List[Any]:
+        """Post the receives of part ``j`` of this rank's chunk (none once every part is in)."""
+        if j >= self.parts:
+            return []
+        n = min(self.part, self.mine.numel() - j * self.part)
+        copies = self.room[:(self.world - 1) * n].view(self.world - 1, n)
+        peers = [q for q in range(self.world) if q != self.rank]
+        return [self.group.recv([copies[k]], q, self.tag + j) for k, q in enumerate(peers)]
+
+    def wait(self, timeout: Optional[timedelta] = None) -> bool:
+        """Receive and add every part not yet in, then wait for every part sent; raises ``RuntimeError``
+        as a work does (timeout or failure), and goes on from there when called again."""
+        deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
+        while self.done < self.parts or self.sends:
+            queue = self.receives if self.done < self.parts else self.sends
+            while queue:
+                self._wait_one(queue[0], deadline)
+                queue.pop(0)
+            if self.done < self.parts:
+                n = min(self.part, self.mine.numel() - self.done * self.part)
+                into = self.mine[self.done * self.part:self.done * self.part + n]
+                sum_copies(self.room[:(self.world - 1) * n], into, self.rank, self.world)
+                self.done += 1
+                self.receives = self._receive(self.done)
+        return True
+
+    def _wait_one(self, work: Any, deadline: Optional[float]) -> None:
+        try:
+            if deadline is None:
+                work.wait()
+            else:
+                work.wait(timeout=timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+        except RuntimeError:
+            if not work.is_completed():
+                raise  # the time ran out first
+            failure = completed_failure(work)  # else it completed just after the time ran out
+            if failure is not None:
+                self.failed = True  # a peer left, or the group timed out
+                raise failure from None
+
+    def is_completed(self) -> bool:
+        """Every part is in and added and every part sent is done, or a transfer failed."""
+        return self.failed or (self.done >= self.parts and not self.sends)
+
+
+def scatter_to_owners(group: Any, chunks: Sequence[Tensor], room: Tensor, tag: int) -> ScatterInParts:
+    """A reduce-scatter in point-to-point transfers: rank ``q``'s chunk of this rank's tensor goes to ``q``,
+    and the other ranks' copies of this rank's chunk are added into it, in rank order, part by part
+    (:class:`ScatterInParts`; done when its wait returns). Each rank sends (N-1)/N of the tensor, each
+    part once, to its owner: gloo's reduce-scatter sends an all-reduce's bytes and stages a flat copy of
+    its input.
+
+    Args:
+        group: the process group.
+        chunks: one contiguous chunk per rank of ``group`` (empty where a rank owns nothing).
+        room: room for ``world - 1`` copies of one part of this rank's chunk (:func:`scatter_room`).
+        tag: the first tag of the transfers, the same on every rank for this tensor.
+    """
+    return ScatterInParts(group, chunks, room, tag)
+
+
+def scatter_room(mine: Tensor, world: int) -> int:
+    """Elements of the room :func:`scatter_to_owners` needs for this rank's chunk ``mine`` (pure)."""
+    return (world - 1) * scatter_part(mine.numel(), mine.element_size()) if mine.numel() else 0
 
 
 def sum_copies(others: Tensor, into: Tensor, rank: int, world: int) -> None:

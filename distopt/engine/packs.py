@@ -28,7 +28,7 @@ from torch import Tensor
 
 from ..compression.protocol import Codec, Compressor, PackLayout
 from ..planning.control import CONTROL_FLAGS
-from ..planning.packing import PackSpec, ParamMeta, plan_packs
+from ..planning.packing import PackSpec, ParamMeta, grouped_by_owner, owner_bounds, plan_packs
 from .carrier import Carrier
 from .sparse_rows import RowSparse
 
@@ -75,13 +75,19 @@ class Pack:
     codec: Optional[Codec] = None
     # The buffers of the codec's first all-gather when it carries the flags (distopt.engine.carrier).
     carrier: Optional[Carrier] = None
+    # Reduce-scattered to the owners (shard_state="gradients"): each rank's chunk of ``data``, in rank order.
+    chunks: Optional[List[Tensor]] = None
+    # A direct pack reduced to its member's owner alone (shard_state="gradients"), or None.
+    owner: Optional[int] = None
+    # Room for the other ranks' copies of this rank's chunk of a reduce-scatter, kept from round to round.
+    scattered: Optional[Tensor] = None
 
 
 def sums(pack: Pack) -> List[int]:
     """Bytes of each sum the pack sends in a round: its buffer, or a direct pack's gradient and flags."""
     if pack.direct:
         return [pack.spec.nbytes, pack.flags.numel() * pack.flags.element_size()]
-    if pack.codec is not None:  # the values' collectives are the codec's
+    if pack.codec is not None or pack.chunks is not None:  # the values' collectives are the codec's, or a scatter
         return [pack.flags.numel() * pack.flags.element_size()]
     sent = pack.buffer if pack.wire is None else pack.wire
     return [sent.numel() * sent.element_size()]
@@ -101,11 +107,17 @@ def layout_of(spec: PackSpec, params: Sequence[Tensor], names: Sequence[str]) ->
 
 
 def build_packs(params: Sequence[Tensor], names: Sequence[str], order: Sequence[int], threshold: int,
-                compressor: Optional[Compressor], groups: Optional[Sequence[int]] = None) -> List[Pack]:
+                compressor: Optional[Compressor], groups: Optional[Sequence[int]] = None,
+                owners: Optional[Sequence[int]] = None, world: int = 1) -> List[Pack]:
     """Allocate the packs of the plan for ``params`` taken in ``order``, each with its codec if compressed
-    (packs never mix ``groups``: see :func:`distopt.planning.packing.plan_packs`)."""
+    (packs never mix ``groups``: see :func:`distopt.planning.packing.plan_packs`). With ``owners`` (each
+    parameter's owning rank of ``world``), every pack's members are grouped by owner, and it is
+    reduce-scattered to them (:attr:`Pack.chunks`; a direct pack to its one member's :attr:`Pack.owner`)."""
     packs = []
-    for spec in plan_packs(order, metas(params), threshold, groups):
+    specs = plan_packs(order, metas(params), threshold, groups)
+    if owners is not None:
+        specs = grouped_by_owner(specs, metas(params), owners)
+    for spec in specs:
         device, dtype = spec.key
         first = params[spec.members[0]]
         wire_dtype = codec = None
@@ -117,7 +129,7 @@ def build_packs(params: Sequence[Tensor], names: Sequence[str], order: Sequence[
                 and wire_dtype is None and codec is None):
             flags = torch.empty(1 + CONTROL_FLAGS, dtype=dtype, device=device)
             packs.append(Pack(spec, flags, flags[:0], [], flags, [first], [names[spec.members[0]]], False, None, [],
-                              direct=True))
+                              direct=True, owner=None if owners is None else owners[spec.members[0]]))
             continue
         buffer = torch.empty(spec.numel + len(spec.members) + CONTROL_FLAGS, dtype=dtype, device=device)
         views = [buffer[off : off + n].view(params[i].shape) for i, off, n in zip(spec.members, spec.offsets, spec.numels)]
@@ -125,9 +137,13 @@ def build_packs(params: Sequence[Tensor], names: Sequence[str], order: Sequence[
         if wire_dtype is not None:
             wire = torch.empty(buffer.numel(), dtype=wire_dtype, device=device)
         batched = spec.numel < _BATCH_GATHER_BELOW * len(spec.members)
+        chunks = None
+        if owners is not None:
+            bounds = owner_bounds(spec, owners, world)
+            chunks = [buffer[bounds[r]:bounds[r + 1]] for r in range(world)]
         packs.append(Pack(spec, buffer, buffer[: spec.numel], views, buffer[spec.numel :],
                           [params[i] for i in spec.members], [names[i] for i in spec.members], batched, wire, [],
-                          codec=codec))
+                          codec=codec, chunks=chunks))
     return packs
 
 

@@ -429,6 +429,17 @@ class Mode:
             RuntimeError: the mode cannot sync outside its schedule; the message says what to do.
         """
 
+    def clip_grad_norm_(self, ctx: ModeContext, max_norm: float, norm_type: float) -> Tensor:
+        """Clip the gradients of the parameters the optimizer steps by their total norm, as
+        ``torch.nn.utils.clip_grad_norm_`` does over them (``opt.clip_grad_norm_``), and return that norm.
+
+        The default clips every gradient this rank holds: each rank holds the whole averaged gradient.
+        A mode whose ranks hold a part of it each (``shard_state="gradients"``) sums the parts' norms
+        over the ranks, so every rank must call it.
+        """
+        params = [p for group in ctx.optimizer.param_groups for p in group["params"]]
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+
     def finish_step(self, ctx: ModeContext) -> None:
         """Finish what the last step left in flight that the parameters depend on, and wait for it.
 

@@ -34,6 +34,28 @@ Step hooks run around all of it (:mod:`distopt.modes.step_hooks`): where a step
 post-hook is registered the share is finished before it runs, so post-hooks see
 every parameter, as around an unsharded step.
 
+The gradients sharded too (ZeRO-2): ``ShardedState(gradients=True)``, shorthand
+``shard_state="gradients"``. The plan groups each pack's members by owner, so that
+each rank's part of a pack is one contiguous chunk
+(:func:`distopt.planning.packing.grouped_by_owner`), and each pack is
+reduce-scattered in place to its owners as it launches during backward, in plan
+order, its control flags in a small all-reduce of their own
+(:meth:`distopt.engine.GradientEngine.scatter_to`). Once the round is back, the
+``.grad`` of a parameter another rank owns is None; an inf or NaN in any rank's
+slice is written into every rank's first owned gradient, so that ``GradScaler``
+finds it and skips the step on every rank alike (with its scale lowered alike);
+``opt.clip_grad_norm_()`` sums the owned gradients' norms over the ranks. The
+owner steps and the parameters are shared as above: an all-reduce's bytes in all.
+``backward_passes_per_step`` and ``no_sync()`` accumulate locally as without
+sharding. In a ``join()`` block, the round in which a rank joined was
+reduce-scattered to the owners it started with: the gradients of the parameters
+whose owner changes go to their new owners with their state (below), and the packs
+are grouped by the new owners from the next round on. Not supported, and refused
+by name: compression (a codec's collectives assume the whole pack on every rank),
+fault tolerance, ``opt.clip_grad_norm_()`` once a rank has joined (the joined rank
+takes no part in the norm's sum), and a world in which a rank owns no trainable
+parameter.
+
 Join: a rank that has joined owns nothing. In the round in which it joined, which
 every rank settles at the same point of its collectives, its shard is handed to
 the ranks still training (:meth:`distopt.engine.GradientEngine.call_when_settled`). From
@@ -91,6 +113,10 @@ class ShardedState(Synchronous):
     A mode object serves one wrapper.
 
     Args:
+        gradients: shard the gradients too (ZeRO-2; shorthand ``shard_state="gradients"``): each
+            pack is reduce-scattered to the owners of its members during backward instead of
+            all-reduced, so after backward ``.grad`` is None for the parameters other ranks own;
+            clip with ``opt.clip_grad_norm_()``, which sums the norms over the ranks.
         share: when the updated parameters have reached every rank. ``"in_step"`` (the default):
             before ``step()`` returns, so anything may read them right after it. ``"background"``:
             the share runs on after ``step()`` and each module's next forward waits for the
@@ -101,7 +127,10 @@ class ShardedState(Synchronous):
             other ranks own (a change raises). Every rank must pass the same.
 
     Raises:
-        ValueError: ``share`` is neither ``"in_step"`` nor ``"background"``.
+        ValueError: ``share`` is neither ``"in_step"`` nor ``"background"``; (when the wrapper is built,
+            with ``gradients=True``) compression, or a rank owning no trainable parameter.
+        TypeError: ``gradients`` is not a bool.
+        RuntimeError: (with ``gradients=True``) ``opt.clip_grad_norm_()`` after a rank joined.
         TypeError: (when the wrapper is built) the inner optimizer is ``LBFGS``, which keeps one
             history over all parameters together.
         ValueError: (when the wrapper is built) with ``fault_tolerance``: a replica that dies takes
@@ -125,7 +154,10 @@ class ShardedState(Synchronous):
     #: inner steps that a streaming sync runs behind; this says where the parameter share is finished.
     SHARES = ("in_step", "background")
 
-    def __init__(self, share: str = "in_step") -> None:
+    def __init__(self, share: str = "in_step", gradients: bool = False) -> None:
+        if not isinstance(gradients, bool):
+            raise TypeError(f"ShardedState(gradients={gradients!r}): gradients must be True or False")
+        self.gradients = gradients
         if share not in self.SHARES:
             raise ValueError(
                 f"ShardedState(share={share!r}): share must be 'in_step' (the default: step() returns with every "
@@ -146,11 +178,13 @@ class ShardedState(Synchronous):
         self._seen: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()  # modules seen running a forward while it flew
 
     def __repr__(self) -> str:
-        return f"{type(self).__name__}()" if self.share == "in_step" else f"{type(self).__name__}(share={self.share!r})"
+        args = ([f"share={self.share!r}"] if self.share != "in_step" else []) + (["gradients=True"] if self.gradients
+                                                                                 else [])
+        return f"{type(self).__name__}({', '.join(args)})"
 
     def settings(self) -> Dict[str, Any]:
         # Both sides send the same, but a rank that waits in step() and one that does not are out of step.
-        return {"shard_state": True, "shard_state_share": self.share}
+        return {"shard_state": "gradients" if self.gradients else True, "shard_state_share": self.share}
 
     def check_compatible(self, *, optimizer: Optimizer, reduce_op: str, bcast_period: int,
                          fault_tolerant: bool) -> None:
@@ -181,8 +215,13 @@ class ShardedState(Synchronous):
         for p, rank in zip(params, owners):
             self.base_owner[id(p)] = self.owner_of[id(p)] = rank
         self._drop_foreign_state(ctx)
+        if self.gradients and ctx.engine.owner_of is not None:  # parameters added later: re-planned by owner
+            self._check_every_rank_owns_a_gradient(ctx)
+            ctx.engine.scatter_to(ctx.engine.owner_of)
 
     def attach(self, ctx: ModeContext) -> None:
+        if self.gradients:
+            self._refuse_with_gradients(ctx)
         if ctx.world_size == 1:
             return
         # Weakly: the engine must not keep the mode, nor the context, alive.
@@ -191,9 +230,91 @@ class ShardedState(Synchronous):
         def follow_joins() -> None:
             m, c = mode(), context()
             if m is not None and c is not None:
+                if m.gradients:
+                    m._after_scatter(c)
                 m._follow_joins(c)
 
         ctx.engine.call_when_settled(follow_joins)
+        if self.gradients:
+            self._check_every_rank_owns_a_gradient(ctx)
+
+            def owner(p: Tensor) -> int:
+                # A parameter the engine takes on before this mode does (add_param_group) is planned with
+                # rank 0 for owner on every rank, and re-planned once on_track has given it its owner.
+                m = mode()
+                return m.owner_of.get(id(p), 0) if m is not None else 0
+
+            ctx.engine.scatter_to(owner)
+
+    # ------------------------------------------------------------------ the gradients sharded too (ZeRO-2)
+
+    def _refuse_with_gradients(self, ctx: ModeContext) -> None:
+        """What sharded gradients do not support yet, refused when the wrapper is built."""
+        what = f"{self.describe()} (the gradients reduce-scattered to their owners)"
+        if ctx.engine.config.compressor is not None:
+            raise ValueError(
+                f"{what} cannot be compressed yet: a codec's collectives assume the whole pack on every rank; "
+                "drop compression=, or shard the optimizer state only (shard_state=True)")
+
+    def _check_every_rank_owns_a_gradient(self, ctx: ModeContext) -> None:
+        """Every rank must own a trainable parameter: ``GradScaler`` finds an inf in the gradients a rank
+        holds, and a rank holding none would neither skip nor lower its scale with the others."""
+        owning = {self.owner_of[id(p)] for p in ctx.params if p.requires_grad}
+        idle = [r for r in range(self.world_size) if r not in owning]
+        if idle:
+            raise ValueError(
+                f"{self.describe()} at world size {self.world_size}: ranks {idle} own no trainable parameter "
+                "(there are fewer trainable parameters than ranks, by bytes), so they would hold no gradient; "
+                "train on fewer ranks, or shard the optimizer state only (shard_state=True)")
+
+    def _after_scatter(self, ctx: ModeContext) -> None:
+        """A round is back (on every rank, at the same point): make an inf or NaN found in any rank's slice show
+        in every rank's, so that ``GradScaler`` skips the step everywhere alike."""
+        if ctx.engine.exchange.fill is not None:
+            return
+        # The engine has let go of the others' gradients already (GradientEngine.scatter_to).
+        owned = [p.grad for p in ctx.params if p.grad is not None and self.mine(p) and p.grad.numel()]
+        with torch.no_grad():
+            # The largest magnitude is inf or NaN exactly where a value is: a reduction, where isfinite(g)
+            # would make temporaries the size of the gradient (47 MiB at a 64 MiB gradient).
+            largest = [torch.linalg.vector_norm(g, float("inf")) for g in owned]
+            local = bool(owned) and not bool(torch.isfinite(torch.stack(largest)).all())
+            first_owned = owned[0] if owned else None
+            flag = torch.tensor([float(local)], dtype=torch.float64)
+            with stalls.inspected(ctx.progress, "the exchange of whether a gradient slice is not finite"):
+                collectives.all_reduce(flag, op="sum", group=ctx.engine.channel.group)
+            if flag.item() and not local and first_owned is not None:
+                first_owned.view(-1)[0] = float("inf")
+
+    def clip_grad_norm_(self, ctx: ModeContext, max_norm: float, norm_type: float) -> Tensor:
+        if not self.gradients or ctx.world_size == 1:
+            return super().clip_grad_norm_(ctx, max_norm, norm_type)
+        if len(self.active) < self.world_size:
+            raise RuntimeError(
+                f"opt.clip_grad_norm_() with {self.describe()} after a rank joined: the norm is summed over every "
+                f"rank's gradients and the ranks that have joined ({sorted(set(range(self.world_size)) - set(self.active))}) "
+                "take no part; clip before any rank runs out of data (give every rank the same number of batches, "
+                "e.g. DistributedSampler(drop_last=True)), or shard the optimizer state only (shard_state=True)")
+        grads = [p.grad for group in ctx.optimizer.param_groups for p in group["params"]
+                 if p.grad is not None and self.mine(p)]
+        with torch.no_grad():
+            if norm_type == float("inf"):
+                local = max((g.detach().abs().max().double() for g in grads), default=torch.zeros((), dtype=torch.float64))
+                total = local.reshape(1).clone()
+                with stalls.inspected(ctx.progress, "the sum of the gradients' norms (clip_grad_norm_)"):
+                    collectives.all_reduce(total, op="max", group=ctx.engine.channel.group)
+                total_norm = total[0]
+            else:
+                norms = [torch.linalg.vector_norm(g.detach(), norm_type).double() for g in grads]
+                local = sum((n ** norm_type for n in norms), torch.zeros((), dtype=torch.float64))
+                total = local.reshape(1).clone()
+                with stalls.inspected(ctx.progress, "the sum of the gradients' norms (clip_grad_norm_)"):
+                    collectives.all_reduce(total, op="sum", group=ctx.engine.channel.group)
+                total_norm = total[0] ** (1.0 / norm_type)
+            coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+            for g in grads:
+                g.mul_(coef.to(g.dtype))
+        return total_norm
 
     def step(self, ctx: ModeContext, closure: Optional[Callable[[], Any]]) -> Any:
         if ctx.world_size == 1:  # nothing to divide
@@ -277,21 +398,37 @@ class ShardedState(Synchronous):
             for p, k in zip(orphans, owners):
                 new_owner[id(p)] = active[k]
         self._move_state(ctx, new_owner)
+        if self.gradients:  # the packs grouped by the new owners, from the next round on
+            ctx.engine.scatter_to(ctx.engine.owner_of)
 
     def _move_state(self, ctx: ModeContext, new_owner: Dict[int, int]) -> None:
-        """Send the state of every parameter whose owner changes to its new owner (one gather)."""
+        """Send the state of every parameter whose owner changes to its new owner (one gather).
+
+        With the gradients sharded, this round's averaged gradient of such a parameter is on its old
+        owner alone (the round was reduce-scattered to the owners it started with): it travels too.
+        """
         optimizer = ctx.optimizer
         index = {id(p): i for i, p in enumerate(ctx.params)}
-        outgoing = {index[id(p)]: cpu_copy(optimizer.state[p]) for p in ctx.params
-                    if self.owner_of[id(p)] == self.rank != new_owner[id(p)] and p in optimizer.state}
+        moving = [p for p in ctx.params if self.owner_of[id(p)] == self.rank != new_owner[id(p)]]
+        outgoing = {index[id(p)]: cpu_copy(optimizer.state[p]) for p in moving if p in optimizer.state}
+        grads = {}
+        if self.gradients:
+            grads = {index[id(p)]: p.grad.detach().cpu().clone() for p in moving if p.grad is not None}
         with stalls.inspected(ctx.progress, "the hand-over of optimizer state between ranks"):
-            everyone = collectives.all_gather_object(outgoing, group=ctx.group)
+            everyone = collectives.all_gather_object((outgoing, grads), group=ctx.group)
         self.owner_of = new_owner
-        for part in everyone:
+        for part, part_grads in everyone:
             for i, state in part.items():
                 p = ctx.params[i]
                 if self.mine(p):
                     optimizer.state[p] = {k: v.to(p.device) if isinstance(v, Tensor) else v for k, v in state.items()}
+            for i, grad in part_grads.items():
+                p = ctx.params[i]
+                if self.mine(p):
+                    p.grad = grad.to(device=p.device, dtype=p.dtype)
+        for p in moving:  # another rank's now
+            if self.gradients:
+                p.grad = None
         self._drop_foreign_state(ctx)
 
     # ------------------------------------------------------------------ the step

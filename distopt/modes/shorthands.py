@@ -5,6 +5,7 @@
 
 =================================================  ==============================================
 ``shard_state=True``                               :class:`~distopt.modes.sharded.ShardedState`
+``shard_state="gradients"``                        ``ShardedState(gradients=True)`` (ZeRO-2)
 ``sync_every=H`` (> 1), ``local_warmup=W``         :class:`~distopt.modes.diloco.LocalSGD`
 ``outer_optimizer=f`` (with any ``sync_every``)    :class:`~distopt.modes.diloco.DiLoCo`
 ``sync_fragments``, ``sync_overlap``,              their ``fragments``, ``overlap``, ``mixing``
@@ -88,13 +89,14 @@ def from_keywords(*, shard_state: Any = False, sync_every: Any = 1, outer_optimi
     """The mode the flat keyword arguments ask for (None: not given, for the streaming ones).
 
     Raises:
-        TypeError: a keyword of the wrong type (``shard_state`` not a bool, ``sync_every`` not an
+        TypeError: a keyword of the wrong type (``shard_state`` not a bool or ``"gradients"``, ``sync_every`` not an
             int, an optimizer instance as ``outer_optimizer``, ...).
         ValueError: out of range, a local-SGD keyword without local SGD (``sync_every > 1`` or an
             ``outer_optimizer``), or ``shard_state=True`` with local SGD.
     """
-    if not isinstance(shard_state, bool):
-        raise TypeError(f"shard_state must be True or False, got {shard_state!r}")
+    if not isinstance(shard_state, bool) and shard_state != "gradients":
+        raise TypeError(f"shard_state must be True, False or 'gradients' (the gradients sharded too), got "
+                        f"{shard_state!r}")
     check_arguments(sync_every, outer_optimizer, local_warmup, None, None, None, outer_required=False,
                     spelling=SPELLING)
     if sync_every <= 1 and outer_optimizer is None:
@@ -108,8 +110,8 @@ def from_keywords(*, shard_state: Any = False, sync_every: Any = 1, outer_optimi
                 f"{name}={value!r} needs local SGD: pass sync_every > 1 (or an outer_optimizer), e.g. "
                 f"sync_every=16, {name}={value!r}; or drop {name} (with sync_every=1 every step is synchronous)"
             )
-        mode: Mode = ShardedState() if shard_state else Synchronous()
-        mode.given_as = "shard_state=True" if shard_state else "synchronous training"
+        mode: Mode = ShardedState(gradients=shard_state == "gradients") if shard_state else Synchronous()
+        mode.given_as = f"shard_state={shard_state!r}" if shard_state else "synchronous training"
         return mode
     if shard_state:
         raise ValueError(

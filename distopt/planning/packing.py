@@ -19,6 +19,8 @@ __all__ = [
     "ParamMeta",
     "PackSpec",
     "plan_packs",
+    "grouped_by_owner",
+    "owner_bounds",
     "LaunchOrder",
     "flatten",
     "split",
@@ -122,6 +124,30 @@ def plan_packs(order: Sequence[int], metas: Sequence[ParamMeta], threshold: int,
     for (key, _), members in open_packs.items():  # dicts keep opening order
         plan.append(_make_spec(key, members, metas))
     return plan
+
+
+def grouped_by_owner(specs: Sequence[PackSpec], metas: Sequence[ParamMeta], owners: Sequence[int]) -> List[PackSpec]:
+    """The same packs with each pack's members ordered by owner (stably), so that the gradients of
+    each rank's parameters lie in one contiguous chunk of the pack: what a reduce-scatter to the
+    owners needs (``shard_state="gradients"``). Pure: every rank derives the same layout.
+
+    Args:
+        specs: the plan's packs, in launch order.
+        metas: every parameter's size.
+        owners: each parameter's owning rank, by parameter index.
+    """
+    return [_make_spec(spec.key, sorted(spec.members, key=lambda i: owners[i]), metas) for spec in specs]
+
+
+def owner_bounds(spec: PackSpec, owners: Sequence[int], world: int) -> List[int]:
+    """Where each rank's chunk of a pack grouped by owner starts, and where the last ends
+    (``world + 1`` offsets; an empty chunk where a rank owns no member)."""
+    bounds = [0] * (world + 1)
+    for i, n in zip(spec.members, spec.numels):
+        bounds[owners[i] + 1] += n
+    for r in range(world):
+        bounds[r + 1] += bounds[r]
+    return bounds
 
 
 def _make_spec(key: Hashable, members: List[int], metas: Sequence[ParamMeta]) -> PackSpec:

@@ -579,6 +579,26 @@ class DistributedOptimizer(InnerOptimizerSurface):
             self._engine.synchronize(explicit=True)
         self._mode.synchronize(self._context)
 
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip the averaged gradients of the parameters this optimizer steps by their total norm, as
+        ``torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)`` over the full averaged gradient
+        would, and return that norm (the same on every rank).
+
+        With ``shard_state="gradients"`` each rank holds the averaged gradients of the parameters it
+        owns only, so the norm is summed over the ranks: every rank must call it, at the same point
+        (after ``backward()``, and after ``GradScaler.unscale_(opt)`` where a scaler is used).
+
+        Args:
+            max_norm: the largest total norm the gradients keep.
+            norm_type: the norm's order (``float("inf")``: the largest absolute value).
+
+        Returns:
+            The total norm of the gradients before clipping.
+        """
+        self._check_not_retired("clip_grad_norm_()")
+        self.synchronize()
+        return self._mode.clip_grad_norm_(self._context, float(max_norm), float(norm_type))
+
     def sync_now(self) -> None:
         """Bring every rank to the same parameters now, e.g. before a checkpoint saved on one rank.
 

@@ -19,6 +19,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 import distopt
 from distopt import DistributedOptimizer
 from distopt._testing import run_world
+from distopt.engine import in_flight
 from distopt.planning.ownership import assign_owners
 
 from _drift_outcome import checks_at_the_top
@@ -156,7 +157,10 @@ def train(model, opt, steps, start=0, scheduler=None):
         opt.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
         opt.synchronize()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # clipping after synchronize()
+        if getattr(opt.mode, "gradients", False):  # each rank holds its owned gradients only
+            opt.clip_grad_norm_(1.0)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # clipping after synchronize()
         opt.step()
         if scheduler is not None:
             scheduler.step()
@@ -249,8 +253,8 @@ def resume(path, shard_state):
 
 
 def resume_both_ways(path):
-    """:func:`resume` sharded, then unsharded, in one launch."""
-    return resume(path, True), resume(path, False)
+    """:func:`resume` sharded, then unsharded, then with the gradients sharded too, in one launch."""
+    return resume(path, True), resume(path, False), resume(path, "gradients")
 
 
 def wrap_loaded(path):
@@ -345,13 +349,16 @@ def join_sharded_closure(counts):
     return {"diff": diff, "identical": identical, "loss_diff": max(abs(a - b) for a, b in zip(*losses))}
 
 
-def join_sharded_scaler(counts, infs):
+def join_sharded_scaler(counts, infs, shard_state=True):
     """GradScaler inside join(): an inf in every training rank's loss at each step in ``infs`` (before and after
-    ranks joined) skips that step. Against one process that averages the ranks present and skips those steps."""
+    ranks joined) skips that step. Against one process that averages the ranks present and skips those steps.
+    With ``shard_state="gradients"`` a joined rank owns nothing: the gradients it received, reduce-scattered in
+    the round in which it joined, go to their new owners, and the packs are grouped by the new owners."""
     rank = dist.get_rank()
     model = Net()
-    opt = DistributedOptimizer(torch.optim.Adam(param_groups(model), lr=0.01), pack_threshold=256, shard_state=True,
-                               stall_timeout=30)  # ranks out of step fail in time
+    opt = DistributedOptimizer(torch.optim.Adam(param_groups(model), lr=0.01), pack_threshold=256,
+                               shard_state=shard_state, stall_timeout=30)  # ranks out of step fail in time
+    owned_after_join = clip_error = None
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
     stepped = []
     with opt.join():
@@ -362,10 +369,17 @@ def join_sharded_scaler(counts, infs):
             if step in infs:
                 loss = loss * float("inf")  # every rank still training: averaged gradients are inf everywhere
             scaler.scale(loss).backward()
+            if shard_state == "gradients" and step == counts[rank] - 1 == max(counts) - 1:
+                try:  # the others have joined: their norms cannot be summed
+                    opt.clip_grad_norm_(1.0)
+                except RuntimeError as exc:
+                    clip_error = str(exc)
             scale = scaler.get_scale()
             scaler.step(opt)
             scaler.update()
             stepped.append(scaler.get_scale() == scale)
+            if shard_state == "gradients":  # who owns a parameter now: the ranks still training
+                owned_after_join = sorted(set(opt.mode.owner_of.values()))
     params = [p.detach().clone() for p in model.parameters()]
     state = opt.state_dict()
     identical = all(all(torch.equal(a, b) for a, b in zip(params, o)) for o in distopt.all_gather_object(params))
@@ -381,7 +395,7 @@ def join_sharded_scaler(counts, infs):
          / len(present)).backward()
         ref.step()
     ref_state = ref.state_dict()
-    return {"identical": identical, "stepped": stepped,
+    return {"identical": identical, "stepped": stepped, "owners": owned_after_join, "clip_error": clip_error,
             "diff": max((a - b).abs().max().item() for a, b in zip(params, ref_model.parameters())),
             "state_diff": max((a - b).abs().max().item() for (_, _, a), (_, _, b) in
                               zip(tensors_of(state), tensors_of(ref_state))),
@@ -656,8 +670,158 @@ def lazy_share(world):
             "step_seconds": step_seconds, "late": rank == world - 1}
 
 
+def sharded_gradients(world):
+    """shard_state="gradients" against one process, SGD with momentum and Adam with two param groups (the
+    second added after a step), a frozen and an unused parameter, 6 steps at world 2 and 3 (uneven slices): .grad is None for what
+    this rank does not own, clip_grad_norm_ is the reference's, GradScaler skips on every rank where one
+    rank's slice had an inf, and the bytes are plain distopt's (world 2; ring-equivalent otherwise)."""
+    rank = dist.get_rank()
+    out = {}
+    for name in ("momentum", "adam"):
+        model, ref, plain_model = Net(), Net(), Net()
+        opt = DistributedOptimizer(OPTIMIZERS[name](param_groups(model)[1:]), pack_threshold=256,
+                                   shard_state="gradients")
+        plain = DistributedOptimizer(OPTIMIZERS[name](param_groups(plain_model)[1:]), pack_threshold=256)
+        ref_opt = OPTIMIZERS[name](param_groups(ref)[1:])
+        norms, foreign_none, owned_present = [], True, True
+        for step in range(6):
+            if step == 1:  # the second group arrives after the first step: planned by owner too
+                for m, o in ((model, opt), (plain_model, plain), (ref, ref_opt)):
+                    o.add_param_group(param_groups(m)[0])
+            for m, o in ((model, opt), (plain_model, plain)):
+                x, y = batch(step)
+                o.zero_grad()
+                nn.functional.mse_loss(m(x), y).backward()
+            owned = opt.mode.owner_of
+            for p in model.parameters():
+                if id(p) in owned and p.requires_grad and p is not model.unused.weight and p is not model.unused.bias:
+                    if owned[id(p)] == rank:
+                        owned_present = owned_present and p.grad is not None
+                    else:
+                        foreign_none = foreign_none and p.grad is None
+            norm = opt.clip_grad_norm_(0.5)
+            plain.step()
+            opt.step()
+            ref_opt.zero_grad()
+            whole = sum(nn.functional.mse_loss(ref(batch(step, r)[0]), batch(step, r)[1]) for r in range(world))
+            (whole / world).backward()
+            ref_norm = torch.nn.utils.clip_grad_norm_([p for g in ref_opt.param_groups for p in g["params"]], 0.5)
+            ref_opt.step()
+            norms.append(abs(norm.item() - ref_norm.item()))
+            if step == 2:
+                flags = sum(pack.flags.numel() * pack.flags.element_size() for pack in opt._engine.packs)
+                sent = (opt.stats.bytes, plain.stats.bytes, opt.stats.parameter_bytes, flags)
+        diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+        out[name] = {"diff": diff, "norm": max(norms), "foreign_none": foreign_none, "owned": owned_present,
+                     "sent": sent}
+        opt.close()
+        plain.close()
+    # GradScaler: an inf on the last rank's batch at step 1 only; every rank skips that step, and trains on.
+    model, ref = Net(), Net()
+    opt = DistributedOptimizer(torch.optim.Adam(param_groups(model), lr=0.01), pack_threshold=256,
+                               shard_state="gradients")
+    ref_opt = torch.optim.Adam(param_groups(ref), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+    stepped = []
+    for step in range(4):
+        x, y = batch(step)
+        if step == 1 and rank == world - 1:
+            x = x.clone()
+            x[0, 0] = float("inf")
+        opt.zero_grad()
+        scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+        scaler.step(opt)
+        scaler.update()
+        stepped.append(scaler.get_scale())
+        if step != 1:
+            ref_opt.zero_grad()
+            whole = sum(nn.functional.mse_loss(ref(batch(step, r)[0]), batch(step, r)[1]) for r in range(world))
+            (whole / world).backward()
+            ref_opt.step()
+    opt.close()
+    out["scaler"] = {"diff": max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters())),
+                     "scales": stepped}
+    # A gradient of 2 MiB travels alone, reduce-scattered from where autograd left it; not owned, it is let go.
+    # The first layer's (1 MiB, 1024 rows) is never sent as rows (their dense fallback would all-reduce it).
+    # At step 1 the last rank pauses in the middle of its backward, longer than the others wait at the end of
+    # theirs: their round stays pending, and step() waits again for what it had waited for.
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(128, 1024), nn.Tanh(), nn.Linear(1024, 256), nn.Tanh(), nn.Linear(256, 64)).double()
+    ref = copy.deepcopy(model)
+    # Received in parts of 256 KiB, each added as it arrives, into room for one part from each other rank.
+    saved_part, in_flight.SCATTER_PART_BYTES = in_flight.SCATTER_PART_BYTES, 1 << 18
+    opt = DistributedOptimizer(torch.optim.Adam(model.parameters(), lr=0.01), shard_state="gradients",
+                               pack_threshold=1 << 16)
+    opt._engine.backward_patience, opt._engine.patience_growth = 0.2, 0.0
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    large, large_grad = model[2].weight, True
+    for step in range(3):
+        x, y = batch(step)
+        x, y = x.repeat(1, 32), y.repeat(1, 32)
+        opt.zero_grad()
+        hidden = model[1](model[0](x))
+        if step == 1 and rank == world - 1:  # the last two layers' gradients have left; the first's have not
+            hidden.register_hook(lambda g: time.sleep(1.0))
+        nn.functional.mse_loss(model[4](model[3](model[2](hidden))), y).backward()
+        opt.synchronize()  # a round left pending at the end of backward (step 1) settles here
+        large_grad = large_grad and (opt.mode.owner_of[id(large)] == rank) == (large.grad is not None)
+        opt.step()
+        ref_opt.zero_grad()
+        (sum(nn.functional.mse_loss(ref(batch(step, r)[0].repeat(1, 32)), batch(step, r)[1].repeat(1, 32))
+             for r in range(world)) / world).backward()
+        ref_opt.step()
+    out["large"] = {"diff": max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters())),
+                    "direct": any(pack.direct for pack in opt._engine.packs), "grad_where_owned": large_grad,
+                    "rows": any(pack.rows is not None for pack in opt._engine.packs),
+                    "rooms": [pack.scattered.numel() for pack in opt._engine.packs if pack.direct and pack.owner == rank]}
+    in_flight.SCATTER_PART_BYTES = saved_part
+    opt.close()
+    # Accumulation inside no_sync(): the first half-batch stays local, the second's backward reduces both.
+    model, ref = Net(), Net()
+    opt = DistributedOptimizer(torch.optim.Adam(param_groups(model), lr=0.01), shard_state="gradients")
+    ref_opt = torch.optim.Adam(param_groups(ref), lr=0.01)
+    for step in range(3):
+        x, y = batch(step)
+        opt.zero_grad()
+        with opt.no_sync():
+            nn.functional.mse_loss(model(x[:3]), y[:3]).backward()
+        nn.functional.mse_loss(model(x[3:]), y[3:]).backward()
+        opt.step()
+        ref_opt.zero_grad()
+        whole = sum(nn.functional.mse_loss(ref(batch(step, r)[0][:3]), batch(step, r)[1][:3])
+                    + nn.functional.mse_loss(ref(batch(step, r)[0][3:]), batch(step, r)[1][3:]) for r in range(world))
+        (whole / world).backward()
+        ref_opt.step()
+    opt.close()
+    out["no_sync"] = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
+    # backward_passes_per_step=2: the first pass stays local, the second reduces both to their owners.
+    model, ref = Net(), Net()
+    opt = DistributedOptimizer(torch.optim.Adam(param_groups(model), lr=0.01), shard_state="gradients",
+                               backward_passes_per_step=2, pack_threshold=256)
+    ref_opt = torch.optim.Adam(param_groups(ref), lr=0.01)
+    foreign_none = True
+    for step in range(3):
+        x, y = batch(step)
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x[:3]), y[:3]).backward()
+        nn.functional.mse_loss(model(x[3:]), y[3:]).backward()
+        foreign_none = foreign_none and all(p.grad is None for p in model.parameters()
+                                            if p.requires_grad and id(p) in opt.mode.owner_of and not opt.mode.mine(p))
+        opt.step()
+        ref_opt.zero_grad()
+        whole = sum(nn.functional.mse_loss(ref(batch(step, r)[0][:3]), batch(step, r)[1][:3])
+                    + nn.functional.mse_loss(ref(batch(step, r)[0][3:]), batch(step, r)[1][3:]) for r in range(world))
+        (whole / world).backward()
+        ref_opt.step()
+    opt.close()
+    out["passes"] = {"diff": max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters())),
+                     "foreign_none": foreign_none}
+    return out
+
+
 CASES = {}
 for group_and_size in (2, 3):
+    CASES[f"sharded gradients, world {group_and_size}"] = (group_and_size, sharded_gradients, (group_and_size,))
     for _name in OPTIMIZERS:
         CASES[f"{_name}, world {group_and_size}"] = (group_and_size, parity, (_name,))
 
@@ -668,6 +832,8 @@ CASES["join"] = (3, join_sharded, ([5, 2, 4],))
 CASES["join, closure twice per step"] = (3, join_sharded_closure, ([5, 2, 4],))
 CASES["join, scaler skips, world 2"] = (2, join_sharded_scaler, ([6, 3], {1, 4}))
 CASES["join, scaler skips, world 3"] = (3, join_sharded_scaler, ([6, 2, 4], {1, 3, 5}))
+CASES["join, scaler skips, world 2, gradients"] = (2, join_sharded_scaler, ([6, 3], {1, 4}, "gradients"))
+CASES["join, scaler skips, world 3, gradients"] = (3, join_sharded_scaler, ([6, 2, 4], {1, 3, 5}, "gradients"))
 CASES["shard loads"] = (2, shard_loads, ())
 CASES["own shard after add_param_group"] = (2, own_shard_after_add_param_group, ())
 CASES["step hooks"] = (2, step_hooks, ())
@@ -737,6 +903,34 @@ def test_check_drift_at_the_top_of_a_join_loop_raises_at_once_after_a_rank_ran_o
     trainer, joined = results("check_drift at the top inside join, errors caught", tmp_path_factory)
     assert trainer["checks"] == 3 and trainer["errors"] == 2 and trainer["bitwise"], trainer
     assert joined["checks"] == 3 and joined["errors"] == 0 and joined["bitwise"], joined
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharded_gradients_train_like_one_process_with_clipping_scaler_and_grads_only_where_owned(
+        world, tmp_path_factory):
+    ranks = results(f"sharded gradients, world {world}", tmp_path_factory)
+    for name in ("momentum", "adam"):
+        for r in ranks:
+            case = r[name]
+            assert case["diff"] < TOL and case["norm"] < TOL, (name, case)
+            assert case["foreign_none"] and case["owned"], (name, case)
+            total, plain_total, parameter_bytes, flags = case["sent"]
+            assert parameter_bytes > 0, case
+            if world == 2:  # the other half of the gradients out, this half's parameters back: plain's bytes
+                assert total == plain_total, case
+        # What leaves the ranks together: every gradient but the owner's copy, and every parameter to each
+        # other rank (2(N-1) times the gradients, a ring all-reduce's); the flags travel whole from each rank.
+        total = sum(r[name]["sent"][0] for r in ranks)
+        _, plain_total, _, flags = ranks[0][name]["sent"]
+        assert total == 2 * (world - 1) * (plain_total - flags) + world * flags, (name, ranks)
+    for r in ranks:
+        scaler = r["scaler"]
+        assert scaler["diff"] < TOL, scaler
+        assert scaler["scales"] == [16.0, 8.0, 8.0, 8.0], scaler  # step 1 skipped on every rank alike
+        assert r["no_sync"] < TOL, r["no_sync"]
+        assert r["passes"]["diff"] < TOL and r["passes"]["foreign_none"], r["passes"]
+        assert r["large"]["diff"] < TOL and r["large"]["direct"] and r["large"]["grad_where_owned"], r["large"]
+        assert not r["large"]["rows"], r["large"]
+        assert all(room == (world - 1) * (1 << 15) for room in r["large"]["rooms"]), r["large"]
+    assert any(r["large"]["rooms"] for r in ranks), ranks  # some rank owns a gradient of 1 MiB or more
 
 
 def test_the_drift_check_ignores_each_ranks_own_shard_and_names_a_parameter_moved_on_one_rank(tmp_path_factory):
@@ -772,9 +966,10 @@ def test_the_gathered_checkpoint_loads_into_a_plain_optimizer_as_it_is(tmp_path_
 def test_a_checkpoint_resumes_exactly_sharded_or_not_at_another_world_size(world, saved, tmp_path_factory):
     results("features", tmp_path_factory)
     path = _TMP[2] / ("ckpt2.pt" if saved == "sharded" else "ckpt2-plain.pt")
-    for (a, held_a), (b, held_b) in run_world(resume_both_ways, world, str(path), timeout=150):
+    for (a, held_a), (b, held_b), (c, held_c) in run_world(resume_both_ways, world, str(path), timeout=150):
         assert max((x - y).abs().max().item() for x, y in zip(a, b)) < TOL
-        assert held_a < held_b  # the loaded state kept only this rank's shard
+        assert max((x - y).abs().max().item() for x, y in zip(c, b)) < TOL
+        assert held_a < held_b and held_c == held_a  # the loaded state kept only this rank's shard
 
 
 def test_state_dict_on_one_rank_only_is_a_clear_error_not_a_hang(tmp_path_factory):
@@ -789,13 +984,19 @@ def test_join_with_uneven_batches_and_a_scheduler_trains_like_the_unsharded_wrap
         assert r["diff"] < TOL and r["identical"], r
 
 
+@pytest.mark.parametrize("shard", ["", ", gradients"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_a_step_gradscaler_skips_after_a_rank_joined_trains_like_one_process_skipping_it(world, tmp_path_factory):
-    counts, infs = CASES[f"join, scaler skips, world {world}"][2]
-    for rank, r in enumerate(results(f"join, scaler skips, world {world}", tmp_path_factory)):
+def test_a_step_gradscaler_skips_after_a_rank_joined_trains_like_one_process_skipping_it(world, shard,
+                                                                                         tmp_path_factory):
+    counts, infs = CASES[f"join, scaler skips, world {world}{shard}"][2][:2]
+    for rank, r in enumerate(results(f"join, scaler skips, world {world}{shard}", tmp_path_factory)):
         assert r["stepped"] == [step not in infs for step in range(counts[rank])], r  # the scaler did skip them
         assert r["identical"] and r["same_layout"], r
         assert r["diff"] < TOL and r["state_diff"] < TOL, r
+        if shard and rank == 0:  # at its last step every other rank had joined: it owns everything
+            assert r["owners"] == [0], r
+            assert re.match(r"opt.clip_grad_norm_\(\) with .*gradients.* after a rank joined: the norm is summed over "
+                            r"every rank's gradients and the ranks that have joined \(\[1", r["clip_error"]), r
 
 
 def test_a_closure_evaluated_twice_per_step_after_a_rank_joined_trains_like_the_unsharded_wrapper(
@@ -808,8 +1009,19 @@ def test_lbfgs_cannot_be_sharded_and_says_why():
     model = nn.Linear(2, 2)
     with pytest.raises(TypeError, match="shard_state=True cannot shard LBFGS"):
         DistributedOptimizer(torch.optim.LBFGS(model.parameters()), shard_state=True)
-    with pytest.raises(TypeError, match="shard_state must be True or False"):
+    with pytest.raises(TypeError, match="shard_state must be True, False or 'gradients'"):
         DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), shard_state="yes")
+
+
+def test_sharded_gradients_refuse_what_they_do_not_support_yet_naming_the_fix():
+    model = nn.Linear(2, 2)
+    with pytest.raises(ValueError, match=r"gradients=True\) \(the gradients reduce-scattered .* cannot be compressed"):
+        DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), mode=distopt.ShardedState(gradients=True),
+                             compression="bf16")
+    with pytest.raises(TypeError, match=r"ShardedState\(gradients='yes'\): gradients must be True or False"):
+        distopt.ShardedState(gradients="yes")
+    assert repr(distopt.ShardedState(gradients=True)) == "ShardedState(gradients=True)"
+    assert distopt.ShardedState(gradients=True).settings()["shard_state"] == "gradients"
 
 
 def test_the_share_is_in_step_or_background_and_says_so():

@@ -9,6 +9,8 @@ from distopt.planning.packing import (
     ParamMeta,
     flatten,
     get_offsets,
+    grouped_by_owner,
+    owner_bounds,
     param_pack_concat,
     param_pack_split,
     plan_packs,
@@ -80,6 +82,22 @@ def test_members_keep_the_given_order_within_a_pack(case):
     position = {index: k for k, index in enumerate(order)}
     for pack in plan_packs(order, metas, threshold):
         assert [position[i] for i in pack.members] == sorted(position[i] for i in pack.members)
+
+
+@settings(max_examples=200, deadline=None)
+@given(param_sets(), st.integers(1, 4), st.randoms(use_true_random=False))
+def test_packs_grouped_by_owner_keep_their_members_and_give_each_owner_one_contiguous_chunk(case, world, rnd):
+    metas, order, threshold = case
+    owners = [rnd.randrange(world) for _ in metas]
+    specs = plan_packs(order, metas, threshold)
+    for plain, grouped in zip(specs, grouped_by_owner(specs, metas, owners)):
+        assert sorted(plain.members) == sorted(grouped.members) and plain.numel == grouped.numel
+        ranks = [owners[i] for i in grouped.members]
+        assert ranks == sorted(ranks)  # by owner, stably
+        bounds = owner_bounds(grouped, owners, world)
+        assert bounds[0] == 0 and bounds[-1] == grouped.numel
+        for i, off, n in zip(grouped.members, grouped.offsets, grouped.numels):
+            assert bounds[owners[i]] <= off and off + n <= bounds[owners[i] + 1]
 
 
 def test_threshold_zero_gives_one_pack_per_parameter():

@@ -16,7 +16,9 @@ per rank, :mod:`.worker`), so one that aborts cannot take another down.
   each compressor alone and with local SGD (``sync_every=4``), and DiLoCo.
 * Sharded optimizer state: ``distopt-shard`` (``shard_state=True``: the parameter share
   waited for in the step), ``distopt-shard-background`` (``ShardedState(share="background")``:
-  the share overlaps the next forward), ``zero`` (torch's
+  the share overlaps the next forward), ``distopt-shard-gradients`` (``shard_state="gradients"``:
+  the gradients reduce-scattered to their owners, ZeRO-2), ``distopt-shard-gradients-background``
+  (the same with the share in the background), ``zero`` (torch's
   ``ZeroRedundancyOptimizer`` under DDP) and ``zero-overlap`` (with ``overlap_with_ddp=True``
   and ``hook_with_zero_step``; torch refuses it on gloo, so it is reported unavailable there).
 * Two levels, for ``--ranks-per-host 2`` and more (:data:`ISLAND_CONTENDERS`; the islands
@@ -153,6 +155,17 @@ def _distopt_shard(model: nn.Module, inner: torch.optim.Optimizer, options: Cont
 
 def _distopt_shard_background(model: nn.Module, inner: torch.optim.Optimizer, options: ContenderOptions) -> Built:
     opt = DistributedOptimizer(inner, pack_threshold="auto", mode=ShardedState(share="background"))
+    return Built(model, opt, opt)
+
+
+def _distopt_shard_gradients(model: nn.Module, inner: torch.optim.Optimizer, options: ContenderOptions) -> Built:
+    opt = DistributedOptimizer(inner, pack_threshold="auto", shard_state="gradients")
+    return Built(model, opt, opt)
+
+
+def _distopt_shard_gradients_background(model: nn.Module, inner: torch.optim.Optimizer,
+                                        options: ContenderOptions) -> Built:
+    opt = DistributedOptimizer(inner, pack_threshold="auto", mode=ShardedState(share="background", gradients=True))
     return Built(model, opt, opt)
 
 
@@ -478,6 +491,11 @@ CONTENDERS: Dict[str, Contender] = {
         Contender("distopt-shard", "DistributedOptimizer(pack_threshold='auto', shard_state=True)", _distopt_shard),
         Contender("distopt-shard-background", "the same, mode=ShardedState(share='background')",
                   _distopt_shard_background),
+        Contender("distopt-shard-gradients", "DistributedOptimizer(pack_threshold='auto', shard_state='gradients')",
+                  _distopt_shard_gradients),
+        Contender("distopt-shard-gradients-background",
+                  "the same, mode=ShardedState(share='background', gradients=True)",
+                  _distopt_shard_gradients_background),
         Contender("zero", "torch ZeroRedundancyOptimizer under DDP", _zero),
         Contender("zero-overlap", "torch ZeroRedundancyOptimizer(overlap_with_ddp=True) + hook_with_zero_step",
                   _zero_overlap),
