@@ -205,11 +205,18 @@ def probe_copy(pack: Pack) -> Pack:
     """``pack`` with zeroed buffers of its own, for a round that must leave the pack's as they are (a probe
     round, :meth:`distopt.engine.GradientEngine.probe`, while ``.grad`` are views of the pack's buffer). It
     shares the rest: the codec, the row-sparse state and the room for gathered copies, which such a round
-    uses as any round does."""
+    uses as any round does. A reduce-scatter's chunks (``shard_state="gradients"``) are cut from the new
+    buffer where they lay in the old one, and its room for the others' chunks is its own: the owners' chunks
+    of the pack stay as they are."""
     buffer = torch.zeros_like(pack.buffer)
     values = 0 if pack.direct else pack.spec.numel  # a direct pack's buffer is its flags
+    chunks = None
+    if pack.chunks is not None:
+        base = pack.buffer.storage_offset()
+        chunks = [buffer[c.storage_offset() - base:c.storage_offset() - base + c.numel()] for c in pack.chunks]
     return replace(pack, buffer=buffer, data=buffer[:values], views=[], flags=buffer[values:],
-                   wire=None if pack.wire is None else torch.empty_like(pack.wire), absent=[], moved=set())
+                   wire=None if pack.wire is None else torch.empty_like(pack.wire), absent=[], moved=set(),
+                   chunks=chunks, scattered=None)
 
 
 def scratch(pack: Pack) -> None:

@@ -151,13 +151,15 @@ def batch(step, rank=None):
     return torch.randn(6, 4, generator=g, dtype=torch.float64), torch.randn(6, 2, generator=g, dtype=torch.float64)
 
 
-def train(model, opt, steps, start=0, scheduler=None):
+def train(model, opt, steps, start=0, scheduler=None, clip=True):
     for step in range(start, start + steps):
         x, y = batch(step)
         opt.zero_grad()
         nn.functional.mse_loss(model(x), y).backward()
         opt.synchronize()
-        if getattr(opt.mode, "gradients", False):  # each rank holds its owned gradients only
+        if not clip:
+            pass
+        elif getattr(opt.mode, "gradients", False):  # each rank holds its owned gradients only
             opt.clip_grad_norm_(1.0)
         else:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # clipping after synchronize()
@@ -555,7 +557,7 @@ class Held(nn.Module):
         return self.b(torch.tanh(self.wide(torch.tanh(self.a(x) * scale + bias))))
 
 
-def drift_check_at_the_top_inside_join(counts, go_on=False):
+def drift_check_at_the_top_inside_join(counts, go_on=False, shard_state=True):
     """``opt.check_drift()`` at the top of every step inside join(): with ``counts`` uneven, a rank that ran out
     of data at the end of the last step waits in a shadow round the others know nothing of yet (an error on
     every rank, at once); with equal counts, or with ``go_on`` (the errors caught, training going on), the checks
@@ -567,12 +569,37 @@ def drift_check_at_the_top_inside_join(counts, go_on=False):
     for every in (1, None):
         model = Net()
         opt = DistributedOptimizer(torch.optim.Adam(param_groups(model), lr=0.01), pack_threshold=256,
-                                   shard_state=True, stall_timeout=10)
-        outcome = checks_at_the_top(opt, counts[rank], lambda t: train(model, opt, 1, start=t), every, go_on)
+                                   shard_state=shard_state, stall_timeout=10)
+        # With the gradients sharded, opt.clip_grad_norm_() is refused once a rank has joined.
+        outcome = checks_at_the_top(opt, counts[rank], lambda t: train(model, opt, 1, start=t,
+                                                                       clip=shard_state is True), every, go_on)
         finals.append(([p.detach().clone() for p in model.parameters()], outcome))
         opt.close()
     (with_checks, outcome), (without, _) = finals
     return dict(outcome, bitwise=all(torch.equal(a, b) for a, b in zip(with_checks, without)))
+
+
+def drift_check_between_backward_and_step_inside_join(steps=3):
+    """With the gradients sharded, ``opt.check_drift()`` inside join() after ``synchronize()`` and before
+    ``step()``: its probe round reduce-scatters zeros of its own, so the owned gradients ``step()`` then
+    applies are this step's, bitwise (the loop equals the one without checks)."""
+    finals = []
+    for check in (True, False):
+        model = Net()
+        opt = DistributedOptimizer(torch.optim.Adam(param_groups(model), lr=0.01), pack_threshold=256,
+                                   shard_state="gradients", stall_timeout=10)
+        with opt.join():
+            for step in range(steps):
+                x, y = batch(step)
+                opt.zero_grad()
+                nn.functional.mse_loss(model(x), y).backward()
+                opt.synchronize()
+                if check:
+                    opt.check_drift()
+                opt.step()
+        finals.append([p.detach().clone() for p in model.parameters()])
+        opt.close()
+    return all(torch.equal(a, b) for a, b in zip(*finals))
 
 
 def in_step_share(world):
@@ -842,6 +869,11 @@ CASES["wrap loaded"] = (2, wrap_loaded, ("{tmp}",))
 for name, counts, go_on in (("a rank just out of data", [5, 3], False), ("equal counts", [4, 4], False),
                             ("errors caught", [5, 3], True)):
     CASES[f"check_drift at the top inside join, {name}"] = (2, drift_check_at_the_top_inside_join, (counts, go_on))
+# The probe round reduce-scatters zeros of its own: the owners' chunks of the real packs stay as they are.
+CASES["check_drift between backward and step inside join, gradients sharded"] = (
+    2, drift_check_between_backward_and_step_inside_join, ())
+CASES["check_drift at the top inside join, gradients sharded, errors caught"] = (
+    2, drift_check_at_the_top_inside_join, ([5, 3], True, "gradients"))
 for group_and_size in (2, 3):
     CASES[f"lazy share, world {group_and_size}"] = (group_and_size, lazy_share, (group_and_size,))
     CASES[f"in-step share, world {group_and_size}"] = (group_and_size, in_step_share, (group_and_size,))
@@ -900,9 +932,11 @@ def test_check_drift_at_the_top_of_a_join_loop_raises_at_once_after_a_rank_ran_o
     assert trainer["error"] in joined["error"], joined  # the joined rank says why the others left
     for r in results("check_drift at the top inside join, equal counts", tmp_path_factory):
         assert r["error"] is None and r["checks"] == 4 and r["bitwise"], r
-    trainer, joined = results("check_drift at the top inside join, errors caught", tmp_path_factory)
-    assert trainer["checks"] == 3 and trainer["errors"] == 2 and trainer["bitwise"], trainer
-    assert joined["checks"] == 3 and joined["errors"] == 0 and joined["bitwise"], joined
+    assert all(results("check_drift between backward and step inside join, gradients sharded", tmp_path_factory))
+    for case in ("errors caught", "gradients sharded, errors caught"):
+        trainer, joined = results(f"check_drift at the top inside join, {case}", tmp_path_factory)
+        assert trainer["checks"] == 3 and trainer["errors"] == 2 and trainer["bitwise"], (case, trainer)
+        assert joined["checks"] == 3 and joined["errors"] == 0 and joined["bitwise"], (case, joined)
 @pytest.mark.parametrize("world", [2, 3])
 def test_sharded_gradients_train_like_one_process_with_clipping_scaler_and_grads_only_where_owned(
         world, tmp_path_factory):
