@@ -19,7 +19,7 @@ TIMEOUT = 480  # all three runs of the command below (~20 s on an idle 2-core ma
 pytestmark = [pytest.mark.usefixtures("no_leftover_processes"), pytest.mark.timeout(TIMEOUT + 60)]
 
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ["--iters", "2", "--rounds", "2", "--warmup", "1"]
+TINY = ["--iters", "1", "--rounds", "2", "--warmup", "1"]
 
 # The runs of ``python -m distopt.benchmark`` that the tests below check, one after another in one
 # process, each as ``-m`` runs it (``runpy``, with its own argv): the process pays for Python, torch
@@ -79,7 +79,7 @@ def test_two_ranks_all_sections(runs: Dict[str, subprocess.CompletedProcess]) ->
     modes = workload["modes"]
     assert set(modes) == {"local", "ddp", "distopt", "distopt@0", "bare_allreduce"}
     # 2 rounds of ceil(iters * iters_scale / rounds) steps; mlp's iters_scale is 5
-    assert all(len(m["times_ms"]) == 10 for m in modes.values())
+    assert all(len(m["times_ms"]) == 2 * 3 for m in modes.values())
     assert modes["local"]["allreduce_calls"] == 0
     assert modes["ddp"]["allreduce_calls"] >= 1
     assert modes["distopt"]["allreduce_calls"] >= 1
