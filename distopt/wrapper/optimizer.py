@@ -594,6 +594,10 @@ class DistributedOptimizer(InnerOptimizerSurface):
 
         Returns:
             The total norm of the gradients before clipping.
+
+        Raises:
+            RuntimeError: with ``shard_state="gradients"`` inside ``join()`` once a rank has joined (the
+                joined ranks cannot take part in the norm's sum), on every rank still training.
         """
         self._check_not_retired("clip_grad_norm_()")
         self.synchronize()
