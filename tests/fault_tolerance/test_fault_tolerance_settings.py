@@ -61,16 +61,23 @@ def test_a_newcomer_with_another_pack_threshold_or_codec_is_refused_and_the_live
     """A live replica trains with top-k (pack_threshold 4096); a newcomer with pack_threshold 1024, then one with
     int8, join: each raises ValueError naming the setting and both values at its first step, and the live
     replica trains on: at every step, bitwise what the same replica computes in a job of its own."""
-    live = dict(compression="topk", pack_threshold=4096, pace=0.02, steps=8, timeout=10.0)
+    # Both train on until told (max_seconds: under load the refusals took longer than the default 25 s, and the
+    # reference, started first, stopped short of the live replica's last step).
+    live = dict(compression="topk", pack_threshold=4096, pace=0.02, steps=8, timeout=10.0, max_seconds=80.0)
     reference = job()  # the same replica alone, in a job of its own: what the live one must compute
     j = job()
-    reference.start("alone", 0, until_file=str(j.tmp / "stop"), **live)
+    reference_stop = j.tmp / "reference-stop"
+    reference.start("alone", 0, until_file=str(reference_stop), **live)
     _refuse_newcomers(j, live, [
         (dict(pack_threshold=1024), r"built with pack_threshold=1024, and the live replica it heals from with "
                                     r"pack_threshold=4096"),
         (dict(compression="int8"), r"built with compression=\{'compressor': 'Quantize'.*live replica it heals from "
                                    r"with compression=\{'compressor': 'TopK'"),
     ])
+    last = max(e["step"] for e in j.steps("live") if e["ok"])
+    reference.wait_for(lambda: any(e["step"] >= last for e in reference.steps("alone")), 30,
+                       "the reference to reach the live replica's last step")
+    reference_stop.touch()
     assert reference.finish(30) == {"alone": 0}, reference.tails()
     alone = {e["step"]: e["digest"] for e in reference.steps("alone")}
     seen: Dict[int, set] = {}
