@@ -54,7 +54,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Dict[str, subprocess.Compl
         "two ranks": ["--workloads", "mlp", *TINY, "--thresholds", "0", "--sweep", str(tmp / "sweep.png"),
                       "--json", str(tmp / "bench.json"), "--no-memory"],
         "world one": ["--world", "1", "--iters", "1", "--rounds", "1", "--warmup", "1", "--json"],
-        "profile": ["--profile", "mlp", "--iters", "4", "--rounds", "2", "--warmup", "1"],
+        "profile": ["--profile", "mlp", "--iters", "1", "--rounds", "1", "--warmup", "1"],  # one profiled step a mode
     }
     cmd = [sys.executable, "-c", DRIVER, json.dumps(list(argvs.values()))]
     code, out, err = run_command(cmd, ROOT, None, TIMEOUT)  # past the timeout, its workers go too

@@ -220,7 +220,7 @@ def skipped_batch_worker(call_synchronize, clip):
 
 
 def straggler_worker(clip):
-    """Rank 1 arrives 4 s late at one step; rank 0 gives up waiting after 1.5 s and goes on."""
+    """Rank 1 arrives 4 s late at one step; the other ranks give up waiting after 1.5 s and go on."""
     rank, world = rank_world()
     model, ref = make_model(), make_model()
     opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1))
@@ -576,7 +576,6 @@ def world2_checks():
         "skipped_step_model_zero_grad": skipped_step_model_zero_grad_worker(),
         "hand_set_frozen": hand_set_frozen_worker("all"),
         "hand_set_frozen_one": hand_set_frozen_worker("one"),
-        "straggler": straggler_worker(clip=False),
         # last: rank 0 raises once the round is back, rank 1 goes on to the end of its loop alone
         "straggler_clip": straggler_worker(clip=True),
         "straggler_reassign": straggler_worker(clip="reassign"),
@@ -603,6 +602,8 @@ def world3_checks():
         "skip_nothing_touched": skipped_batch_worker(call_synchronize=False, clip=False),
         "frozen": frozen_worker(),
         "int16": int16_worker(),
+        # Here rather than in world 2, whose stragglers' sleeps make it the longer launch: ranks 0 and 2 give up.
+        "straggler": straggler_worker(clip=False),
     }
 
 
@@ -654,7 +655,7 @@ def test_a_skipped_batch_trains_identically_when_synchronize_is_called():
 
 
 def test_a_straggler_past_the_patience_still_trains_like_one_process():
-    for o in [r["straggler"] for r in results(2)]:
+    for o in [r["straggler"] for r in results(3)]:
         assert o[0] == "ok", o
         diff, identical, packs = o[1]
         assert diff < TOL and identical and packs == [1, 1, 1], o

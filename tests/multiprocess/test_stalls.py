@@ -116,10 +116,11 @@ def worlds():
     """The worlds of the tests below, side by side, since each spends seconds idle waiting for a stall to be
     warned about or to time out: name -> its per-rank results, as a done Future."""
     launches = {
-        # rank 1 sleeps 7 s in its third step; a warning after 2 s, no timeout
-        "warned": (sleeper_worker, 2, (1, 7.0, 2.0, None)),
-        # rank 1 of 3 sleeps 8 s in its third step; a warning after 1 s, a timeout after 3 s
-        "timed out": (sleeper_worker, 3, (1, 8.0, 1.0, 3.0)),
+        # rank 1 sleeps 5 s in its third step; a warning after 2 s, no timeout (each sleep lasts at
+        # least to the end of the window its test accepts the warning or the error in)
+        "warned": (sleeper_worker, 2, (1, 5.0, 2.0, None)),
+        # rank 1 of 3 sleeps 6 s in its third step; a warning after 1 s, a timeout after 3 s
+        "timed out": (sleeper_worker, 3, (1, 6.0, 1.0, 3.0)),
         "add_param_group": (one_rank_call_worker, 2, ("add_param_group",)),
         "broadcast_parameters": (one_rank_call_worker, 2, ("broadcast_parameters",)),
     }

@@ -18,7 +18,7 @@ def _answer() -> int:
 def test_a_world_that_hung_fails_every_later_test_at_once_with_the_first_cause(no_leftover_processes):
     # Short: the launch times out whether or not the rank got as far as the hang, and the launching
     # process hosts the store, so nothing else can fail first.
-    worlds = Worlds({"hangs": (1, _hang, ()), "fine": (1, _answer, ())}, timeout=4.0)
+    worlds = Worlds({"hangs": (1, _hang, ()), "fine": (1, _answer, ())}, timeout=1.5)
     with pytest.raises(LaunchTimeoutError):
         worlds.results("hangs")
     start = time.perf_counter()
