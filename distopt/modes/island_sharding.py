@@ -35,7 +35,7 @@ def inside_mode(inside: Any) -> Optional[ShardedState]:
 
     Raises:
         TypeError: ``inside`` is not a distopt mode object.
-        ValueError: a mode other than ``ShardedState`` or ``Synchronous``.
+        ValueError: a mode other than ``ShardedState`` or ``Synchronous``, or ``ShardedState(gradients=True)``.
     """
     fix = ("pass inside=distopt.ShardedState() (or ShardedState(share='background')) to shard the optimizer state "
            "over each island's ranks, or leave inside unset for plain replicas")
@@ -48,6 +48,12 @@ def inside_mode(inside: Any) -> Optional[ShardedState]:
         raise ValueError(
             f"Islands(inside={inside!r}): inside an island the ranks run plain replicas or ShardedState; a mode that "
             f"syncs the islands on its own schedule (LocalSGD, DiLoCo) goes in across=; {fix}")
+    if inside.gradients:
+        # The island's round must leave its mean gradient whole on every rank: the sum across cuts it into
+        # slices of its own, and a reduce-scatter to the owners would leave each rank a part.
+        raise ValueError(
+            f"Islands(inside={inside!r}): the gradients sharded inside an island (ZeRO-2) are not supported yet; "
+            "pass inside=distopt.ShardedState() (the optimizer state sharded over the island, ZeRO-1)")
     inside.given_as = f"inside={inside!r}"
     return inside
 

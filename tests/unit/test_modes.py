@@ -299,6 +299,9 @@ def test_a_mode_without_a_shorthand_spells_its_arguments_its_own_way_in_errors()
      r"across=distopt.Synchronous\(\)"),
     (lambda: distopt.Islands(inside="sharded"), TypeError,
      r"Islands\(inside='sharded'\): inside must be a distopt mode object, got str; pass inside=distopt.ShardedState"),
+    (lambda: distopt.Islands(inside=distopt.ShardedState(gradients=True)), ValueError,
+     r"Islands\(inside=ShardedState\(gradients=True\)\): the gradients sharded inside an island \(ZeRO-2\) are "
+     r"not supported yet; pass inside=distopt.ShardedState\(\)"),
     (lambda: distopt.Islands(inside=distopt.LocalSGD(4)), ValueError,
      r"Islands\(inside=LocalSGD\(every=4\)\): .*LocalSGD, DiLoCo\) goes in across=; pass inside=distopt.ShardedState"),
     (lambda: distopt.Islands(across=distopt.LocalSGD(4, warmup=2)), ValueError,
