@@ -24,7 +24,7 @@ from ..transport.waiting import completed_failure
 
 __all__ = ["SCATTER_TAG", "SCATTER_PARTS", "SCATTER_PART_BYTES", "scatter_part", "scatter_room", "ScatterInParts",
            "scatter_to_owners", "Sent", "labelled", "GATHER_SUM_MAX_BYTES", "GATHER_COPIES_BUDGET", "sums_by_gather", "plan_gathers",
-           "gather_buffer", "gather_by_broadcasts", "broadcast_each", "Broadcasts", "sum_copies"]
+           "gather_buffer", "gather_by_broadcasts", "broadcast_each", "wait_before", "Broadcasts", "sum_copies"]
 
 #: Bytes every rank may receive (the other ranks' copies) for a CPU sum to be done as one
 #: gather (a broadcast from each rank) and a local sum, one pass instead of the all-reduce's
@@ -101,6 +101,29 @@ def gather_buffer(pack: Pack, tensor: Tensor, world: int, flags: bool) -> Tensor
     return copies
 
 
+def wait_before(work: Any, deadline: Optional[float]) -> Optional[BaseException]:
+    """Wait for one transfer's ``work`` until ``deadline`` (``time.monotonic``; None: for as long as it takes).
+
+    Returns:
+        None once it is done; or the error it completed with where its wait raised because it failed
+        (a peer left, the group timed out) rather than because the time ran out: the caller marks
+        itself failed and raises it.
+
+    Raises:
+        RuntimeError: the time ran out first.
+    """
+    try:
+        if deadline is None:
+            work.wait()
+        else:
+            work.wait(timeout=timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+    except RuntimeError:
+        if not work.is_completed():
+            raise  # the time ran out first
+        return completed_failure(work)  # else it completed just after the time ran out: failed, or not
+    return None
+
+
 class Broadcasts:
     """The broadcasts of one gather, waited for as one collective's work.
 
@@ -118,18 +141,10 @@ class Broadcasts:
         """Wait for every broadcast; raises ``RuntimeError`` as a work does (timeout or failure)."""
         deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
         for work in self.works:
-            try:
-                if deadline is None:
-                    work.wait()
-                else:
-                    work.wait(timeout=timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
-            except RuntimeError:
-                if not work.is_completed():
-                    raise  # the time ran out first
-                failure = completed_failure(work)  # else it completed just after the time ran out
-                if failure is not None:
-                    self.failed = True  # a peer left, or the group timed out
-                    raise failure from None
+            failure = wait_before(work, deadline)
+            if failure is not None:
+                self.failed = True  # a peer left, or the group timed out
+                raise failure
         return True
 
     def is_completed(self) -> bool:
@@ -257,18 +272,10 @@ class ScatterInParts:
         return True
 
     def _wait_one(self, work: Any, deadline: Optional[float]) -> None:
-        try:
-            if deadline is None:
-                work.wait()
-            else:
-                work.wait(timeout=timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
-        except RuntimeError:
-            if not work.is_completed():
-                raise  # the time ran out first
-            failure = completed_failure(work)  # else it completed just after the time ran out
-            if failure is not None:
-                self.failed = True  # a peer left, or the group timed out
-                raise failure from None
+        failure = wait_before(work, deadline)
+        if failure is not None:
+            self.failed = True  # a peer left, or the group timed out
+            raise failure
 
     def is_completed(self) -> bool:
         """Every part is in and added and every part sent is done, or a transfer failed."""
