@@ -579,6 +579,15 @@ def drift_check_at_the_top_inside_join(counts, go_on=False, shard_state=True):
     return dict(outcome, bitwise=all(torch.equal(a, b) for a, b in zip(with_checks, without)))
 
 
+def _reference_step_in_two_halves(ref, ref_opt, step, world):
+    """One process's step on every rank's batch of ``step``, each in two halves whose losses add up."""
+    ref_opt.zero_grad()
+    whole = sum(nn.functional.mse_loss(ref(batch(step, r)[0][:3]), batch(step, r)[1][:3])
+                + nn.functional.mse_loss(ref(batch(step, r)[0][3:]), batch(step, r)[1][3:]) for r in range(world))
+    (whole / world).backward()
+    ref_opt.step()
+
+
 def drift_check_between_backward_and_step_inside_join(steps=3):
     """With the gradients sharded, ``opt.check_drift()`` inside join() after ``synchronize()`` and before
     ``step()``: its probe round reduce-scatters zeros of its own, so the owned gradients ``step()`` then
@@ -814,11 +823,7 @@ def sharded_gradients(world):
             nn.functional.mse_loss(model(x[:3]), y[:3]).backward()
         nn.functional.mse_loss(model(x[3:]), y[3:]).backward()
         opt.step()
-        ref_opt.zero_grad()
-        whole = sum(nn.functional.mse_loss(ref(batch(step, r)[0][:3]), batch(step, r)[1][:3])
-                    + nn.functional.mse_loss(ref(batch(step, r)[0][3:]), batch(step, r)[1][3:]) for r in range(world))
-        (whole / world).backward()
-        ref_opt.step()
+        _reference_step_in_two_halves(ref, ref_opt, step, world)
     opt.close()
     out["no_sync"] = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
     # backward_passes_per_step=2: the first pass stays local, the second reduces both to their owners.
@@ -835,11 +840,7 @@ def sharded_gradients(world):
         foreign_none = foreign_none and all(p.grad is None for p in model.parameters()
                                             if p.requires_grad and id(p) in opt.mode.owner_of and not opt.mode.mine(p))
         opt.step()
-        ref_opt.zero_grad()
-        whole = sum(nn.functional.mse_loss(ref(batch(step, r)[0][:3]), batch(step, r)[1][:3])
-                    + nn.functional.mse_loss(ref(batch(step, r)[0][3:]), batch(step, r)[1][3:]) for r in range(world))
-        (whole / world).backward()
-        ref_opt.step()
+        _reference_step_in_two_halves(ref, ref_opt, step, world)
     opt.close()
     out["passes"] = {"diff": max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters())),
                      "foreign_none": foreign_none}
