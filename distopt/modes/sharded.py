@@ -52,9 +52,10 @@ reduce-scattered to the owners it started with: the gradients of the parameters
 whose owner changes go to their new owners with their state (below), and the packs
 are grouped by the new owners from the next round on. Not supported, and refused
 by name: compression (a codec's collectives assume the whole pack on every rank),
-fault tolerance, ``opt.clip_grad_norm_()`` once a rank has joined (the joined rank
-takes no part in the norm's sum), and a world in which a rank owns no trainable
-parameter.
+fault tolerance, and a world in which a rank owns no trainable parameter. Once a
+rank has joined, ``opt.clip_grad_norm_()`` adds up the norms of the ranks still
+training alone, point to point (the joined rank owns no gradient, and waits in a
+round the others have not sent).
 
 Join: a rank that has joined owns nothing. In the round in which it joined, which
 every rank settles at the same point of its collectives, its shard is handed to
@@ -79,6 +80,7 @@ does, and its shard is the whole state.
 """
 from __future__ import annotations
 
+import contextlib
 import weakref
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional
@@ -90,6 +92,7 @@ from torch.optim import optimizer as torch_optimizer
 
 from .. import collectives
 from ..collectives.optimizer_state import cpu_copy
+from ..collectives.tensors import to_comm
 from ..planning import drift
 from ..planning.ownership import assign_owners
 from ..transport import stalls
@@ -99,7 +102,12 @@ from .parameter_share import ParameterShare, held_by, launch_share
 from .step_hooks import step_with_hooks
 from .synchronous import Synchronous, synchronizing
 
-__all__ = ["ShardedState"]
+__all__ = ["ShardedState", "NORM_TAG"]
+
+#: The tag of the point-to-point transfers that add up the gradients' norms once a rank has joined
+#: (:meth:`ShardedState.clip_grad_norm_`): below the reduce-scatter's
+#: (:data:`distopt.engine.in_flight.SCATTER_TAG`) and far above the parameter share's, which count up from 0.
+NORM_TAG = (1 << 24) - 1
 
 
 class ShardedState(Synchronous):
@@ -130,7 +138,6 @@ class ShardedState(Synchronous):
         ValueError: ``share`` is neither ``"in_step"`` nor ``"background"``; (when the wrapper is built,
             with ``gradients=True``) compression, or a rank owning no trainable parameter.
         TypeError: ``gradients`` is not a bool.
-        RuntimeError: (with ``gradients=True``) ``opt.clip_grad_norm_()`` after a rank joined.
         TypeError: (when the wrapper is built) the inner optimizer is ``LBFGS``, which keeps one
             history over all parameters together.
         ValueError: (when the wrapper is built) with ``fault_tolerance``: a replica that dies takes
@@ -289,32 +296,64 @@ class ShardedState(Synchronous):
     def clip_grad_norm_(self, ctx: ModeContext, max_norm: float, norm_type: float) -> Tensor:
         if not self.gradients or ctx.world_size == 1:
             return super().clip_grad_norm_(ctx, max_norm, norm_type)
-        if len(self.active) < self.world_size:
-            raise RuntimeError(
-                f"opt.clip_grad_norm_() with {self.describe()} after a rank joined: the norm is summed over every "
-                f"rank's gradients and the ranks that have joined ({sorted(set(range(self.world_size)) - set(self.active))}) "
-                "take no part; clip before any rank runs out of data (give every rank the same number of batches, "
-                "e.g. DistributedSampler(drop_last=True)), or shard the optimizer state only (shard_state=True)")
+        # The last step's share (share="background") is done with before the norm's own transfers start.
+        self._finish_share()
         grads = [p.grad for group in ctx.optimizer.param_groups for p in group["params"]
                  if p.grad is not None and self.mine(p)]
         with torch.no_grad():
             if norm_type == float("inf"):
                 local = max((g.detach().abs().max().double() for g in grads), default=torch.zeros((), dtype=torch.float64))
-                total = local.reshape(1).clone()
-                with stalls.inspected(ctx.progress, "the sum of the gradients' norms (clip_grad_norm_)"):
-                    collectives.all_reduce(total, op="max", group=ctx.engine.channel.group)
-                total_norm = total[0]
+                total_norm = self._combine_over_training_ranks(ctx, local, "max")
             else:
                 norms = [torch.linalg.vector_norm(g.detach(), norm_type).double() for g in grads]
                 local = sum((n ** norm_type for n in norms), torch.zeros((), dtype=torch.float64))
-                total = local.reshape(1).clone()
-                with stalls.inspected(ctx.progress, "the sum of the gradients' norms (clip_grad_norm_)"):
-                    collectives.all_reduce(total, op="sum", group=ctx.engine.channel.group)
-                total_norm = total[0] ** (1.0 / norm_type)
+                total_norm = self._combine_over_training_ranks(ctx, local, "sum") ** (1.0 / norm_type)
             coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
             for g in grads:
                 g.mul_(coef.to(g.dtype))
         return total_norm
+
+    def _combine_over_training_ranks(self, ctx: ModeContext, value: Tensor, op: str) -> Tensor:
+        """``value`` (a float64 scalar) summed, or its maximum taken, over the ranks still training, the
+        same on each of them.
+
+        Before any rank has joined this is an all-reduce. Once one has, it waits in a shadow round for
+        the others' next round, and an all-reduce would meet that round instead: the ranks still
+        training (the same list on each, :meth:`_follow_joins`) send their values to each other point
+        to point, which a joined rank takes no part in, and each adds them up in rank order, so every
+        one of them gets the same bits. A joined rank owns no gradient: it has nothing to add.
+        """
+        what = "the sum of the gradients' norms (clip_grad_norm_)"
+        if len(self.active) == self.world_size:
+            total = value.reshape(1).clone()
+            with stalls.inspected(ctx.progress, what):
+                collectives.all_reduce(total, op=op, group=ctx.engine.channel.group)
+            return total[0]
+        if self.rank not in self.active:
+            return value
+        group = ctx.engine.channel.group
+        mine = to_comm(value.reshape(1).clone(), group)
+        values = {self.rank: mine}
+        works = []
+        progress = ctx.progress
+        # Point-to-point transfers are not collectives of the group: a rank that has joined issues none.
+        aside = progress.aside() if progress is not None else contextlib.nullcontext()
+        with aside:
+            for peer in self.active:
+                if peer != self.rank:
+                    works.append(group.send([mine], peer, NORM_TAG))
+                    values[peer] = torch.empty_like(mine)
+                    works.append(group.recv([values[peer]], peer, NORM_TAG))
+            with stalls.inspected(progress, what):
+                for work in works:
+                    work.wait()
+        ordered = [values[r].to(value.device)[0] for r in sorted(values)]
+        if op == "max":
+            return torch.stack(ordered).max()
+        total = ordered[0]
+        for v in ordered[1:]:
+            total = total + v
+        return total
 
     def step(self, ctx: ModeContext, closure: Optional[Callable[[], Any]]) -> Any:
         if ctx.world_size == 1:  # nothing to divide

@@ -586,7 +586,8 @@ class DistributedOptimizer(InnerOptimizerSurface):
 
         With ``shard_state="gradients"`` each rank holds the averaged gradients of the parameters it
         owns only, so the norm is summed over the ranks: every rank must call it, at the same point
-        (after ``backward()``, and after ``GradScaler.unscale_(opt)`` where a scaler is used).
+        (after ``backward()``, and after ``GradScaler.unscale_(opt)`` where a scaler is used); inside
+        ``join()``, every rank still training (a rank that has joined owns no gradient).
 
         Args:
             max_norm: the largest total norm the gradients keep.
@@ -594,10 +595,6 @@ class DistributedOptimizer(InnerOptimizerSurface):
 
         Returns:
             The total norm of the gradients before clipping.
-
-        Raises:
-            RuntimeError: with ``shard_state="gradients"`` inside ``join()`` once a rank has joined (the
-                joined ranks cannot take part in the norm's sum), on every rank still training.
         """
         self._check_not_retired("clip_grad_norm_()")
         self.synchronize()

@@ -351,6 +351,41 @@ def join_sharded_closure(counts):
     return {"diff": diff, "identical": identical, "loss_diff": max(abs(a - b) for a, b in zip(*losses))}
 
 
+def join_sharded_clipping(counts, norm_type):
+    """``opt.clip_grad_norm_()`` at every step inside join() with the gradients sharded, before and after ranks
+    joined (the ranks still training add up their norms point to point): every rank training gets the norm one
+    process gets over the averaged gradients of the ranks present, and training follows that process clipping
+    with ``torch.nn.utils.clip_grad_norm_``."""
+    rank = dist.get_rank()
+    model = Net()
+    opt = DistributedOptimizer(torch.optim.Adam(param_groups(model), lr=0.01), pack_threshold=256,
+                               shard_state="gradients", stall_timeout=30)  # ranks out of step fail in time
+    norms = []
+    with opt.join():
+        for step in range(counts[rank]):
+            x, y = batch(step)
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x), y).backward()
+            norms.append(opt.clip_grad_norm_(0.05, norm_type).item())
+            opt.step()
+    params = [p.detach().clone() for p in model.parameters()]
+    identical = all(all(torch.equal(a, b) for a, b in zip(params, o)) for o in distopt.all_gather_object(params))
+    opt.close()
+    ref_model = Net()
+    ref = torch.optim.Adam(param_groups(ref_model), lr=0.01)
+    ref_norms = []
+    for step in range(max(counts)):
+        present = [r for r in range(len(counts)) if counts[r] > step]
+        ref.zero_grad()
+        (sum(nn.functional.mse_loss(ref_model(batch(step, r)[0]), batch(step, r)[1]) for r in present)
+         / len(present)).backward()
+        ref_norms.append(torch.nn.utils.clip_grad_norm_(ref_model.parameters(), 0.05, norm_type).item())
+        ref.step()
+    return {"identical": identical, "norm_diff": max(abs(a - b) for a, b in zip(norms, ref_norms)),
+            "clipped": sum(n > 0.05 for n in ref_norms),
+            "diff": max((a - b).abs().max().item() for a, b in zip(params, ref_model.parameters()))}
+
+
 def join_sharded_scaler(counts, infs, shard_state=True):
     """GradScaler inside join(): an inf in every training rank's loss at each step in ``infs`` (before and after
     ranks joined) skips that step. Against one process that averages the ranks present and skips those steps.
@@ -360,7 +395,7 @@ def join_sharded_scaler(counts, infs, shard_state=True):
     model = Net()
     opt = DistributedOptimizer(torch.optim.Adam(param_groups(model), lr=0.01), pack_threshold=256,
                                shard_state=shard_state, stall_timeout=30)  # ranks out of step fail in time
-    owned_after_join = clip_error = None
+    owned_after_join = None
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
     stepped = []
     with opt.join():
@@ -371,11 +406,6 @@ def join_sharded_scaler(counts, infs, shard_state=True):
             if step in infs:
                 loss = loss * float("inf")  # every rank still training: averaged gradients are inf everywhere
             scaler.scale(loss).backward()
-            if shard_state == "gradients" and step == counts[rank] - 1 == max(counts) - 1:
-                try:  # the others have joined: their norms cannot be summed
-                    opt.clip_grad_norm_(1.0)
-                except RuntimeError as exc:
-                    clip_error = str(exc)
             scale = scaler.get_scale()
             scaler.step(opt)
             scaler.update()
@@ -397,7 +427,7 @@ def join_sharded_scaler(counts, infs, shard_state=True):
          / len(present)).backward()
         ref.step()
     ref_state = ref.state_dict()
-    return {"identical": identical, "stepped": stepped, "owners": owned_after_join, "clip_error": clip_error,
+    return {"identical": identical, "stepped": stepped, "owners": owned_after_join,
             "diff": max((a - b).abs().max().item() for a, b in zip(params, ref_model.parameters())),
             "state_diff": max((a - b).abs().max().item() for (_, _, a), (_, _, b) in
                               zip(tensors_of(state), tensors_of(ref_state))),
@@ -862,6 +892,9 @@ CASES["join, scaler skips, world 2"] = (2, join_sharded_scaler, ([6, 3], {1, 4})
 CASES["join, scaler skips, world 3"] = (3, join_sharded_scaler, ([6, 2, 4], {1, 3, 5}))
 CASES["join, scaler skips, world 2, gradients"] = (2, join_sharded_scaler, ([6, 3], {1, 4}, "gradients"))
 CASES["join, scaler skips, world 3, gradients"] = (3, join_sharded_scaler, ([6, 2, 4], {1, 3, 5}, "gradients"))
+for norm_type in (2.0, float("inf")):
+    CASES[f"join, clipping, world 3, norm {norm_type}"] = (3, join_sharded_clipping, ([5, 2, 4], norm_type))
+CASES["join, clipping, world 2, norm 2.0"] = (2, join_sharded_clipping, ([6, 3], 2.0))
 CASES["shard loads"] = (2, shard_loads, ())
 CASES["own shard after add_param_group"] = (2, own_shard_after_add_param_group, ())
 CASES["step hooks"] = (2, step_hooks, ())
@@ -1030,8 +1063,15 @@ def test_a_step_gradscaler_skips_after_a_rank_joined_trains_like_one_process_ski
         assert r["diff"] < TOL and r["state_diff"] < TOL, r
         if shard and rank == 0:  # at its last step every other rank had joined: it owns everything
             assert r["owners"] == [0], r
-            assert re.match(r"opt.clip_grad_norm_\(\) with .*gradients.* after a rank joined: the norm is summed over "
-                            r"every rank's gradients and the ranks that have joined \(\[1", r["clip_error"]), r
+
+
+@pytest.mark.parametrize("case", [n for n in CASES if n.startswith("join, clipping")])
+def test_clipping_sharded_gradients_after_ranks_joined_uses_the_norm_of_the_ranks_present_on_every_rank(
+        case, tmp_path_factory):
+    counts = CASES[case][2][0]
+    for rank, r in enumerate(results(case, tmp_path_factory)):
+        assert r["norm_diff"] < TOL and r["diff"] < TOL and r["identical"], r
+        assert r["clipped"] == max(counts), r  # every step clipped: the norm decides every update
 
 
 def test_a_closure_evaluated_twice_per_step_after_a_rank_joined_trains_like_the_unsharded_wrapper(
