@@ -306,10 +306,11 @@ def state_dict_on_one_rank():
 
 def join_sharded(counts):
     """Uneven batches inside join(), with a per-step LR scheduler: sharded equals unsharded, ranks identical,
-    learning rates included."""
+    learning rates included; the gradients sharded too (clipped with ``opt.clip_grad_norm_()``, the others with
+    ``torch.nn.utils.clip_grad_norm_``) equal unsharded as well."""
     rank = dist.get_rank()
     out = []
-    for shard in (False, True):
+    for shard in (False, True, "gradients"):
         model = Net()
         opt = DistributedOptimizer(torch.optim.Adam(param_groups(model), lr=0.01), pack_threshold=256,
                                    shard_state=shard)
@@ -319,16 +320,18 @@ def join_sharded(counts):
         out.append([p.detach().clone() for p in model.parameters()])
         lrs = [group["lr"] for group in opt.optimizer.param_groups]  # a joined rank's scheduler was not advanced
         opt.close()
-    diff = max((a - b).abs().max().item() for a, b in zip(*out))
-    identical = all(all(torch.equal(a, b) for a, b in zip(out[1], o)) for o in distopt.all_gather_object(out[1]))
+    diff = max((a - b).abs().max().item() for sharded in out[1:] for a, b in zip(out[0], sharded))
+    identical = all(all(torch.equal(a, b) for a, b in zip(sharded, o))
+                    for sharded in out[1:] for o in distopt.all_gather_object(sharded))
     return {"diff": diff, "identical": identical and len({tuple(o) for o in distopt.all_gather_object(lrs)}) == 1}
 
 
 def join_sharded_closure(counts):
-    """A closure evaluated twice per step inside join(): sharded equals unsharded, the returned losses too."""
+    """A closure evaluated twice per step inside join(): sharded (the state, or the gradients too) equals
+    unsharded, the returned losses too."""
     rank = dist.get_rank()
     out, losses = [], []
-    for shard in (False, True):
+    for shard in (False, True, "gradients"):
         model = Net()
         opt = DistributedOptimizer(TwiceEvaluated(param_groups(model)), pack_threshold=256, shard_state=shard,
                                    stall_timeout=30)  # ranks out of step fail in time
@@ -346,9 +349,11 @@ def join_sharded_closure(counts):
                 losses[-1].append(opt.step(closure).item())
         out.append([p.detach().clone() for p in model.parameters()])
         opt.close()
-    diff = max((a - b).abs().max().item() for a, b in zip(*out))
-    identical = all(all(torch.equal(a, b) for a, b in zip(out[1], o)) for o in distopt.all_gather_object(out[1]))
-    return {"diff": diff, "identical": identical, "loss_diff": max(abs(a - b) for a, b in zip(*losses))}
+    diff = max((a - b).abs().max().item() for sharded in out[1:] for a, b in zip(out[0], sharded))
+    identical = all(all(torch.equal(a, b) for a, b in zip(sharded, o))
+                    for sharded in out[1:] for o in distopt.all_gather_object(sharded))
+    return {"diff": diff, "identical": identical,
+            "loss_diff": max(abs(a - b) for sharded in losses[1:] for a, b in zip(losses[0], sharded))}
 
 
 def join_sharded_clipping(counts, norm_type):
@@ -548,12 +553,12 @@ def step_hooks():
             "ema_diff": max((a - b).abs().max().item() for a, b in zip(ema, plain_ema))}
 
 
-def drift_check():
-    """shard_state=True under a drift check at every step: each rank's own shard of the state is no drift; a
-    parameter moved on one rank is."""
+def drift_check(shard_state=True):
+    """Sharded state under a drift check at every step: each rank's own shard of the state (and, with the
+    gradients sharded, of the gradients) is no drift; a parameter moved on one rank is."""
     model = Net()
-    opt = DistributedOptimizer(torch.optim.Adam(param_groups(model), lr=0.01), pack_threshold=256, shard_state=True,
-                               check_every=1, named_parameters=model.named_parameters())
+    opt = DistributedOptimizer(torch.optim.Adam(param_groups(model), lr=0.01), pack_threshold=256,
+                               shard_state=shard_state, check_every=1, named_parameters=model.named_parameters())
     train(model, opt, 3)
     seen = (opt.stats.drift_checks, opt.stats.drifted)
     if dist.get_rank() == 1:
@@ -886,6 +891,7 @@ for group_and_size in (2, 3):
 CASES["features"] = (2, full_state_dict_and_features, ("{tmp}/ckpt2.pt",))
 CASES["state_dict on one rank"] = (2, state_dict_on_one_rank, ())
 CASES["join"] = (3, join_sharded, ([5, 2, 4],))
+CASES["join, world 2"] = (2, join_sharded, ([5, 3],))
 # GradScaler skips a step with every rank training (step 1), and after a rank joined
 CASES["join, closure twice per step"] = (3, join_sharded_closure, ([5, 2, 4],))
 CASES["join, scaler skips, world 2"] = (2, join_sharded_scaler, ([6, 3], {1, 4}))
@@ -898,7 +904,9 @@ CASES["join, clipping, world 2, norm 2.0"] = (2, join_sharded_clipping, ([6, 3],
 CASES["shard loads"] = (2, shard_loads, ())
 CASES["own shard after add_param_group"] = (2, own_shard_after_add_param_group, ())
 CASES["step hooks"] = (2, step_hooks, ())
-CASES["drift"] = (2, drift_check, ())
+for group_and_size in (2, 3):
+    for _shard in (True, "gradients"):
+        CASES[f"drift, {_shard}, world {group_and_size}"] = (group_and_size, drift_check, (_shard,))
 CASES["wrap loaded"] = (2, wrap_loaded, ("{tmp}",))
 for name, counts, go_on in (("a rank just out of data", [5, 3], False), ("equal counts", [4, 4], False),
                             ("errors caught", [5, 3], True)):
@@ -1001,8 +1009,9 @@ def test_sharded_gradients_train_like_one_process_with_clipping_scaler_and_grads
     assert any(r["large"]["rooms"] for r in ranks), ranks  # some rank owns a gradient of 1 MiB or more
 
 
-def test_the_drift_check_ignores_each_ranks_own_shard_and_names_a_parameter_moved_on_one_rank(tmp_path_factory):
-    for r in results("drift", tmp_path_factory):
+@pytest.mark.parametrize("case", [n for n in CASES if n.startswith("drift, ")])
+def test_the_drift_check_ignores_each_ranks_own_shard_and_names_a_parameter_moved_on_one_rank(case, tmp_path_factory):
+    for r in results(case, tmp_path_factory):
         assert r["seen"] == (3, 0)
         assert "parameter 'c.weight' differs between ranks by 0.001" in r["error"]
         assert "not the optimizer state: each rank holds its own shard of it" in r["error"]
@@ -1047,8 +1056,9 @@ def test_state_dict_on_one_rank_only_is_a_clear_error_not_a_hang(tmp_path_factor
     assert complete_0 == complete_1 > 0
 
 
-def test_join_with_uneven_batches_and_a_scheduler_trains_like_the_unsharded_wrapper(tmp_path_factory):
-    for r in results("join", tmp_path_factory):
+@pytest.mark.parametrize("case", ["join", "join, world 2"])
+def test_join_with_uneven_batches_and_a_scheduler_trains_like_the_unsharded_wrapper(case, tmp_path_factory):
+    for r in results(case, tmp_path_factory):
         assert r["diff"] < TOL and r["identical"], r
 
 
