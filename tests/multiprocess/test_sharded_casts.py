@@ -89,8 +89,9 @@ def local_grads(model, loss):
 
 
 def cast_gradients(name):
-    """Adam over 5 steps, owned gradients and parameters bitwise the reference's at every step; the chunks
-    received in parts of 4 KiB on the wire (a 1 MiB float32 gradient, 512 KiB in fp16, in 128 parts); bytes against uncompressed ZeRO-2."""
+    """Adam over ``STEPS`` steps, owned gradients and parameters bitwise the reference's at every step; the
+    chunks received in parts of 4 KiB on the wire (a 1 MiB float32 gradient, 512 KiB in fp16, in 128 parts);
+    the bytes against uncompressed ZeRO-2's."""
     rank, world = dist.get_rank(), dist.get_world_size()
     wire = DTYPES[name]
     model, ref, plain_model = Net(), Net(), Net()
