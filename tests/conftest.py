@@ -15,6 +15,7 @@ SLOWEST_FIRST = [  # seconds per file, summed over its tests, in one run of the 
     "fault_tolerance/test_launch.py",  # ~63
     "fronts/test_benchmark.py",  # ~61
     "multiprocess/test_peer_gone.py",  # ~56
+    "multiprocess/test_sharded_casts.py",  # ~49 (alone, -n 0)
     "fronts/test_examples.py",  # ~35
     "fault_tolerance/test_fault_tolerance_modes.py",  # ~33
     "fault_tolerance/test_fault_tolerance.py",  # ~30

@@ -83,8 +83,8 @@ from .carrier import Carrier, carries_flags
 from .partial import PartialExchange, empty_exchange
 from .state import (Announcements, EngineConfig, ExchangeState, JoinState, RoundHooks, RoundOutcome,
                     World)
-from .packs import (Pack, adopt_current_grads, build_packs, gather, gather_early, gather_nothing, metas, probe_copy,
-                    release, scratch, sums)
+from .packs import (Pack, adopt_current_grads, build_packs, gather, gather_early, gather_nothing, metas, off_wire,
+                    onto_wire, probe_copy, release, scratch, sums, wire_chunks)
 from .in_flight import (SCATTER_PARTS, SCATTER_TAG, Sent, broadcast_each, gather_buffer, gather_by_broadcasts,
                         labelled, plan_gathers, scatter_room, scatter_to_owners, sum_copies, sums_by_gather)
 
@@ -592,8 +592,7 @@ class GradientEngine:
             for j in pack.absent:
                 pack.flags[j] = 0
         pack.flags[-CONTROL_FLAGS:].copy_(self._control_flags())
-        if pack.wire is not None:
-            pack.wire.copy_(pack.buffer)
+        onto_wire(pack)
         with labelled("distopt.all_reduce"):
             if rows is not None:
                 self._gather_rows(rows, pack, index)
@@ -653,17 +652,20 @@ class GradientEngine:
         (:func:`scatter_to_owners`); ``opt.stats.all_reduces`` counts it."""
         group = self.channel.group
         rank = group.rank()
+        into = None
+        if pack.wire is not None:  # a cast: the chunks travel, and wait in the room, in the wire dtype
+            into, chunks = chunks[rank], wire_chunks(pack, chunks)
         mine = chunks[rank]
         room = pack.scattered
         size = scatter_room(mine, group.size())
         if room is None or room.numel() != size or room.dtype != mine.dtype:
             room = pack.scattered = torch.empty(size, dtype=mine.dtype, device=mine.device)
-        work = scatter_to_owners(group, chunks, room, SCATTER_TAG + index * SCATTER_PARTS)
+        work = scatter_to_owners(group, chunks, room, SCATTER_TAG + index * SCATTER_PARTS, into)
         seq = self.progress.issue() if self.progress is not None else 0
         self.inflight.append(Sent(work, pack, index, seq, carries_flags=False))
         self.stats.all_reduces += 1
-        # What leaves this rank: every other rank's chunk, once, to its owner.
-        self.stats.bytes += (pack.data.numel() - mine.numel()) * pack.data.element_size()
+        # What leaves this rank: every other rank's chunk, once, to its owner, as it travels.
+        self.stats.bytes += (sum(c.numel() for c in chunks) - mine.numel()) * mine.element_size()
 
     def _resume_codec(self, codec: Iterator[Collective], pack: Pack, index: int, after_last: bool = False,
                       first: bool = False, outcome: Optional[Outcome] = None) -> bool:
@@ -829,8 +831,7 @@ class GradientEngine:
             if not sent.carries_flags:
                 continue
             pack = sent.pack
-            if pack.wire is not None:
-                pack.buffer.copy_(pack.wire)
+            off_wire(pack)
             if totals is None:
                 totals = self._totals(pack.flags[-CONTROL_FLAGS:].tolist())
             factor = totals.rescale(self.world_size, self.config.mean)
@@ -1321,8 +1322,7 @@ class GradientEngine:
                         self._launch(k)
                     self._arrive(None)
                     sent = next(sent for sent in self.inflight if sent.carries_flags)
-                    if sent.pack.wire is not None:
-                        sent.pack.buffer.copy_(sent.pack.wire)
+                    off_wire(sent.pack)
                     flags = sent.pack.flags[-CONTROL_FLAGS:].tolist()
                 else:  # nothing trainable: the flags alone, as a joined rank's control round
                     sent_flags = self._control_flags().clone()

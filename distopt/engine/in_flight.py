@@ -24,7 +24,8 @@ from ..transport.waiting import completed_failure
 
 __all__ = ["SCATTER_TAG", "SCATTER_PARTS", "SCATTER_PART_BYTES", "scatter_part", "scatter_room", "ScatterInParts",
            "scatter_to_owners", "Sent", "labelled", "GATHER_SUM_MAX_BYTES", "GATHER_COPIES_BUDGET", "sums_by_gather", "plan_gathers",
-           "gather_buffer", "gather_by_broadcasts", "broadcast_each", "wait_before", "Broadcasts", "sum_copies"]
+           "gather_buffer", "gather_by_broadcasts", "broadcast_each", "wait_before", "Broadcasts", "sum_copies",
+           "sum_cast_copies"]
 
 #: Bytes every rank may receive (the other ranks' copies) for a CPU sum to be done as one
 #: gather (a broadcast from each rank) and a local sum, one pass instead of the all-reduce's
@@ -220,16 +221,23 @@ class ScatterInParts:
     others cross during the wait at its end. Each transfer is waited for once (a gloo send or receive
     counts its completions: a second wait on one that is done waits forever), and the whole may be
     waited for again, or again after a wait that gave up.
+
+    With ``into`` (a cast, ``compression="fp16"``), ``chunks`` are the pack's values in the wire dtype and
+    ``room`` is of that dtype too: the copies travel and wait in 16 bits, and ``into``, this rank's chunk in
+    the pack's dtype, becomes the sum of every rank's 16-bit contribution, its own included, added in the
+    pack's dtype (:func:`sum_cast_copies`).
     """
 
-    __slots__ = ("group", "rank", "world", "tag", "mine", "room", "part", "parts", "done", "receives", "sends",
-                 "failed")
+    __slots__ = ("group", "rank", "world", "tag", "mine", "into", "room", "part", "parts", "done", "receives",
+                 "sends", "failed")
 
-    def __init__(self, group: Any, chunks: Sequence[Tensor], room: Tensor, tag: int) -> None:
+    def __init__(self, group: Any, chunks: Sequence[Tensor], room: Tensor, tag: int,
+                 into: Optional[Tensor] = None) -> None:
         self.group, self.rank, self.world, self.tag = group, group.rank(), group.size(), tag
         # Written through ``.data``, which has a version counter of its own: the engine tells a gradient changed
         # while a round was pending by its version, and the parts added here are the round's own doing.
         self.mine = chunks[self.rank].data.view(-1)
+        self.into = None if into is None else into.data.view(-1)
         self.part = scatter_part(self.mine.numel(), self.mine.element_size())
         self.parts = -(-self.mine.numel() // self.part) if self.mine.numel() else 0
         self.room = room
@@ -264,9 +272,13 @@ class ScatterInParts:
                 self._wait_one(queue[0], deadline)
                 queue.pop(0)
             if self.done < self.parts:
-                n = min(self.part, self.mine.numel() - self.done * self.part)
-                into = self.mine[self.done * self.part:self.done * self.part + n]
-                sum_copies(self.room[:(self.world - 1) * n], into, self.rank, self.world)
+                start = self.done * self.part
+                n = min(self.part, self.mine.numel() - start)
+                if self.into is None:
+                    sum_copies(self.room[:(self.world - 1) * n], self.mine[start:start + n], self.rank, self.world)
+                else:
+                    sum_cast_copies(self.room[:(self.world - 1) * n], self.mine[start:start + n],
+                                    self.into[start:start + n], self.rank, self.world)
                 self.done += 1
                 self.receives = self._receive(self.done)
         return True
@@ -282,7 +294,8 @@ class ScatterInParts:
         return self.failed or (self.done >= self.parts and not self.sends)
 
 
-def scatter_to_owners(group: Any, chunks: Sequence[Tensor], room: Tensor, tag: int) -> ScatterInParts:
+def scatter_to_owners(group: Any, chunks: Sequence[Tensor], room: Tensor, tag: int,
+                      into: Optional[Tensor] = None) -> ScatterInParts:
     """A reduce-scatter in point-to-point transfers: rank ``q``'s chunk of this rank's tensor goes to ``q``,
     and the other ranks' copies of this rank's chunk are added into it, in rank order, part by part
     (:class:`ScatterInParts`; done when its wait returns). Each rank sends (N-1)/N of the tensor, each
@@ -294,8 +307,10 @@ def scatter_to_owners(group: Any, chunks: Sequence[Tensor], room: Tensor, tag: i
         chunks: one contiguous chunk per rank of ``group`` (empty where a rank owns nothing).
         room: room for ``world - 1`` copies of one part of this rank's chunk (:func:`scatter_room`).
         tag: the first tag of the transfers, the same on every rank for this tensor.
+        into: for a cast (``chunks`` in the wire dtype): this rank's chunk in the pack's dtype, where the sum
+            lands; None: in ``chunks[rank]`` itself.
     """
-    return ScatterInParts(group, chunks, room, tag)
+    return ScatterInParts(group, chunks, room, tag, into)
 
 
 def scatter_room(mine: Tensor, world: int) -> int:
@@ -322,6 +337,35 @@ def sum_copies(others: Tensor, into: Tensor, rank: int, world: int) -> None:
         for r in range(1, rank):
             before.add_(parts[r])
         torch.add(before, out, out=out)
+    for r in range(rank, world - 1):  # parts[r] is rank r + 1's
+        out.add_(parts[r])
+
+
+def sum_cast_copies(others: Tensor, own: Tensor, into: Tensor, rank: int, world: int) -> None:
+    """``into`` becomes the sum of every rank's part, each as it travelled (in a 16-bit wire dtype), added in
+    rank order in ``into``'s dtype.
+
+    This rank's own contribution is ``own``, its part as the others' parts travelled, not ``into``'s
+    unrounded values: every contribution is rounded alike, so the sum depends on the ranks' values and
+    not on which rank owns it. Adding in the wider dtype, the sum never rounds to 16 bits, nor overflows
+    float16's range where the parts do not.
+
+    Args:
+        others: the other ranks' parts, in rank order, in the wire dtype.
+        own: this rank's part in the wire dtype.
+        into: where the sum lands (this rank's chunk, in the pack's dtype).
+        rank: this rank.
+        world: ranks.
+    """
+    parts = others.view(world - 1, -1)
+    out = into.view(-1)
+    mine = own.view(-1)
+    # Rank order whoever owns the chunk: rank 0's part first, into ``out`` itself (no temporary).
+    out.copy_(parts[0] if rank > 0 else mine)
+    for r in range(1, rank):
+        out.add_(parts[r])
+    if rank > 0:
+        out.add_(mine)
     for r in range(rank, world - 1):  # parts[r] is rank r + 1's
         out.add_(parts[r])
 

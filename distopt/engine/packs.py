@@ -10,7 +10,9 @@ plain words what went wrong when the model or the backward call changed under
 the wrapper.
 
 A compressed pack sends its values through the compressor's codec
-(:mod:`distopt.compression`), or as a 16-bit copy (``wire``) for a plain cast.
+(:mod:`distopt.compression`), or as a 16-bit copy (``wire``) for a plain cast: of the
+whole buffer, flags included, where it is all-reduced; of its values alone where it is
+reduce-scattered to the owners (its flags then travel apart, exactly).
 
 A *direct* pack holds one large gradient (at least :data:`DIRECT_MIN_BYTES`, sent
 uncompressed). It has no buffer for it: the gradient autograd made is scaled and
@@ -33,7 +35,7 @@ from .carrier import Carrier
 from .sparse_rows import RowSparse
 
 __all__ = ["Pack", "DIRECT_MIN_BYTES", "layout_of", "build_packs", "adopt_current_grads", "gather", "gather_nothing", "scratch", "send_in_place",
-           "release", "gather_early", "metas", "sums", "probe_copy"]
+           "release", "gather_early", "metas", "sums", "probe_copy", "onto_wire", "off_wire", "wire_chunks"]
 
 #: Bytes from which a pack of one gradient sends that gradient itself: below it, the flags'
 #: extra all-reduce would cost more than the copy saves.
@@ -62,7 +64,8 @@ class Pack:
     params: List[Tensor]  # the members' parameters
     names: List[str]  # the members' names, for errors
     batched: bool  # small members: gather with one fused copy instead of one copy each
-    wire: Optional[Tensor]  # 16-bit copy sent instead of ``buffer`` when casting (compression="fp16")
+    # 16-bit copy sent instead of ``buffer`` when casting (compression="fp16"); reduce-scattered: of ``data`` only
+    wire: Optional[Tensor]
     absent: List[int]  # members that had no local gradient this round
     direct: bool = False  # one large gradient, all-reduced where autograd left it
     moved: Set[int] = field(default_factory=set)  # members moved in by their hook this round
@@ -91,6 +94,27 @@ def sums(pack: Pack) -> List[int]:
         return [pack.flags.numel() * pack.flags.element_size()]
     sent = pack.buffer if pack.wire is None else pack.wire
     return [sent.numel() * sent.element_size()]
+
+
+def onto_wire(pack: Pack) -> None:
+    """Cast what a cast pack sends into its wire copy: the buffer, or its values alone where it is
+    reduce-scattered (its flags travel apart, exactly). Nothing for a pack sent as it is."""
+    if pack.wire is not None:
+        pack.wire.copy_(pack.buffer if pack.chunks is None else pack.data)
+
+
+def off_wire(pack: Pack) -> None:
+    """Take an all-reduced cast pack's sum, flags included, off the wire into its buffer. Nothing for a
+    reduce-scattered one: the owner's chunk was summed into the buffer as its parts arrived, and its flags
+    never left the buffer."""
+    if pack.wire is not None and pack.chunks is None:
+        pack.buffer.copy_(pack.wire)
+
+
+def wire_chunks(pack: Pack, chunks: Sequence[Tensor]) -> List[Tensor]:
+    """The chunks of a reduce-scattered cast pack's wire copy lying where ``chunks`` (of its buffer) lie."""
+    base = pack.buffer.storage_offset()
+    return [pack.wire[c.storage_offset() - base:c.storage_offset() - base + c.numel()] for c in chunks]
 
 
 def metas(params: Sequence[Tensor]) -> List[ParamMeta]:
@@ -134,8 +158,8 @@ def build_packs(params: Sequence[Tensor], names: Sequence[str], order: Sequence[
         buffer = torch.empty(spec.numel + len(spec.members) + CONTROL_FLAGS, dtype=dtype, device=device)
         views = [buffer[off : off + n].view(params[i].shape) for i, off, n in zip(spec.members, spec.offsets, spec.numels)]
         wire = None
-        if wire_dtype is not None:
-            wire = torch.empty(buffer.numel(), dtype=wire_dtype, device=device)
+        if wire_dtype is not None:  # reduce-scattered, the flags travel apart: the values alone are cast
+            wire = torch.empty(buffer.numel() if owners is None else spec.numel, dtype=wire_dtype, device=device)
         batched = spec.numel < _BATCH_GATHER_BELOW * len(spec.members)
         chunks = None
         if owners is not None:

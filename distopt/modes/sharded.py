@@ -50,9 +50,12 @@ owner steps and the parameters are shared as above: an all-reduce's bytes in all
 sharding. In a ``join()`` block, the round in which a rank joined was
 reduce-scattered to the owners it started with: the gradients of the parameters
 whose owner changes go to their new owners with their state (below), and the packs
-are grouped by the new owners from the next round on. Not supported, and refused
-by name: compression (a codec's collectives assume the whole pack on every rank),
-fault tolerance, and a world in which a rank owns no trainable parameter. Once a
+are grouped by the new owners from the next round on. A cast (``compression="fp16"``,
+``"bf16"``, :class:`distopt.compression.Cast`) sends each chunk in its 16-bit dtype, the
+mean's ``1/world`` applied before the cast, and the owner adds every rank's rounded chunk,
+its own included, in the pack's dtype, in rank order. Not supported, and refused by name:
+the other compressors (a codec's collectives assume the whole pack on every rank), fault
+tolerance, and a world in which a rank owns no trainable parameter. Once a
 rank has joined, ``opt.clip_grad_norm_()`` adds up the norms of the ranks still
 training alone, point to point (the joined rank owns no gradient, and waits in a
 round the others have not sent).
@@ -93,6 +96,7 @@ from torch.optim import optimizer as torch_optimizer
 from .. import collectives
 from ..collectives.optimizer_state import cpu_copy
 from ..collectives.tensors import to_comm
+from ..compression.casts import Cast
 from ..planning import drift
 from ..planning.ownership import assign_owners
 from ..transport import stalls
@@ -136,7 +140,8 @@ class ShardedState(Synchronous):
 
     Raises:
         ValueError: ``share`` is neither ``"in_step"`` nor ``"background"``; (when the wrapper is built,
-            with ``gradients=True``) compression, or a rank owning no trainable parameter.
+            with ``gradients=True``) compression other than a cast (``"fp16"``, ``"bf16"``), or a rank owning
+            no trainable parameter.
         TypeError: ``gradients`` is not a bool.
         TypeError: (when the wrapper is built) the inner optimizer is ``LBFGS``, which keeps one
             history over all parameters together.
@@ -258,10 +263,14 @@ class ShardedState(Synchronous):
     def _refuse_with_gradients(self, ctx: ModeContext) -> None:
         """What sharded gradients do not support yet, refused when the wrapper is built."""
         what = f"{self.describe()} (the gradients reduce-scattered to their owners)"
-        if ctx.engine.config.compressor is not None:
+        compressor = ctx.engine.config.compressor
+        # A cast has no codec: the engine sends each rank's chunk in the wire dtype and the owner adds them up.
+        if compressor is not None and not isinstance(compressor, Cast):
             raise ValueError(
-                f"{what} cannot be compressed yet: a codec's collectives assume the whole pack on every rank; "
-                "drop compression=, or shard the optimizer state only (shard_state=True)")
+                f"{what} cannot be compressed with {compressor!r}: a codec's collectives (and its error-feedback "
+                "residuals) assume the whole pack on every rank, where a reduce-scatter leaves each rank its own "
+                "chunk; the casts work (compression='fp16', 'bf16' or distopt.compression.Cast(...)), so use one "
+                "of them, drop compression=, or shard the optimizer state only (shard_state=True)")
 
     def _check_every_rank_owns_a_gradient(self, ctx: ModeContext) -> None:
         """Every rank must own a trainable parameter: ``GradScaler`` finds an inf in the gradients a rank
