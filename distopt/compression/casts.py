@@ -53,6 +53,9 @@ class Cast(Compressor):
     def wire_dtype(self, dtype: torch.dtype) -> Optional[torch.dtype]:
         return self.dtype if dtype in _CASTABLE else None
 
+    def casts_only(self) -> bool:
+        return True  # codec() is never asked
+
     def wire_fraction(self, shapes: Sequence[torch.Size], dtype: torch.dtype) -> float:
         return 2.0 / torch.empty(0, dtype=dtype).element_size() if dtype in _CASTABLE else 1.0
 

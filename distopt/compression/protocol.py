@@ -344,6 +344,17 @@ class Compressor(abc.ABC):
         """
         return None
 
+    def casts_only(self) -> bool:
+        """Whether this compressor sends every pack as a plain cast (:meth:`wire_dtype`) or as it is, and
+        never through a codec.
+
+        **Called** when a wrapper with ``shard_state="gradients"`` is built, which reduce-scatters each pack
+        to the owners of its members: a cast chunk can travel to its owner alone, while a codec's
+        collectives (and its error-feedback residuals) assume the whole pack on every rank. The default,
+        False, suits any compressor with a codec.
+        """
+        return False
+
     def state_dict(self) -> Dict[str, Any]:
         """This rank's compressor state (residuals, warm-start factors), for checkpoints.
 

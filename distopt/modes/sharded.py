@@ -96,7 +96,6 @@ from torch.optim import optimizer as torch_optimizer
 from .. import collectives
 from ..collectives.optimizer_state import cpu_copy
 from ..collectives.tensors import to_comm
-from ..compression.casts import Cast
 from ..planning import drift
 from ..planning.ownership import assign_owners
 from ..transport import stalls
@@ -265,7 +264,7 @@ class ShardedState(Synchronous):
         what = f"{self.describe()} (the gradients reduce-scattered to their owners)"
         compressor = ctx.engine.config.compressor
         # A cast has no codec: the engine sends each rank's chunk in the wire dtype and the owner adds them up.
-        if compressor is not None and not isinstance(compressor, Cast):
+        if compressor is not None and not compressor.casts_only():
             raise ValueError(
                 f"{what} cannot be compressed with {compressor!r}: a codec's collectives (and its error-feedback "
                 "residuals) assume the whole pack on every rank, where a reduce-scatter leaves each rank its own "
