@@ -27,6 +27,7 @@ SLOWEST_FIRST = [  # seconds per file, summed over its tests, in one run of the 
     "multiprocess/test_agreement.py",  # ~18
     "launching/test_clean_exit.py",  # ~15
     "multiprocess/test_islands.py",  # ~15
+    "multiprocess/test_islands_sharded_gradients.py",  # ~15
     "multiprocess/test_compression.py",  # ~12
     "fronts/test_lightning.py",  # ~12
     "multiprocess/test_join.py",  # ~10

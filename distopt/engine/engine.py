@@ -263,9 +263,14 @@ class GradientEngine:
         send (None from it: every pack)."""
         self.exchange.shadow_fragment = choose
 
-    def call_when_settled(self, callback: Optional[Callable[[], None]]) -> None:
-        """Call ``callback`` on every rank once a round's control flags are read (a shadow round's too)."""
-        self._on_settled = callback
+    def call_when_settled(self, callback: Optional[Callable[[], None]]) -> Optional[Callable[[], None]]:
+        """Call ``callback`` on every rank once a round's control flags are read (a shadow round's too).
+
+        Returns:
+            The callback it replaces (None if none), for a caller that must run it too.
+        """
+        previous, self._on_settled = self._on_settled, callback
+        return previous
 
     def enter_join(self, divide_by_world: bool) -> Tuple[bool, bool]:
         """Enter a join block: flags say so, and the mean is rescaled to the contributors (over the

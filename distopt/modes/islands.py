@@ -46,7 +46,10 @@ island holds the same shard): synchronous across in ``step()``, local SGD / DiLo
 **Sharded optimizer state inside** (``inside=ShardedState()``, :mod:`distopt.modes.island_sharding`): the
 inside mode's own code runs with a view of the wrapper over the island (:meth:`Islands._inside`): rank ``j`` of
 every island owns the same parameters, steps them (after the sum across, or as local SGD's inner step) and
-shares them inside the island only.
+shares them inside the island only. With ``ShardedState(gradients=True)`` the island's round reduce-scatters to
+the owners, and with synchronous training across each rank sums only the gradients it owns with rank ``j`` of
+every other island (:class:`~distopt.modes.island_sharding.OwnedGradients`), before the inside mode's own call at
+the end of the round (the spread of a non-finite gradient over the island).
 
 **Fault tolerance by island** (``fault_tolerance=manager``, :attr:`fault_tolerance_above`): each island is a
 torchft replica group, the wrapper's ``process_group`` (one torchrun agent's workers); the manager's
@@ -139,7 +142,9 @@ class Islands(Mode):
             optimizer state; or :class:`distopt.ShardedState` (``share=`` as there), the inner optimizer's state
             sharded over the island's ``k`` ranks (rank ``j`` of every island owns the same parameters, steps
             them, and shares them inside its island only): about ``1/k`` of the state per rank, training as
-            unsharded. Not with FSDP2 parameters (which shard the state already), ``fault_tolerance`` or ``join()``.
+            unsharded; ``ShardedState(gradients=True)`` shards the gradients too (ZeRO-2: each rank sums only its
+            owned gradients across). Not with FSDP2 parameters (which shard the state already), ``fault_tolerance``
+            or ``join()``.
 
     ``broadcast_parameters()``, ``bcast_period`` and ``broadcast_optimizer_state()`` reach every rank
     of every island from island 0's ``root_rank``; the drift check compares every rank of every island.
@@ -214,6 +219,9 @@ class Islands(Mode):
         self._bcast_period = 0
         self._tracked = 0  # the wrapper's parameters the across level took on
         self._slices: Optional[Slices] = None  # synchronous across: the flat layout of the gradients
+        # Synchronous across with inside=ShardedState(gradients=True): the owned gradients it sums across.
+        self._owned: Optional[island_sharding.OwnedGradients] = None
+        self._inside_settled: Optional[Callable[[], None]] = None  # the inside mode's own call when a round settles
         self._crossed_at = -1  # the island round whose gradients were summed across last
         self._extra_bytes = 0  # the last sum across: its exact sums beside the slices (presence, contributors)
         self._contributors: Optional[int] = None  # in a join block: the last round's contributors, every island's
@@ -270,7 +278,7 @@ class Islands(Mode):
             "islands_across": {**settings_of(self.across)},
             "islands_compression": None if self.compressor is None else self.compressor.settings(),
             "islands_inside": ("fsdp2" if self._meshes is not None else "replicas" if self.inside is None
-                               else f"sharded_state(share={self.inside.share!r})"),
+                               else f"sharded_state(share={self.inside.share!r}, gradients={self.inside.gradients})"),
         }
 
     def check_compatible(self, *, optimizer: Optimizer, reduce_op: str, bcast_period: int,
@@ -447,18 +455,29 @@ class Islands(Mode):
         if self._bcast_period != -1 and engine.world_size > 1 and ctx.params:
             with torch.no_grad(), stalls.inspected(engine.progress, "the broadcast of island 0's parameters"):
                 collectives.broadcast_parameters(self._ctx.params, src=self._across_source, group=self._ctx.group)
+        crosses_after_round = False
         if self._shards is not None:
             self._track_across(ctx)  # synchronous too: the local gradients travel as they are, no slices
+        elif self._sums_gradients and self.inside is not None and self.inside.gradients:
+            # Each rank sums the gradients it owns with rank j of every island, as they are: no slices.
+            self._owned = island_sharding.OwnedGradients(self.inside)
+            self._owned.take_on(engine, ctx.params, ctx.names)
+            crosses_after_round = engine.world_size > 1
         elif self._sums_gradients:
             self._warn_if_flat_slices_gain_nothing(ctx)
-            if engine.world_size > 1 or self._fault_tolerant:
-                ctx.engine.call_when_settled(_weakly(self, lambda mode: mode._cross_after_round(ctx)))
+            crosses_after_round = engine.world_size > 1 or self._fault_tolerant
         else:
             self._track_across(ctx)
         self._ctx.set_steps(ctx.steps)
         self.across.attach(self._ctx)
         if self.inside is not None:
             self.inside.attach(self._inside(ctx))
+        if crosses_after_round:
+            # After the inside mode's attach, which sets its own call on the island's engine (ShardedState: the
+            # spread of a non-finite gradient, the hand-over of a joined rank's shard): that call runs after the
+            # sum across, on the global means.
+            self._inside_settled = ctx.engine.call_when_settled(
+                _weakly(self, lambda mode: mode._cross_after_round(ctx)))
 
     def _across_params(self, ctx: ModeContext) -> List[Tensor]:
         """What the across level syncs: the wrapper's parameters, or with FSDP2 inside their local shards'
@@ -572,6 +591,9 @@ class Islands(Mode):
         if self._engine is None:  # at construction: attach() takes them on
             return
         self._agree_across(ctx)
+        if self._owned is not None:  # the new parameters this rank owns, the same on rank j of every island
+            self._owned.take_on(self._engine, ctx.params, ctx.names)
+            return
         if self._sums_gradients:
             if self._slices is not None:
                 self._lay_out(ctx, [i for i, p in enumerate(ctx.params) if p.requires_grad
@@ -819,9 +841,11 @@ class Islands(Mode):
 
     def _cross_after_round(self, ctx: ModeContext) -> None:
         """The island's round settled: sum its gradients across the islands now, so that ``.grad`` is the
-        global mean when ``backward()`` returns."""
+        global mean when ``backward()`` returns; then what the inside mode does once a round settles."""
         if self._crossed_at != ctx.engine.rounds:
             self._cross(ctx)
+        if self._inside_settled is not None:
+            self._inside_settled()
 
     def _cross(self, ctx: ModeContext) -> None:
         """The hierarchical sum: slice ``j`` across the islands on rank ``j`` of each, then gathered inside.
@@ -839,6 +863,9 @@ class Islands(Mode):
             return
         scale = self._island_weight(ctx)
         if self._contributors == 0:  # inside join(): no rank of any island contributed; nothing to sum
+            return
+        if self._owned is not None:
+            self._cross_owned(ctx, scale)
             return
         slices = self._layout(ctx)
         if not slices.groups:
@@ -877,6 +904,28 @@ class Islands(Mode):
                 whole = group.gather(view, k, ctx.group, ctx.progress)  # every rank of the island, always
                 present = None if complete else self._presence(ctx, group)
                 group.write_back(ctx.params, whole, present)
+
+    def _cross_owned(self, ctx: ModeContext, scale: Optional[float]) -> None:
+        """``inside=ShardedState(gradients=True)``: the gradients this rank owns (its island's means), summed with
+        rank ``j`` of every other island (:class:`~distopt.modes.island_sharding.OwnedGradients`).
+
+        Raises:
+            RuntimeError: a parameter this rank owns became trainable after the across engine took them on.
+        """
+        if self._owned.became_trainable(ctx.params):
+            raise RuntimeError(
+                f"a frozen parameter became trainable after the first sum across the islands, which {_NOT_YET} "
+                f"(across=Synchronous(), inside={self.inside!r}); make it trainable before the first backward, or "
+                "give it to the optimizer later with add_param_group() (every rank, at the same point)")
+        self._owned.cross(self._engine, scale)
+
+    def clip_grad_norm_(self, ctx: ModeContext, max_norm: float, norm_type: float) -> Tensor:
+        """With ``inside=ShardedState(gradients=True)`` each rank of an island holds the gradients it owns: their
+        norms are summed over the island (whose ranks own every parameter once), as the inside mode does; with
+        synchronous training across they are the global means by then, so the norm is the global one."""
+        if self.inside is not None and self.inside.gradients:
+            return self.inside.clip_grad_norm_(self._inside(ctx), max_norm, norm_type)
+        return super().clip_grad_norm_(ctx, max_norm, norm_type)
 
     def synchronize(self, ctx: ModeContext) -> None:
         """``opt.synchronize()``: with FSDP2 inside and synchronous training across, the sum across now

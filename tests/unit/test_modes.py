@@ -299,9 +299,6 @@ def test_a_mode_without_a_shorthand_spells_its_arguments_its_own_way_in_errors()
      r"across=distopt.Synchronous\(\)"),
     (lambda: distopt.Islands(inside="sharded"), TypeError,
      r"Islands\(inside='sharded'\): inside must be a distopt mode object, got str; pass inside=distopt.ShardedState"),
-    (lambda: distopt.Islands(inside=distopt.ShardedState(gradients=True)), ValueError,
-     r"Islands\(inside=ShardedState\(gradients=True\)\): the gradients sharded inside an island \(ZeRO-2\) are "
-     r"not supported yet; pass inside=distopt.ShardedState\(\)"),
     (lambda: distopt.Islands(inside=distopt.LocalSGD(4)), ValueError,
      r"Islands\(inside=LocalSGD\(every=4\)\): .*LocalSGD, DiLoCo\) goes in across=; pass inside=distopt.ShardedState"),
     (lambda: distopt.Islands(across=distopt.LocalSGD(4, warmup=2)), ValueError,
@@ -312,6 +309,12 @@ def test_a_mode_without_a_shorthand_spells_its_arguments_its_own_way_in_errors()
 def test_islands_check_their_own_arguments(build, error, match) -> None:
     with pytest.raises(error, match=match):
         build()
+
+
+def test_islands_take_the_gradients_sharded_inside_and_say_so_in_their_settings() -> None:
+    mode = distopt.Islands(inside=distopt.ShardedState(gradients=True))
+    assert mode.inside.gradients and repr(mode) == "Islands(across=Synchronous(), inside=ShardedState(gradients=True))"
+    assert mode.settings()["islands_inside"] == "sharded_state(share='in_step', gradients=True)"
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
