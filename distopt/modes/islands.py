@@ -174,7 +174,7 @@ class Islands(Mode):
     reduces_in_backward = True
     fault_tolerance_above = True  # under fault tolerance a replica is an island; the manager joins them
     shards_state_as = ("mode=distopt.Islands(across=..., inside=distopt.ShardedState()), which shards the optimizer "
-                       "state over each island's ranks")
+                       "state over each island's ranks (inside=distopt.ShardedState(gradients=True): the gradients too)")
 
     def __init__(self, across: Optional[Mode] = None, *, islands: Any = None,
                  compression: Union[str, Compressor, None] = None, inside: Optional[Mode] = None) -> None:

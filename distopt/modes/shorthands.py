@@ -69,9 +69,9 @@ def resolve(mode: Optional[Mode], **keywords: Any) -> Mode:
             f"got {type(mode).__name__}"
         )
     extra = given(keywords)
-    if extra and keywords.get("shard_state") is True and mode.shards_state_as is not None:
+    if extra and keywords.get("shard_state") in (True, "gradients") and mode.shards_state_as is not None:
         raise TypeError(
-            f"mode={mode!r} was given with shard_state=True as well: pass both in the mode, "
+            f"mode={mode!r} was given with shard_state={keywords['shard_state']!r} as well: pass both in the mode, "
             f"{mode.shards_state_as}; drop shard_state="
         )
     if extra:

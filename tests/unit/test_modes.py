@@ -350,6 +350,10 @@ def test_islands_take_sharded_state_inside_and_say_so_where_shard_state_true_is_
     with pytest.raises(TypeError, match=r"shard_state=True as well: pass both in the mode, mode=distopt.Islands\("
                                         r"across=..., inside=distopt.ShardedState\(\)\).*drop shard_state="):
         DistributedOptimizer(torch.optim.SGD(model().parameters(), lr=0.1), mode=distopt.Islands(), shard_state=True)
+    with pytest.raises(TypeError, match=r"shard_state='gradients' as well: pass both in the mode, .*"
+                                        r"inside=distopt.ShardedState\(gradients=True\): the gradients too"):
+        DistributedOptimizer(torch.optim.SGD(model().parameters(), lr=0.1), mode=distopt.Islands(),
+                             shard_state="gradients")
     with pytest.raises(TypeError, match=r"inside=ShardedState\(\) cannot shard LBFGS"):
         DistributedOptimizer(torch.optim.LBFGS(model().parameters()), mode=distopt.Islands(inside=distopt.ShardedState()))
 
