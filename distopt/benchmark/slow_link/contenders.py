@@ -18,7 +18,9 @@ per rank, :mod:`.worker`), so one that aborts cannot take another down.
   waited for in the step), ``distopt-shard-background`` (``ShardedState(share="background")``:
   the share overlaps the next forward), ``distopt-shard-gradients`` (``shard_state="gradients"``:
   the gradients reduce-scattered to their owners, ZeRO-2), ``distopt-shard-gradients-background``
-  (the same with the share in the background), ``zero`` (torch's
+  (the same with the share in the background), ``distopt-shard-gradients-fp16`` and
+  ``distopt-shard-gradients-fp16-background`` (the same two with the gradient chunks in 16 bits,
+  ``compression="fp16"``), ``zero`` (torch's
   ``ZeroRedundancyOptimizer`` under DDP) and ``zero-overlap`` (with ``overlap_with_ddp=True``
   and ``hook_with_zero_step``; torch refuses it on gloo, so it is reported unavailable there).
 * Two levels, for ``--ranks-per-host 2`` and more (:data:`ISLAND_CONTENDERS`; the islands
@@ -166,6 +168,19 @@ def _distopt_shard_gradients(model: nn.Module, inner: torch.optim.Optimizer, opt
 def _distopt_shard_gradients_background(model: nn.Module, inner: torch.optim.Optimizer,
                                         options: ContenderOptions) -> Built:
     opt = DistributedOptimizer(inner, pack_threshold="auto", mode=ShardedState(share="background", gradients=True))
+    return Built(model, opt, opt)
+
+
+def _distopt_shard_gradients_fp16(model: nn.Module, inner: torch.optim.Optimizer, options: ContenderOptions) -> Built:
+    # The gradient chunks travel to their owners in 16 bits; the parameter share after the step stays exact.
+    opt = DistributedOptimizer(inner, pack_threshold="auto", shard_state="gradients", compression="fp16")
+    return Built(model, opt, opt)
+
+
+def _distopt_shard_gradients_fp16_background(model: nn.Module, inner: torch.optim.Optimizer,
+                                             options: ContenderOptions) -> Built:
+    opt = DistributedOptimizer(inner, pack_threshold="auto", mode=ShardedState(share="background", gradients=True),
+                               compression="fp16")
     return Built(model, opt, opt)
 
 
@@ -326,6 +341,7 @@ DISTOPT_SPECS: Tuple[DistoptSpec, ...] = (
       for name, compression in _COMPRESSORS),
     DistoptSpec(f"diloco{PERIOD}", sync_every=PERIOD, diloco=True),
     DistoptSpec("distopt-powersgd-10M", _POWERSGD, pack_threshold=10 << 20, baseline="distopt"),
+
     DistoptSpec(f"diloco{STREAM_PERIOD}", sync_every=STREAM_PERIOD, diloco=True),
     # Streaming DiLoCo (docs/modes.md): 4 fragments, each sync hidden behind 2 inner steps, in 4 bits.
     DistoptSpec(f"stream{STREAM_PERIOD}-int4", "int4", sync_every=STREAM_PERIOD, diloco=True,
@@ -496,6 +512,12 @@ CONTENDERS: Dict[str, Contender] = {
         Contender("distopt-shard-gradients-background",
                   "the same, mode=ShardedState(share='background', gradients=True)",
                   _distopt_shard_gradients_background),
+        Contender("distopt-shard-gradients-fp16",
+                  "DistributedOptimizer(pack_threshold='auto', shard_state='gradients', compression='fp16')",
+                  _distopt_shard_gradients_fp16, baseline="distopt-shard-gradients"),
+        Contender("distopt-shard-gradients-fp16-background",
+                  "the same, mode=ShardedState(share='background', gradients=True)",
+                  _distopt_shard_gradients_fp16_background, baseline="distopt-shard-gradients"),
         Contender("zero", "torch ZeroRedundancyOptimizer under DDP", _zero),
         Contender("zero-overlap", "torch ZeroRedundancyOptimizer(overlap_with_ddp=True) + hook_with_zero_step",
                   _zero_overlap),
