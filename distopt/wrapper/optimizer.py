@@ -353,8 +353,13 @@ class DistributedOptimizer(InnerOptimizerSurface):
         Every rank must add the same group. Its parameters are checked across ranks
         and broadcast from the root like those given at construction.
 
+        Inside a join block the check and the broadcast would meet the shadow round of a rank that has run
+        out of data, which cannot take part; so there it first asks, as :meth:`check_drift` does, whether one
+        has (by a probe round where the last round cannot tell), and refuses on every rank still training.
+
         Raises:
-            RuntimeError: called between ``backward()`` and ``step()``.
+            RuntimeError: called between ``backward()`` and ``step()``; or inside a join block after a rank
+                ran out of data (on every rank still training, at once); the group is not added.
             TypeError: a DTensor parameter (FSDP2), which is not supported yet; the group is not added.
         """
         if self._engine.state != RoundState.OPEN:
@@ -362,6 +367,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
                 "add_param_group() was called between backward() and step(); call it before "
                 "backward() or after step()"
             )
+        self._refuse_add_after_a_rank_joined()
         self.optimizer.add_param_group(param_group)
         try:
             if not self._mode.takes_dtensors:
@@ -503,8 +509,29 @@ class DistributedOptimizer(InnerOptimizerSurface):
         if training != self.world_size:
             self._refuse_in_join(_JOINED_BEFORE_CHECK)
 
-    def _refuse_in_join(self, text: str) -> None:
-        """Raise ``text`` from ``check_drift()`` inside a join block, published for the ranks that have joined:
+    def _refuse_add_after_a_rank_joined(self) -> None:
+        """Inside a join block: refuse ``add_param_group()``, on every rank still training alike, where a round
+        (or, when the last one said that every rank trains, a probe round) says that a rank has joined. Where
+        no round can tell (local SGD between two syncs, islands) the group is added as outside a block."""
+        engine, ctx = self._engine, self._context
+        if not engine.join.in_block or self._compared_size() == 1:
+            return
+        training = self._mode.ranks_training(ctx)
+        if training == self.world_size:
+            progress = engine.progress
+            phase = None if progress is None else progress.phase
+            if progress is not None:
+                progress.phase = "add_param_group()'s probe round (inside a join block)"
+            try:
+                training = self._mode.probe(ctx)
+            finally:
+                if progress is not None:
+                    progress.phase = phase
+        if training is not None and training != self.world_size:
+            self._refuse_in_join(_JOINED_BEFORE_ADD, where="add_param_group() inside a join block")
+
+    def _refuse_in_join(self, text: str, where: str = "check_drift() inside a join block") -> None:
+        """Raise ``text`` from ``where`` inside a join block, published for the ranks that have joined:
         the others leave the block with it, and a joined rank's wait for them names it.
 
         Raises:
@@ -512,7 +539,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
         """
         error = RuntimeError(text)
         if self._engine.progress is not None:
-            self._engine.progress.fail("check_drift() inside a join block", error)
+            self._engine.progress.fail(where, error)
         raise error
 
     def _drift_due(self, rebroadcast: bool) -> bool:
@@ -928,6 +955,12 @@ class DistributedOptimizer(InnerOptimizerSurface):
                 "wrapper (each parameter is reduced by one wrapper, the newest one built over it)"
             )
 
+
+_JOINED_BEFORE_ADD = (
+    "add_param_group() was called inside a join block after a rank ran out of data: that rank cannot take part in "
+    "checking and broadcasting the new parameters; add the group before the block or after it (a parameter that "
+    "becomes trainable inside the block can be in the optimizer from the start, frozen, and unfrozen there)"
+)
 
 _JOINED_BEFORE_CHECK = (
     "check_drift() was called inside a join block after a rank ran out of data: that rank cannot take part; call it "

@@ -6,6 +6,8 @@ leaves the block with bitwise-identical parameters and optimizer state. The
 checks of one world run in one launch; each returns what it measured.
 """
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -434,6 +436,34 @@ def check_drift_changes_nothing(counts, compression=None):
     return dict(outcome, bitwise=all(torch.equal(a, b) for a, b in zip(with_checks, without)))
 
 
+def add_param_group_inside_the_block(counts, add_at):
+    """``add_param_group()`` at the top of step ``add_at`` inside the block, on every rank that still has data:
+    its check and broadcast must not meet the shadow round of a rank that ran out (at ``add_at``: just now, so
+    that no round has told the others yet)."""
+    rank = dist.get_rank()
+    model, head = make_model(seed=rank), nn.Linear(2, 2).double()
+    opt = DistributedOptimizer(OPTIMIZERS["momentum"](model.parameters()), pack_threshold=64, stall_timeout=10)
+    error, start = None, time.monotonic()
+    try:
+        with opt.join():
+            for t in range(counts[rank]):
+                if t == add_at:
+                    opt.add_param_group({"params": list(head.parameters())})
+                opt.zero_grad()
+                x, y = batch(rank, t)
+                out = model(x)
+                if t >= add_at:
+                    out = head(out)
+                nn.functional.mse_loss(out, y).backward()
+                opt.step()
+    except RuntimeError as exc:
+        error = str(exc)
+    result = {"error": error, "seconds": time.monotonic() - start, "groups": len(opt.param_groups),
+              "params": [p.detach().clone() for p in [*model.parameters(), *head.parameters()]]}
+    opt.close()
+    return result
+
+
 CASES = {
     # rank r gets 10 + r batches
     "sgd staircase": (2, train_uneven, ([10, 11], "sgd"), {}),
@@ -477,6 +507,9 @@ CASES = {
     "check_drift changes nothing": (2, check_drift_changes_nothing, ([4, 4],), {}),
     "check_drift changes nothing, powersgd": (2, check_drift_changes_nothing, ([4, 4],), {"compression": "powersgd"}),
     "check_drift changes nothing, caught after a rank ran out": (2, check_drift_changes_nothing, ([6, 3],), {}),
+    "add_param_group, a rank out of data since a round": (2, add_param_group_inside_the_block, ([5, 2], 3), {}),
+    "add_param_group, a rank just out of data": (2, add_param_group_inside_the_block, ([5, 2], 2), {}),
+    "add_param_group, every rank training": (2, add_param_group_inside_the_block, ([4, 4], 2), {}),
 }
 
 WORLDS = Worlds(CASES, timeout=240)
@@ -594,3 +627,25 @@ def test_a_check_drift_error_caught_inside_the_block_lets_training_go_on_as_with
     assert trainer["checks"] == 3 and trainer["errors"] == 3 and trainer["error"] == JOINED_BEFORE_CHECK, trainer
     assert joined["checks"] == 3 and joined["errors"] == 0, joined
     assert trainer["bitwise"] and joined["bitwise"], (trainer, joined)
+
+
+JOINED_BEFORE_ADD = "add_param_group() was called inside a join block after a rank ran out of data"
+
+
+@pytest.mark.parametrize("name", ["add_param_group, a rank out of data since a round",
+                                  "add_param_group, a rank just out of data"])
+def test_add_param_group_inside_a_join_block_after_a_rank_ran_out_raises_at_once_and_adds_nothing(name):
+    # Its check and broadcast met the joined rank's shadow round: every rank waited for the stall timeout (30
+    # minutes by default; 10 s here). Now the round's flags, or a probe round the joined rank shadows, say so first.
+    trainer, joined = results(name)
+    assert trainer["seconds"] < 8 and trainer["error"].startswith(JOINED_BEFORE_ADD), trainer
+    assert trainer["groups"] == 1, trainer
+    assert "is gone: it exited while it waited for the other ranks in add_param_group() inside a join block" \
+        in joined["error"] and JOINED_BEFORE_ADD in joined["error"], joined
+
+
+def test_add_param_group_inside_a_join_block_where_every_rank_trains_adds_the_group_on_every_rank():
+    first, second = results("add_param_group, every rank training")
+    assert first["error"] is None and second["error"] is None, (first, second)
+    assert first["groups"] == second["groups"] == 2
+    assert all(torch.equal(a, b) for a, b in zip(first["params"], second["params"]))
