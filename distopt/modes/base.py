@@ -509,6 +509,12 @@ class Mode:
         """
         return ctx.engine.outcome.training
 
+    def gathers_state(self, ctx: ModeContext) -> bool:
+        """Whether :meth:`state_dict` is a collective of every rank (a sharded state's gather), so that inside a
+        join block the wrapper first asks whether a rank has joined, which could not take part. Asked on every
+        ``opt.state_dict()`` call; the default, False, is a state dict each rank makes alone."""
+        return False
+
     def probe(self, ctx: ModeContext) -> Optional[int]:
         """Inside a join block, before a collective of the ranks still training (``check_drift()``): how many
         ranks train now, asked by a probe round (:meth:`distopt.engine.GradientEngine.probe`).

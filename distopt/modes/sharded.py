@@ -583,6 +583,9 @@ class ShardedState(Synchronous):
 
     # ------------------------------------------------------------------ state dicts
 
+    def gathers_state(self, ctx: ModeContext) -> bool:
+        return ctx.world_size > 1
+
     def state_dict(self, ctx: ModeContext) -> Dict[str, Any]:
         """The full state dict, gathered from every rank's shard (every rank must call it)."""
         self._finish_share()

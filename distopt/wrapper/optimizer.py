@@ -367,7 +367,7 @@ class DistributedOptimizer(InnerOptimizerSurface):
                 "add_param_group() was called between backward() and step(); call it before "
                 "backward() or after step()"
             )
-        self._refuse_add_after_a_rank_joined()
+        self._refuse_after_a_rank_joined("add_param_group()", _JOINED_BEFORE_ADD)
         self.optimizer.add_param_group(param_group)
         try:
             if not self._mode.takes_dtensors:
@@ -488,18 +488,23 @@ class DistributedOptimizer(InnerOptimizerSurface):
                         bcast_period=self.bcast_period, stacklevel=2)
         return report
 
-    def _probe_before_check(self) -> None:
-        """Inside a join block: ask who trains now, by a probe round (:meth:`distopt.modes.Mode.probe`), and
-        refuse the check, on every rank still training alike, where a rank has joined since the last round."""
+    def _probe_in_join(self, what: str) -> Optional[int]:
+        """Inside a join block, before ``what`` (a collective of the ranks still training): how many ranks train
+        now, asked by a probe round (:meth:`distopt.modes.Mode.probe`), which the stall inspector names."""
         progress = self._engine.progress
         phase = None if progress is None else progress.phase
         if progress is not None:
-            progress.phase = "check_drift()'s probe round (inside a join block)"
+            progress.phase = f"{what}'s probe round (inside a join block)"
         try:
-            training = self._mode.probe(self._context)
+            return self._mode.probe(self._context)
         finally:
             if progress is not None:
                 progress.phase = phase
+
+    def _probe_before_check(self) -> None:
+        """Inside a join block: ask who trains now, by a probe round, and refuse the check, on every rank still
+        training alike, where a rank has joined since the last round."""
+        training = self._probe_in_join("check_drift()")
         if training is None:
             self._refuse_in_join(
                 f"check_drift() was called inside a join block of {self._mode.describe()}: a rank of another island "
@@ -509,26 +514,19 @@ class DistributedOptimizer(InnerOptimizerSurface):
         if training != self.world_size:
             self._refuse_in_join(_JOINED_BEFORE_CHECK)
 
-    def _refuse_add_after_a_rank_joined(self) -> None:
-        """Inside a join block: refuse ``add_param_group()``, on every rank still training alike, where a round
-        (or, when the last one said that every rank trains, a probe round) says that a rank has joined. Where
-        no round can tell (local SGD between two syncs, islands) the group is added as outside a block."""
-        engine, ctx = self._engine, self._context
-        if not engine.join.in_block or self._compared_size() == 1:
+    def _refuse_after_a_rank_joined(self, what: str, text: str) -> None:
+        """Inside a join block, before ``what`` (a collective of every rank: ``add_param_group()``'s check and
+        broadcast, a sharded ``state_dict()``'s gather): raise ``text``, on every rank still training alike,
+        where a round (or, when the last one said that every rank trains, a probe round) says that a rank has
+        joined, which would wait in a shadow round instead. Where no round can tell (local SGD between two
+        syncs, islands) it goes on as outside a block."""
+        if not self._engine.join.in_block or self._compared_size() == 1:
             return
-        training = self._mode.ranks_training(ctx)
+        training = self._mode.ranks_training(self._context)
         if training == self.world_size:
-            progress = engine.progress
-            phase = None if progress is None else progress.phase
-            if progress is not None:
-                progress.phase = "add_param_group()'s probe round (inside a join block)"
-            try:
-                training = self._mode.probe(ctx)
-            finally:
-                if progress is not None:
-                    progress.phase = phase
+            training = self._probe_in_join(what)
         if training is not None and training != self.world_size:
-            self._refuse_in_join(_JOINED_BEFORE_ADD, where="add_param_group() inside a join block")
+            self._refuse_in_join(text, where=f"{what} inside a join block")
 
     def _refuse_in_join(self, text: str, where: str = "check_drift() inside a join block") -> None:
         """Raise ``text`` from ``where`` inside a join block, published for the ranks that have joined:
@@ -733,7 +731,13 @@ class DistributedOptimizer(InnerOptimizerSurface):
         Local SGD adds its own state (step count, last-sync parameters, outer
         optimizer state) under the key ``"distopt_local_sgd"``, which a plain
         ``torch.optim`` optimizer's ``load_state_dict`` ignores.
+
+        Raises:
+            RuntimeError: with the state sharded, inside a join block after a rank ran out of data (on
+                every rank still training, at once: that rank cannot send its shard).
         """
+        if self._mode.gathers_state(self._context):
+            self._refuse_after_a_rank_joined("state_dict()", _JOINED_BEFORE_GATHER)
         state = self._mode.state_dict(self._context)
         if self.compressor is not None:
             state[COMPRESSION_KEY] = self.compressor.state_dict()
@@ -960,6 +964,12 @@ _JOINED_BEFORE_ADD = (
     "add_param_group() was called inside a join block after a rank ran out of data: that rank cannot take part in "
     "checking and broadcasting the new parameters; add the group before the block or after it (a parameter that "
     "becomes trainable inside the block can be in the optimizer from the start, frozen, and unfrozen there)"
+)
+
+_JOINED_BEFORE_GATHER = (
+    "state_dict() was called inside a join block after a rank ran out of data: with the optimizer state sharded it "
+    "gathers every rank's shard, and that rank cannot take part; save after the block, where every rank holds its "
+    "own shard again"
 )
 
 _JOINED_BEFORE_CHECK = (

@@ -391,6 +391,35 @@ def join_sharded_clipping(counts, norm_type):
             "diff": max((a - b).abs().max().item() for a, b in zip(params, ref_model.parameters()))}
 
 
+def state_dict_inside_join(counts, at, shard_state):
+    """``opt.state_dict()`` at the top of step ``at`` inside join() on every rank that still has data: with a rank
+    out of data (just now, or since a round) its gather must not meet that rank's shadow round; with every rank
+    training it gathers as outside a block, and training goes on to the same end as without it."""
+    rank = dist.get_rank()
+    finals, saved = [], None
+    for save in (True, False):
+        model = Net()
+        opt = DistributedOptimizer(torch.optim.Adam(param_groups(model), lr=0.01), pack_threshold=256,
+                                   shard_state=shard_state, stall_timeout=10)
+        error, start = None, time.monotonic()
+        try:
+            with opt.join():
+                for step in range(counts[rank]):
+                    if save and step == at:
+                        saved = len(opt.state_dict()["state"])
+                    x, y = batch(step)
+                    opt.zero_grad()
+                    nn.functional.mse_loss(model(x), y).backward()
+                    opt.step()
+        except RuntimeError as exc:
+            error = str(exc)
+        finals.append([p.detach().clone() for p in model.parameters()])
+        opt.close()
+        if error is not None:
+            return {"error": error, "seconds": time.monotonic() - start}
+    return {"error": None, "saved": saved, "bitwise": all(torch.equal(a, b) for a, b in zip(*finals))}
+
+
 def join_sharded_scaler(counts, infs, shard_state=True):
     """GradScaler inside join(): an inf in every training rank's loss at each step in ``infs`` (before and after
     ranks joined) skips that step. Against one process that averages the ranks present and skips those steps.
@@ -901,6 +930,10 @@ CASES["join, scaler skips, world 3, gradients"] = (3, join_sharded_scaler, ([6, 
 for norm_type in (2.0, float("inf")):
     CASES[f"join, clipping, world 3, norm {norm_type}"] = (3, join_sharded_clipping, ([5, 2, 4], norm_type))
 CASES["join, clipping, world 2, norm 2.0"] = (2, join_sharded_clipping, ([6, 3], 2.0))
+for _shard in (True, "gradients"):
+    for _name, _counts, _at in (("just out of data", [5, 2], 2), ("out of data since a round", [5, 2], 3),
+                                ("every rank training", [4, 4], 2)):
+        CASES[f"state_dict inside join, {_name}, {_shard}"] = (2, state_dict_inside_join, (_counts, _at, _shard))
 CASES["shard loads"] = (2, shard_loads, ())
 CASES["own shard after add_param_group"] = (2, own_shard_after_add_param_group, ())
 CASES["step hooks"] = (2, step_hooks, ())
@@ -1082,6 +1115,24 @@ def test_clipping_sharded_gradients_after_ranks_joined_uses_the_norm_of_the_rank
     for rank, r in enumerate(results(case, tmp_path_factory)):
         assert r["norm_diff"] < TOL and r["diff"] < TOL and r["identical"], r
         assert r["clipped"] == max(counts), r  # every step clipped: the norm decides every update
+
+
+@pytest.mark.parametrize("case", [n for n in CASES if n.startswith("state_dict inside join") and "every rank" not in n])
+def test_a_sharded_state_dict_inside_join_after_a_rank_ran_out_raises_at_once_on_every_rank_saying_when_to_save(
+        case, tmp_path_factory):
+    # Its gather met the joined rank's shadow round: it waited for the stall timeout and then blamed the joined
+    # rank for not calling state_dict(). Now the last round's flags, or a probe round it shadows, say so first.
+    trainer, joined = results(case, tmp_path_factory)
+    assert trainer["seconds"] < 8 and trainer["error"].startswith(
+        "state_dict() was called inside a join block after a rank ran out of data: with the optimizer state sharded "
+        "it gathers every rank's shard"), trainer
+    assert "state_dict() inside a join block" in joined["error"] and "save after the block" in joined["error"], joined
+
+
+@pytest.mark.parametrize("shard", [True, "gradients"])
+def test_a_sharded_state_dict_inside_join_while_every_rank_trains_gathers_and_changes_nothing(shard, tmp_path_factory):
+    for r in results(f"state_dict inside join, every rank training, {shard}", tmp_path_factory):
+        assert r["error"] is None and r["saved"] > 0 and r["bitwise"], r
 
 
 def test_a_closure_evaluated_twice_per_step_after_a_rank_joined_trains_like_the_unsharded_wrapper(
