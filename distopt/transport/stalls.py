@@ -99,6 +99,8 @@ class Progress:
         closed: the wrapper was closed (``close()``, or garbage-collected); its position is no
             longer published, so its age says nothing.
         in_join: the wrapper is inside a join block (``with opt.join():``) on this rank.
+        joined: inside that block, this rank ran out of data: it waits in its last round and the shadow
+            rounds, which a call that communicates made by the others inside the block meets instead of its own.
         failed: the call of the wrapper that an error left last (a collective, ``state_dict()``'s
             meeting), in words, or "" (cleared by the next collective issued); published at once.
         failed_step: the step it failed at.
@@ -125,6 +127,7 @@ class Progress:
     state: str = "running"
     closed: bool = False
     in_join: bool = False
+    joined: bool = False
     failed: str = ""
     failed_step: int = 0
     error: str = ""
@@ -198,6 +201,7 @@ class Progress:
     def payload(self) -> str:
         return json.dumps({"step": self.step, "phase": self.phase, "issued": self.issued, "waiting": self.waiting,
                            "what": self.what, "state": self.state, "closed": self.closed, "in_join": self.in_join,
+                           "joined": self.joined,
                            "failed": self.failed, "failed_step": self.failed_step, "error": self.error,
                            "lost": self.lost,
                            "t": time.time(), **_identity()})
@@ -474,6 +478,15 @@ def _report(progress: Progress, seq: int, what: str, store: Any, waited: Optiona
         doing = {r: p["what"] for r, p in sorted(positions.items()) if p is not None and p["waiting"] == seq}
         if len(set(doing.values())) > 1:
             detail = "; ".join(f"rank {r} in {w}" for r, w in doing.items())
+            joined = [r for r in doing if positions[r].get("joined")]
+            if joined:
+                # Every rank still training made the call: "on some ranks only" would send the user looking
+                # for a rank that skipped it, while the one pairing it with a round is the rank that has joined.
+                return (f"{head}; the ranks are in different collectives of this optimizer, paired with each other "
+                        f"({detail}): {_ranks(joined)} ran out of data inside `with opt.join():` and {_are(joined)} "
+                        "waiting in the join, which cannot take part in a call that communicates (add_param_group(), "
+                        "broadcast_parameters(), broadcast_optimizer_state(), state_dict() with the state sharded) "
+                        "that the others made inside the block; make it after the block, where every rank takes part")
             return (f"{head}; the ranks are in different collectives of this optimizer, paired with each other "
                     f"({detail}): a call that communicates (add_param_group(), broadcast_parameters(), "
                     "broadcast_optimizer_state(), synchronize() before backward) was made on some ranks only; "

@@ -99,7 +99,7 @@ class JoinParty:
         """The block ends (``previous``: what :meth:`enter` returned)."""
         self.engine.leave_join(previous)
         if self.engine.progress is not None:
-            self.engine.progress.in_join = False
+            self.engine.progress.in_join = self.engine.progress.joined = False
 
     def check_fault_tolerant(self, count: int, divide_by_world: bool) -> None:
         """Refuse what join() cannot do under fault tolerance, with the reason.
@@ -137,6 +137,7 @@ class JoinParty:
         engine.reset_round()  # gradients accumulated but never reduced are not sent
         if engine.progress is not None:
             engine.progress.phase = "joined (it ran out of data and waits for the others)"
+            engine.progress.joined = True
         # A mode's last contributing round (local steps not averaged yet), launched already; the
         # shadow rounds take its place until it is back.
         return self.mode.leaving(self.context)

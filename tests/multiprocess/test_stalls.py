@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from distopt import DistributedOptimizer, StallError
+from distopt import DiLoCo, DistributedOptimizer, LocalSGD, StallError
 from distopt._testing import run_world
 from distopt.engine.in_flight import Broadcasts
 from distopt.transport.stalls import Progress
@@ -123,6 +123,8 @@ def worlds():
         "timed out": (sleeper_worker, 3, (1, 6.0, 1.0, 3.0)),
         "add_param_group": (one_rank_call_worker, 2, ("add_param_group",)),
         "broadcast_parameters": (one_rank_call_worker, 2, ("broadcast_parameters",)),
+        "add_param_group after a rank joined": (add_param_group_after_a_rank_joined_worker, 2, (False,)),
+        "add_param_group after a rank joined, streaming": (add_param_group_after_a_rank_joined_worker, 2, (True,)),
     }
     with ThreadPoolExecutor(len(launches)) as pool:
         futures = {name: pool.submit(run_world, fn, world, *args, timeout=90)
@@ -185,3 +187,42 @@ def test_a_call_made_on_one_rank_only_is_named_as_mismatched_collectives_not_a_s
     assert f"the ranks are in different collectives of this optimizer, paired with each other (rank 0 in {where}; " \
            "rank 1 in pack 1/1 of the gradient all-reduce)" in texts[0], texts[0]
     assert "slow to arrive" not in texts[0]
+
+
+def add_param_group_after_a_rank_joined_worker(streaming):
+    """Inside a join block of local SGD (every=2; or streaming DiLoCo, whose last round of a rank leaving merges
+    fragments, in phases of their own), rank 1 runs out after 2 steps; rank 0 adds a group at the top of its 4th
+    step, between two syncs, where no round has told it that rank 1 joined: its check meets rank 1's last round
+    (docs/failures.md, "Uneven inputs": it stalls)."""
+    rank = dist.get_rank()
+    model, head = make_model(), nn.Linear(2, 2)
+    mode = (DiLoCo(every=4, outer=lambda ps: torch.optim.SGD(ps, lr=0.7), fragments=2, overlap=1) if streaming
+            else LocalSGD(every=2))
+    opt = DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), mode=mode, stall_timeout=3.0)
+    x, y = torch.randn(4, 4), torch.randn(4, 2)
+    try:
+        with opt.join():
+            for step in range([5, 2][rank]):
+                if step == 3:
+                    opt.add_param_group({"params": list(head.parameters())})
+                opt.zero_grad()
+                nn.functional.mse_loss(model(x), y).backward()
+                opt.step()
+    except StallError as exc:
+        return str(exc)
+    return "ok"
+
+
+@pytest.mark.parametrize("name, joined_in", [
+    ("add_param_group after a rank joined", "pack 1/1 of the gradient all-reduce"),
+    ("add_param_group after a rank joined, streaming", "pack 1/2 of the parameter exchange (local SGD)")])
+def test_a_call_inside_a_join_block_that_meets_a_joined_ranks_round_names_the_joined_rank_not_a_call_on_some_ranks(
+        name, joined_in, worlds):
+    # The stall said that add_param_group() was called on some ranks only, though every rank still training called
+    # it: the rank in the other collective is the one that ran out of data, which cannot take part.
+    texts = worlds[name].result()
+    assert len(set(texts)) == 1, texts
+    text = texts[0]
+    assert f"(rank 0 in the check that every rank built the same optimizer; rank 1 in {joined_in}): rank 1 ran out " \
+           "of data inside `with opt.join():` and is waiting in the join" in text, text
+    assert "make it after the block" in text and "on some ranks only" not in text, text
