@@ -355,7 +355,9 @@ class DistributedOptimizer(InnerOptimizerSurface):
 
         Inside a join block the check and the broadcast would meet the shadow round of a rank that has run
         out of data, which cannot take part; so there it first asks, as :meth:`check_drift` does, whether one
-        has (by a probe round where the last round cannot tell), and refuses on every rank still training.
+        has (the last round's flags, or a probe round where they say that every rank trains), and refuses on
+        every rank still training. Where no round tells (local SGD between two syncs) it cannot ask: a rank
+        that ran out since the last sync leaves the others waiting, and the stall inspector names it.
 
         Raises:
             RuntimeError: called between ``backward()`` and ``step()``; or inside a join block after a rank
