@@ -44,6 +44,12 @@ def pytest_configure(config):
     # take turns at a core: a test ran 4x slower under the suite than alone. One thread each,
     # in this process and in every process it starts (they inherit the environment).
     os.environ["OMP_NUM_THREADS"] = "1"
+    # A process may still give itself more threads (a launched rank alone on its host, the
+    # benchmark's world-size-1 section: cores // local processes). OpenMP's threads then spin
+    # between parallel regions, burning the core the other worker's ranks wait for: the benchmark's
+    # world-size-1 run took 20-32 s beside a busy neighbour, 8-11 s with its threads sleeping
+    # instead. The OpenMP runtime reads this when torch loads, in every process started from here.
+    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     torch.set_num_threads(1)
 
 
